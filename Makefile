@@ -1,0 +1,36 @@
+# Two set-up commands on a fresh machine: `make run` and `make test`. Both create .venv as needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint format bench-store clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The CPU build of torch first: the package's range then installs nothing heavier.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/dualpath demo
+
+test: $(STAMP)
+	$(BIN)/ruff check dualpath tests
+	$(BIN)/ruff format --check dualpath tests
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check dualpath tests
+
+format: $(STAMP)
+	$(BIN)/ruff format dualpath tests
+	$(BIN)/ruff check --fix dualpath tests
+
+bench-store: $(STAMP)
+	$(BIN)/dualpath bench store --json results/store_read.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

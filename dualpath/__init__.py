@@ -1,0 +1,29 @@
+"""dualpath: disaggregated LLM serving for agentic, multi-turn workloads.
+
+``from dualpath import LLM, SamplingParams`` gives the single-node engine. Those names are
+imported lazily so that torch-free parts (``dualpath.scheduler``, ``dualpath.kv`` metadata,
+``dualpath.sim``) can be imported without pulling in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
+
+if TYPE_CHECKING:
+    from dualpath.engine.llm import LLM, RequestOutput
+    from dualpath.engine.sampling import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "RequestOutput"):
+        from dualpath.engine import llm
+
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from dualpath.engine.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'dualpath' has no attribute {name!r}")

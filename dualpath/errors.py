@@ -1,0 +1,49 @@
+"""One exception tree for dualpath, grouped by failure domain.
+
+Library code raises the most specific class; I/O errors from lower libraries are translated
+once, where the call happens (``raise ... from exc``). The server maps these classes to HTTP
+statuses in one place. Plain bad input raises ``ValueError`` (not a ``DualPathError``), and a
+caller bug raises ``RuntimeError`` that says so.
+"""
+
+from __future__ import annotations
+
+
+class DualPathError(Exception):
+    """Base of every error dualpath raises on purpose."""
+
+
+class CheckpointError(DualPathError):
+    """A model checkpoint directory is missing, incomplete or malformed."""
+
+
+class KVStoreError(DualPathError):
+    """The KV-cache store could not serve or accept a block."""
+
+
+class BlockNotFound(KVStoreError):
+    """The block is not in the store (never written, evicted, or removed)."""
+
+
+class CorruptBlock(KVStoreError):
+    """The block file exists but fails its header or checksum check; it has been dropped."""
+
+
+class StorageTimeout(KVStoreError):
+    """A store operation did not finish within its timeout."""
+
+
+class StoreWriteError(KVStoreError):
+    """A block could not be written (disk full, permissions, I/O error); nothing was stored."""
+
+
+class TransferError(DualPathError):
+    """Moving KV between engines failed."""
+
+
+class PeerUnavailable(TransferError):
+    """The peer engine is gone or does not answer."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer did not complete within its timeout."""
