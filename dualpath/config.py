@@ -44,8 +44,15 @@ class EngineConfig:
     device: str = "cpu"
     # Weights and KV dtype. float32 is the default because exactness tests need it on CPU.
     dtype: str = "float32"
-    # Device KV memory in blocks. None = enough for max_num_seqs full-context sequences.
+    # Device KV memory in blocks; None = as many as fit in kv_cache_bytes.
     num_device_blocks: int | None = None
+    # Budget for the paged KV cache when num_device_blocks is None. 1 GiB holds ~8K blocks of
+    # the tiny model (512K tokens): plenty on a CPU, small on a GPU.
+    kv_cache_bytes: int = 1 << 30
+    # Threads reading hit blocks from the store in parallel (a store is many files or a DFS).
+    num_io_threads: int = 4
+    # Bytes of KV waiting to be persisted before new writes wait for old ones (back-pressure).
+    max_pending_write_bytes: int = 256 << 20
     # Upper bound of running sequences in one forward step.
     max_num_seqs: int = 64
     # Upper bound of tokens in one forward step; longer prompts are prefilled in chunks.
@@ -60,6 +67,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_device_blocks is not None and self.num_device_blocks <= 0:
             raise ValueError(f"num_device_blocks must be > 0, got {self.num_device_blocks}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.num_io_threads <= 0:
+            raise ValueError(f"num_io_threads must be > 0, got {self.num_io_threads}")
+        if self.max_pending_write_bytes <= 0:
+            raise ValueError(
+                f"max_pending_write_bytes must be > 0, got {self.max_pending_write_bytes}"
+            )
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

@@ -1,0 +1,356 @@
+"""The ``dualpath`` command: the only place that reads argv and the environment.
+
+    dualpath make-model --preset tiny --out DIR
+    dualpath generate --prompt "Hello" --max-tokens 16 [--json]
+    dualpath demo
+    dualpath bench store | scheduler ...
+
+Set ``DUALPATH_HOME`` to move the default data directory (models and KV store), which is
+``~/.cache/dualpath`` otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from dualpath import __version__
+from dualpath.errors import DualPathError
+from dualpath.units import gb_to_bytes
+
+DEFAULT_PRESET = "tiny"
+
+
+def data_home() -> Path:
+    return Path(os.environ.get("DUALPATH_HOME") or Path.home() / ".cache" / "dualpath")
+
+
+def default_model_dir() -> Path:
+    return data_home() / "models" / DEFAULT_PRESET
+
+
+def default_kv_store_dir() -> Path:
+    return data_home() / "kv"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc
+
+
+# --- make-model ------------------------------------------------------------------------------
+
+
+def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    from dualpath.model.presets import PRESETS
+
+    p = sub.add_parser(
+        "make-model",
+        help="write a generated random-weight checkpoint in Hugging Face format",
+        description="Write a small random-weight checkpoint (config.json, model.safetensors, "
+        "tokenizer.json) with a byte-level BPE tokenizer trained on a bundled text. "
+        + " ".join(f"'{name}': {preset.description}." for name, preset in PRESETS.items()),
+    )
+    p.add_argument("--preset", default=DEFAULT_PRESET, help="which preset (default: tiny)")
+    p.add_argument("--out", type=Path, required=True, help="directory to create")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=_run_make_model)
+
+
+def _run_make_model(args: argparse.Namespace) -> int:
+    from dualpath.model.presets import make_model
+
+    try:
+        path = make_model(args.preset, args.out, seed=args.seed, overwrite=args.force)
+    except FileExistsError as exc:
+        raise ValueError(f"{exc}; pass --force to replace it") from exc
+    print(f"wrote preset {args.preset!r} to {path}")
+    return 0
+
+
+# --- generate --------------------------------------------------------------------------------
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="Hugging Face checkpoint directory (default: the embedded tiny model under "
+        "$DUALPATH_HOME/models/tiny, generated on first use)",
+    )
+    store = p.add_mutually_exclusive_group()
+    store.add_argument(
+        "--kv-store",
+        type=Path,
+        default=None,
+        help="KV-cache store directory, local or on a POSIX DFS mount (default: $DUALPATH_HOME/kv)",
+    )
+    store.add_argument(
+        "--no-kv-store", action="store_true", help="disable the store: recompute every prompt"
+    )
+    p.add_argument(
+        "--kv-store-capacity-gb",
+        type=float,
+        default=None,
+        help="store budget in GB (1e9 bytes); least-recently-used blocks are evicted beyond it "
+        "(default: unbounded)",
+    )
+    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights and KV dtype (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=64,
+        help="tokens per KV block, the store's unit (default 64)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="context limit in tokens (default: the checkpoint's)",
+    )
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion on one engine, reusing KV from the store",
+        description="Generate for one prompt on a single engine. The prompt's cached prefix "
+        "is loaded from the KV store and every full block is persisted, so a later "
+        "invocation whose prompt extends this one reuses its KV.",
+    )
+    _add_engine_args(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as comma-separated token ids")
+    p.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens to generate, > 0 (default 16)"
+    )
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence before this")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k best (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: text, token_ids, num_prompt_tokens, num_cached_tokens, "
+        "finish_reason and timings",
+    )
+    p.set_defaults(func=_run_generate)
+
+
+def _resolve_model(path: Path | None) -> Path:
+    if path is not None:
+        return path
+    from dualpath.model.presets import ensure_model
+
+    return ensure_model(DEFAULT_PRESET, default_model_dir())
+
+
+def _build_llm(args: argparse.Namespace):  # -> LLM (lazy import keeps --help fast)
+    from dualpath.engine.llm import LLM
+
+    kv_store = None if args.no_kv_store else (args.kv_store or default_kv_store_dir())
+    capacity = None
+    if args.kv_store_capacity_gb is not None:
+        if args.kv_store_capacity_gb <= 0:
+            raise ValueError(f"--kv-store-capacity-gb must be > 0, got {args.kv_store_capacity_gb}")
+        capacity = gb_to_bytes(args.kv_store_capacity_gb)
+    return LLM(
+        _resolve_model(args.model),
+        kv_store=kv_store,
+        kv_store_capacity_bytes=capacity,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+    )
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from dualpath.engine.sampling import SamplingParams
+
+    if args.max_tokens <= 0:
+        raise ValueError(f"--max-tokens must be > 0, got {args.max_tokens}")
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=tuple(args.stop),
+    )
+    with _build_llm(args) as llm:
+        prompt = args.prompt if args.prompt is not None else {"prompt_token_ids": args.prompt_ids}
+        out = llm.generate(prompt, params)[0]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "num_prompt_tokens": out.num_prompt_tokens,
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "finish_reason": out.finish_reason,
+                    "ttft_s": out.ttft_s,
+                    "e2e_s": out.finish_s - out.arrival_s,
+                    "load_s": out.load_s,
+                }
+            )
+        )
+    else:
+        print(out.text)
+        print(
+            f"[{out.num_prompt_tokens} prompt tokens, {out.num_cached_tokens} from the KV store, "
+            f"{len(out.token_ids)} generated, finish: {out.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+# --- demo ------------------------------------------------------------------------------------
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run a multi-turn agent conversation on the embedded default (what `make run` does)",
+        description="Replay a short multi-turn conversation on the embedded default model: each "
+        "turn sends the whole context so far plus a short append, and reports how much of the "
+        "prompt's KV came from the store.",
+    )
+    _add_engine_args(p)
+    p.add_argument("--turns", type=_positive_int, default=4, help="turns to run (default 4)")
+    p.add_argument(
+        "--max-tokens", type=_positive_int, default=32, help="tokens per answer (default 32)"
+    )
+    p.set_defaults(func=_run_demo)
+
+
+DEMO_APPENDS = (
+    "You are a coding agent. The test suite fails in test_cache.py. Find the bug.\n",
+    "$ pytest -q tests/test_cache.py\nFAILED test_evict_order - assert [3, 1] == [1, 3]\n",
+    "$ grep -n 'def evict' cache.py\n42:    def evict(self, n: int) -> list[int]:\n",
+    "$ sed -n 40,60p cache.py\n        victims = sorted(self._lru)[:n]\n        return victims\n",
+    "$ git diff\n-        victims = sorted(self._lru)[:n]\n+        victims = list(self._lru)[:n]\n",
+    "$ pytest -q\n12 passed in 0.41s\n",
+)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from dualpath.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'hit':>6} {'ttft_ms':>8}  answer")
+    with _build_llm(args) as llm:
+        context: list[int] = []
+        for turn in range(args.turns):
+            context += llm.tokenizer.encode(DEMO_APPENDS[turn % len(DEMO_APPENDS)])
+            out = llm.generate({"prompt_token_ids": context}, params)[0]
+            context += out.token_ids
+            hit = out.num_cached_tokens / out.num_prompt_tokens
+            answer = out.text.replace("\n", " ")[:40]
+            print(
+                f"{turn + 1:>4} {out.num_prompt_tokens:>7} {out.num_cached_tokens:>7} "
+                f"{hit:>6.1%} {1000 * (out.ttft_s or 0):>8.1f}  {answer!r}"
+            )
+    return 0
+
+
+# --- bench -----------------------------------------------------------------------------------
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (each writes a JSON result with --json)")
+    bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, module_name, help_text in (
+        ("store", "dualpath.bench.store_bench", "KV store read GB/s vs plain reads, cold and warm"),
+        (
+            "scheduler",
+            "dualpath.bench.scheduler_bench",
+            "pure-policy placements per second at cluster scale",
+        ),
+    ):
+        module = __import__(module_name, fromlist=["main"])
+        bp = bench_sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(bp)
+        bp.set_defaults(func=module.main)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dualpath",
+        description="DualPath LLM serving for agentic, multi-turn workloads.",
+    )
+    parser.add_argument("--version", action="version", version=f"dualpath {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="logging level (default WARNING)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    adders: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+        _add_make_model,
+        _add_generate,
+        _add_demo,
+        _add_bench,
+    )
+    for add in adders:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, DualPathError) as exc:
+        parser.exit(2, f"dualpath: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The single-node engine's storage I/O: read hit blocks in, write full blocks out.
+
+Reads run on a small thread pool (a store is many files, often on a DFS) straight into the
+paged cache on CPU, or through a host staging buffer elsewhere. Writes are write-behind on one
+thread: the block is copied to host memory at once (so the device block can be reused), then
+written while the engine computes. ``flush`` waits for every pending write; when pending bytes
+exceed a bound, ``persist`` waits for the oldest writes first (back-pressure, never a drop).
+
+A block that cannot be read ends the hit prefix there: the engine recomputes from that block
+on (correct tokens, just slower). A block that cannot be written is logged and counted; serving
+goes on without persisting it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from dualpath.engine.kv_cache import PagedKVCache
+from dualpath.errors import KVStoreError
+from dualpath.kv.hashing import BlockKey
+from dualpath.kv.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+
+class KVStoreIO:
+    def __init__(
+        self,
+        store: KVStore,
+        cache: PagedKVCache,
+        *,
+        num_io_threads: int,
+        max_pending_write_bytes: int,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self._max_pending_write_bytes = max_pending_write_bytes
+        self._readers = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kv-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write")
+        self._pending: deque[tuple[Future[bool], int]] = deque()
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self.num_failed_reads = 0
+        self.num_failed_writes = 0
+
+    def lookup(self, keys: list[BlockKey]) -> int:
+        """Number of leading blocks of ``keys`` the store holds (no data moves)."""
+        try:
+            return self.store.lookup(keys)
+        except KVStoreError as exc:
+            logger.warning("store lookup failed, treating as a miss: %s", exc)
+            return 0
+
+    def load(self, keys: list[BlockKey], block_ids: list[int]) -> int:
+        """Read ``keys[i]`` into device block ``block_ids[i]``; return how many leading blocks
+        loaded. A failure at block i discards blocks i.. (they will be recomputed)."""
+        futures = [
+            self._readers.submit(self._read_one, key, block_id)
+            for key, block_id in zip(keys, block_ids, strict=True)
+        ]
+        is_loaded = [future.result() for future in futures]  # wait for all: none left running
+        return is_loaded.index(False) if False in is_loaded else len(is_loaded)
+
+    def _read_one(self, key: BlockKey, block_id: int) -> bool:
+        host = self.cache.host_view(block_id)
+        try:
+            data = self.store.read(key, out=host)
+        except KVStoreError as exc:
+            logger.warning("block %s unreadable, recomputing from it: %s", key, exc)
+            with self._lock:
+                self.num_failed_reads += 1
+            return False
+        if host is None:
+            self.cache.load_full_block(block_id, data)
+        return True
+
+    def persist(self, key: BlockKey, block_id: int) -> None:
+        """Queue device block ``block_id`` for writing under ``key``; returns at once."""
+        data = self.cache.copy_full_block(block_id)
+        self._reap()
+        while self._pending and self._pending_bytes + data.nbytes > self._max_pending_write_bytes:
+            self._pop_oldest()
+        self._pending.append((self._writer.submit(self._write_one, key, data), data.nbytes))
+        self._pending_bytes += data.nbytes
+
+    def _write_one(self, key: BlockKey, data: np.ndarray) -> bool:
+        try:
+            return self.store.write(key, data)
+        except KVStoreError as exc:
+            logger.warning("block %s not persisted: %s", key, exc)
+            with self._lock:
+                self.num_failed_writes += 1
+            return False
+
+    def _pop_oldest(self) -> None:
+        future, size = self._pending.popleft()
+        future.result()
+        self._pending_bytes -= size
+
+    def _reap(self) -> None:
+        while self._pending and self._pending[0][0].done():
+            self._pop_oldest()
+
+    @property
+    def num_pending_writes(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Block until every queued write has finished (or failed and been counted)."""
+        while self._pending:
+            self._pop_oldest()
+
+    def close(self) -> None:
+        self.flush()
+        self._readers.shutdown(wait=True)
+        self._writer.shutdown(wait=True)

@@ -1,0 +1,106 @@
+"""Load a Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json.
+
+The same code loads the generated embedded default and a real downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from dualpath.errors import CheckpointError
+from dualpath.kv.hashing import digest_files
+from dualpath.model.config import ModelConfig
+from dualpath.model.llama import DecoderModel, rope_inv_freq
+from dualpath.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to serve, with what identifies its KV (``weights_digest``)."""
+
+    path: Path
+    config: ModelConfig
+    model: DecoderModel
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    device: torch.device
+    # Hash of the safetensors files' contents: part of the KV store's namespace.
+    weights_digest: str
+
+
+def weight_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+def load_model(path: Path, *, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
+    """Load the checkpoint at ``path`` onto ``device`` in ``dtype`` (default: its stored dtype)."""
+    path = Path(path)
+    files = weight_files(path)
+    config = ModelConfig.from_file(path / "config.json")
+    tokenizer_path = path / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise CheckpointError(f"{path}: no tokenizer.json")
+    tokenizer = Tokenizer(tokenizer_path)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
+            f"{config.vocab_size}"
+        )
+    dtype_name = dtype or config.torch_dtype
+    if dtype_name not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype_name!r}")
+    torch_dtype = TORCH_DTYPES[dtype_name]
+    torch_device = torch.device(device)
+
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(str(file)))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file}: cannot load weights: {exc}") from exc
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: weights do not match {config.architecture}: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    state = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config).to(torch_device)  # built on meta: recompute
+    model.eval()
+    digest = digest_files(files)
+    logger.info(
+        "loaded %s (%s, %d layers) from %s on %s as %s",
+        config.architecture,
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params",
+        config.num_layers,
+        path,
+        torch_device,
+        dtype_name,
+    )
+    return LoadedModel(path, config, model, tokenizer, torch_dtype, torch_device, digest)

@@ -1,0 +1,24 @@
+"""Shared fixtures: one generated tiny checkpoint per test session, deterministic torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deterministic_torch() -> None:
+    # Exactness across KV paths is asserted in float32 with a fixed thread count and
+    # deterministic algorithms (torch is imported lazily so torch-free tests stay torch-free).
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dualpath.model.presets import make_model
+
+    return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
