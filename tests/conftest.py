@@ -15,6 +15,9 @@ def _deterministic_torch() -> None:
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    # Deterministic mode NaN-fills every torch.empty; the engine's 1 GiB KV cache would pay
+    # for that on every construction, and every cache slot is written before it is read.
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from torch import nn
 
 from dualpath.model.config import ModelConfig
 
+Device = torch.device | str | None
 LayerPast = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per sequence: (k, v) [c_i, Hkv, D]
 
 
@@ -71,9 +72,9 @@ class PackedBatch:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, device: Device = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,16 +85,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: Device = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias, device=device)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, device=device)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, device=device)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, device=device)
 
     def forward(
         self,
@@ -170,44 +172,49 @@ def _apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tor
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: Device = None) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = nn.Linear(h, i, bias=False, device=device)
+        self.up_proj = nn.Linear(h, i, bias=False, device=device)
+        self.down_proj = nn.Linear(i, h, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: Device = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, device)
+        self.self_attn = Attention(config, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device)
+        self.mlp = MLP(config, device)
 
 
 class _Backbone(nn.Module):
     """Named ``model`` inside the causal LM so parameter names match Hugging Face's."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: Device = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # An explicit weight skips the random init (which on "meta" imports torch's refs: ~2 s).
+        embedding = torch.empty(config.vocab_size, config.hidden_size, device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
+        self.layers = nn.ModuleList(DecoderLayer(config, device) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
 
 
 class DecoderModel(nn.Module):
     """A causal LM whose forward is driven one layer at a time by the caller (see module doc)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: Device = None) -> None:
+        """``device="meta"`` builds the structure without allocating or initialising weights
+        (the loader then assigns the checkpoint's tensors)."""
         super().__init__()
         self.config = config
-        self.model = _Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = _Backbone(config, device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)

@@ -67,8 +67,7 @@ def load_model(path: Path, *, device: str = "cpu", dtype: str | None = None) -> 
     torch_dtype = TORCH_DTYPES[dtype_name]
     torch_device = torch.device(device)
 
-    with torch.device("meta"):
-        model = DecoderModel(config)
+    model = DecoderModel(config, device="meta")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
