@@ -78,7 +78,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
-    from dualpath.model.presets import make_model
+    from dualpath.model.make import make_model
 
     try:
         path = make_model(args.preset, args.out, seed=args.seed, overwrite=args.force)
@@ -173,7 +173,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _resolve_model(path: Path | None) -> Path:
     if path is not None:
         return path
-    from dualpath.model.presets import ensure_model
+    from dualpath.model.make import ensure_model
 
     return ensure_model(DEFAULT_PRESET, default_model_dir())
 

@@ -22,6 +22,6 @@ def _deterministic_torch() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dualpath.model.presets import make_model
+    from dualpath.model.make import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)

@@ -1,0 +1,145 @@
+"""Generate a small random-weight checkpoint in Hugging Face format: the embedded default.
+
+    dualpath make-model --preset tiny --out DIR
+
+No hub access is needed: a byte-level BPE tokenizer is trained in-process on a bundled text
+and the weights come from a seeded generator, so the same preset and seed always give the same
+bytes (and so the same KV-store namespace). The files are the ones a downloaded checkpoint has
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+generation_config.json) and they are loaded by the same loader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from dualpath.model.config import ModelConfig
+from dualpath.model.llama import DecoderModel
+from dualpath.model.presets import (
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    PRESETS,
+    SPECIAL_TOKENS,
+    Preset,
+    preset_config,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE on the bundled corpus: every byte sequence encodes, specials included."""
+    text = resources.files("dualpath.model").joinpath("data/corpus.txt").read_text("utf-8")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"bundled corpus too small: BPE reached {tokenizer.get_vocab_size()} of {vocab_size}"
+        )
+    return tokenizer
+
+
+def init_weights(model: DecoderModel, preset: Preset, seed: int) -> None:
+    """Seeded init: unit-variance activations through every layer, wide logits at the end."""
+    gen = torch.Generator().manual_seed(seed)
+    residual_scale = 1.0 / math.sqrt(2 * preset.num_layers)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif name == "model.embed_tokens.weight":
+                param.copy_(torch.randn(param.shape, generator=gen))
+            elif name == "lm_head.weight":
+                std = preset.logit_std / math.sqrt(preset.hidden_size)
+                param.copy_(std * torch.randn(param.shape, generator=gen))
+            else:
+                std = 1.0 / math.sqrt(param.shape[1])
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    std *= residual_scale
+                param.copy_(std * torch.randn(param.shape, generator=gen))
+
+
+def make_model(preset_name: str, out_dir: Path, *, seed: int = 0, overwrite: bool = False) -> Path:
+    """Write the preset's checkpoint to ``out_dir`` atomically (temp dir + rename).
+
+    Raises ``ValueError`` for an unknown preset and ``FileExistsError`` when ``out_dir`` exists
+    and ``overwrite`` is false. Concurrent writers are safe: exactly one rename wins.
+    """
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite to replace it)")
+    preset = PRESETS[preset_name]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _write_checkpoint(preset, tmp, seed)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / "ckpt")
+            shutil.rmtree(old)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("wrote preset %r (seed %d) to %s", preset_name, seed, out_dir)
+    return out_dir
+
+
+def ensure_model(preset_name: str, out_dir: Path, *, seed: int = 0) -> Path:
+    """Return ``out_dir``, generating the preset there first if it is absent."""
+    if (Path(out_dir) / "config.json").is_file():
+        return Path(out_dir)
+    try:
+        return make_model(preset_name, out_dir, seed=seed)
+    except (FileExistsError, OSError):
+        if (Path(out_dir) / "config.json").is_file():  # another process won the rename
+            return Path(out_dir)
+        raise
+
+
+def _write_checkpoint(preset: Preset, out: Path, seed: int) -> None:
+    tokenizer = train_tokenizer(preset.vocab_size)
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    raw_config = preset_config(preset, tokenizer.get_vocab_size(), eos_id)
+    model = DecoderModel(ModelConfig.from_dict(raw_config))
+    init_weights(model, preset, seed)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos_id, "bos_token_id": None}, indent=2) + "\n"
+    )
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": preset.max_position_embeddings,
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")

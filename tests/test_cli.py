@@ -1,0 +1,105 @@
+"""The ``dualpath`` command in-process: real argument parsing, real engine, real store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dualpath.cli import main
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_reuses_the_store_across_invocations(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    common = ["--model", str(tiny_model_dir), "--kv-store", str(tmp_path / "kv"), "--json"]
+    ids = ",".join(str(i % 1000) for i in range(150))
+    code, out, _ = run_cli(
+        capsys, "generate", *common, "--prompt-ids", ids, "--max-tokens", "20", "--ignore-eos"
+    )
+    assert code == 0
+    first = json.loads(out)
+    assert set(first) >= {"text", "token_ids", "num_prompt_tokens", "num_cached_tokens", "ttft_s"}
+    assert first["num_prompt_tokens"] == 150 and first["num_cached_tokens"] == 0
+    extended = ids + "," + ",".join(map(str, first["token_ids"])) + ",5,6,7"
+    code, out, _ = run_cli(capsys, "generate", *common, "--prompt-ids", extended)
+    assert code == 0
+    assert json.loads(out)["num_cached_tokens"] == 64 * ((150 + 20 - 1) // 64)
+
+
+def test_make_model_writes_a_loadable_checkpoint(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, _ = run_cli(capsys, "make-model", "--preset", "tiny", "--out", str(tmp_path / "m"))
+    assert code == 0 and "wrote" in out
+    files = {p.name for p in (tmp_path / "m").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    code, _, err = run_cli(capsys, "make-model", "--out", str(tmp_path / "m"))
+    assert code == 2 and "already exists" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["make-model", "--preset", "huge", "--out", "{tmp}/x"], "unknown preset 'huge'"),
+        (["generate", "--model", "{tmp}/missing", "--prompt", "hi"], "not a directory"),
+        (["generate", "--model", "{tmp}", "--prompt", "hi"], "no *.safetensors"),
+        (["generate", "--model", "{model}", "--prompt", "hi", "--max-tokens", "0"], "max-tokens"),
+        (["generate", "--model", "{model}", "--prompt-ids", "1,2,99999"], "outside the vocab"),
+        (["generate", "--model", "{model}", "--prompt-ids", "1,x"], "comma-separated"),
+        (
+            ["generate", "--model", "{model}", "--prompt", "a " * 9000, "--max-model-len", "8192"],
+            "longer than the model's context",
+        ),
+    ],
+)
+def test_bad_input_gives_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    args: list[str],
+    message: str,
+) -> None:
+    argv = [a.format(tmp=tmp_path, model=tiny_model_dir) for a in args]
+    code, _, err = (
+        run_cli(capsys, *argv, "--no-kv-store") if argv[0] == "generate" else run_cli(capsys, *argv)
+    )
+    assert code == 2
+    assert message in err
+
+
+def test_malformed_checkpoint_is_named(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        (broken / name).write_bytes((tiny_model_dir / name).read_bytes())
+    (broken / "config.json").write_text("{not json")
+    code, _, err = run_cli(capsys, "generate", "--model", str(broken), "--prompt", "x")
+    assert code == 2 and "config.json" in err and "JSON" in err
+    (broken / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    code, _, err = run_cli(capsys, "generate", "--model", str(broken), "--prompt", "x")
+    assert code == 2 and "GPT2LMHeadModel" in err
+
+
+def test_demo_runs_on_the_embedded_default(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DUALPATH_HOME", str(tmp_path))
+    code, out, _ = run_cli(capsys, "demo", "--turns", "3", "--max-tokens", "8")
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    assert int(rows[0][2]) == 0 and int(rows[2][2]) > 0  # turn 3 finds turn 1-2's blocks
+    assert (tmp_path / "models" / "tiny" / "config.json").is_file()
