@@ -130,6 +130,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="tokens per KV block, the store's unit (default 64)",
     )
     p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's choice, usually one per core)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=_positive_int,
         default=None,
@@ -195,6 +201,7 @@ def _build_llm(args: argparse.Namespace):  # -> LLM (lazy import keeps --help fa
         dtype=args.dtype,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
+        num_threads=args.threads,
     )
 
 

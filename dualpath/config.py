@@ -53,6 +53,9 @@ class EngineConfig:
     num_io_threads: int = 4
     # Bytes of KV waiting to be persisted before new writes wait for old ones (back-pressure).
     max_pending_write_bytes: int = 256 << 20
+    # torch intra-op threads for this process; None = torch's default. Engines sharing a host
+    # want 1 each: on an oversubscribed CPU every OpenMP barrier waits a scheduler tick.
+    num_threads: int | None = None
     # Upper bound of running sequences in one forward step.
     max_num_seqs: int = 64
     # Upper bound of tokens in one forward step; longer prompts are prefilled in chunks.
@@ -75,6 +78,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_pending_write_bytes must be > 0, got {self.max_pending_write_bytes}"
             )
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be > 0 or None, got {self.num_threads}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

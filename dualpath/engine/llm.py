@@ -82,6 +82,8 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.block_size = config.block_size_tokens
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide, as torch has it
         model_config = loaded.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if self.max_model_len > model_config.max_position_embeddings:
@@ -389,8 +391,10 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
+        num_threads: int | None = None,
     ) -> None:
         engine_config = EngineConfig(
+            num_threads=num_threads,
             block_size_tokens=block_size,
             device=device,
             dtype=dtype or "float32",
