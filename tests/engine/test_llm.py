@@ -218,3 +218,20 @@ def test_store_namespace_separates_block_sizes(tiny_model_dir: Path, tmp_path: P
     assert len([d for d in store.iterdir() if d.is_dir()]) == 2
     with LLM(tiny_model_dir, kv_store=store) as llm:
         assert isinstance(llm.engine.store_io.store, FileKVStore)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_reuses_its_own_namespace(
+    tiny_model_dir: Path, tmp_path: Path, dtype: str
+) -> None:
+    store = tmp_path / "kv"
+    prompt = random_ids(2 * BLOCK + 5, seed=31)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    run(tiny_model_dir, [prompt], store, params)  # float32 blocks
+    cold = run(tiny_model_dir, [prompt], store, params, dtype=dtype)[0]
+    warm = run(tiny_model_dir, [prompt], store, params, dtype=dtype)[0]
+    assert cold.num_cached_tokens == 0  # float32 KV is never served to a half-precision engine
+    assert warm.num_cached_tokens == 2 * BLOCK
+    assert len(warm.token_ids) == 8
+    with LLM(tiny_model_dir, dtype=dtype) as llm:
+        assert llm.engine.cache.layout.bytes_per_token_per_layer == 2 * 2 * 32 * 2
