@@ -90,3 +90,69 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+SCHEDULER_NAMES = ("dualpath", "round_robin")
+READ_PATHS = ("dual", "split", "pe", "de")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Placement policy, read-path policy and their constants (SPEC §6)."""
+
+    # "dualpath" = Algorithm 1 + two-phase DE placement; "round_robin" = our reading of Basic.
+    scheduler: str = "dualpath"
+    # "dual": whole request on the side with the shorter read queue (tie -> DE side);
+    # "split": hit blocks divided so both sides finish together (our extension, SPEC §8);
+    # "pe" / "de": always that side ("pe" is Basic's classic path).
+    read_path: str = "dual"
+    # Tokens per Full Block (SPEC §3). Hits are whole blocks, DE free memory is counted in
+    # blocks, and split reads divide a request at block boundaries.
+    block_size_tokens: int = 64
+    # α = tokens a node reads from storage in this many seconds (SPEC §6: 3 s).
+    alpha_window_s: float = 3.0
+    # β = tokens one GPU prefills in this many seconds (SPEC §6: 5 s).
+    beta_window_s: float = 5.0
+    # Fixed α for every node; None = alpha_window_s x the node's storage read rate.
+    alpha_tokens: int | None = None
+    # Fixed β; None = beta_window_s x prefill_tokens_per_s.
+    beta_tokens: int | None = None
+    # Profiled prompt tokens (hit + new, the unit of tok_e) one GPU prefills per second under
+    # the served workload. None is allowed only when beta_tokens is set (or for round robin).
+    prefill_tokens_per_s: float | None = None
+    # Z = z_factor x the group's mean tok_e after the fetch (SPEC §6: 1.05).
+    z_factor: float = 1.05
+    # Leaders fetch every interval or when idle (SPEC §6: 10 ms). The policy itself never reads
+    # time; the runtime and the simulator pace fetches with it.
+    fetch_interval_s: float = 0.010
+    # Predicted time of one attention layer allowed per PE batch (SPEC §6: 300 ms on the
+    # paper's Hopper nodes; profile it on other hardware).
+    attention_quota_s: float = 0.300
+    # Smallest chunk the batcher cuts; a batch may exceed the quota only by one such chunk,
+    # so a request that alone overflows the quota still makes progress. One Full Block.
+    min_prefill_chunk_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULER_NAMES:
+            raise ValueError(f"scheduler must be one of {SCHEDULER_NAMES}, got {self.scheduler!r}")
+        if self.read_path not in READ_PATHS:
+            raise ValueError(f"read_path must be one of {READ_PATHS}, got {self.read_path!r}")
+        _require_positive("block_size_tokens", self.block_size_tokens)
+        _require_positive("alpha_window_s", self.alpha_window_s)
+        _require_positive("beta_window_s", self.beta_window_s)
+        if self.alpha_tokens is not None and self.alpha_tokens < 0:
+            raise ValueError(f"alpha_tokens must be >= 0 or None, got {self.alpha_tokens}")
+        if self.beta_tokens is not None and self.beta_tokens < 0:
+            raise ValueError(f"beta_tokens must be >= 0 or None, got {self.beta_tokens}")
+        if self.prefill_tokens_per_s is not None:
+            _require_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
+        if not self.z_factor >= 1.0:
+            raise ValueError(f"z_factor must be >= 1.0, got {self.z_factor}")
+        _require_positive("fetch_interval_s", self.fetch_interval_s)
+        _require_positive("attention_quota_s", self.attention_quota_s)
+        _require_positive("min_prefill_chunk_tokens", self.min_prefill_chunk_tokens)
+
+
+def _require_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")

@@ -1,0 +1,120 @@
+"""What the scheduler believes about the cluster between two reports (internal, mutable).
+
+Both placement policies share it: the topology's lookup tables, each node's storage read
+queue and the read-path decision. A node's ``read_q`` is the value its group leader last
+reported plus every read the scheduler has planned on that node since, so that decisions in
+one fetch, and fetches of other groups before the next report, see the reads already planned
+(our choice; SPEC §6 says only "the latest read_q"). A node not yet reported counts as idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import attrgetter
+
+from dualpath.config import SchedulerConfig
+from dualpath.scheduler.load_planner import LoadPlan, LoadPlanner
+from dualpath.scheduler.message import GroupSnapshot, SchedulerRequest
+from dualpath.scheduler.thresholds import resolve_alpha_tokens
+from dualpath.scheduler.topology import ClusterTopology, EngineGroupSpec, EngineRole
+
+_ENGINE_ID = attrgetter("engine_id")
+_NODE_ID = attrgetter("node_id")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupIndex:
+    """A group's lookup tables: position i in a snapshot is engine ``engine_ids[i]``."""
+
+    spec: EngineGroupSpec
+    index: int  # position among the groups of its role, 0-based
+    node_indices: tuple[int, ...]  # per engine position: index into ClusterView's node lists
+
+
+class ClusterView:
+    """Node read queues and topology lookups; owned by one scheduler instance."""
+
+    def __init__(
+        self, topology: ClusterTopology, config: SchedulerConfig, load_planner: LoadPlanner
+    ) -> None:
+        self.topology = topology
+        self.block_size_tokens = config.block_size_tokens
+        self._load_planner = load_planner
+        self._node_id_to_index = {node.node_id: i for i, node in enumerate(topology.nodes)}
+        # Per node index: read_q as last reported plus planned since (tokens), read rate, α.
+        self.read_queue_tokens: list[int] = [0] * len(topology.nodes)
+        self.read_tokens_per_s = [node.storage_read_tokens_per_s for node in topology.nodes]
+        self.alpha_tokens = [
+            resolve_alpha_tokens(config, node.storage_read_tokens_per_s) for node in topology.nodes
+        ]
+        self.engine_id_to_node_index = {
+            engine_id: self._node_id_to_index[node.node_id]
+            for node in topology.nodes
+            for engine_id in node.engine_ids
+        }
+        self.prefill_groups = self._index_groups(EngineRole.PREFILL)
+        self.decode_groups = self._index_groups(EngineRole.DECODE)
+        self._group_id_to_index = {
+            group.spec.group_id: group for group in self.prefill_groups + self.decode_groups
+        }
+
+    def _index_groups(self, role: EngineRole) -> tuple[GroupIndex, ...]:
+        return tuple(
+            GroupIndex(
+                spec=spec,
+                index=index,
+                node_indices=tuple(self.engine_id_to_node_index[e] for e in spec.engine_ids),
+            )
+            for index, spec in enumerate(self.topology.groups_of(role))
+        )
+
+    def accept(self, snapshot: GroupSnapshot, role: EngineRole) -> GroupIndex:
+        """Validate a leader's report against the topology and record its nodes' ``read_q``."""
+        group = self._group_id_to_index.get(snapshot.group_id)
+        if group is None:
+            raise ValueError(f"unknown group {snapshot.group_id}")
+        spec = group.spec
+        if spec.role != role:
+            raise ValueError(
+                f"group {spec.group_id} is a {spec.role.name.lower()} group, "
+                f"not {role.name.lower()}"
+            )
+        engine_ids = tuple(map(_ENGINE_ID, snapshot.engines))
+        if engine_ids != spec.engine_ids:
+            raise ValueError(
+                f"group {spec.group_id}: snapshot engines {engine_ids} must be {spec.engine_ids}"
+            )
+        node_ids = tuple(map(_NODE_ID, snapshot.nodes))
+        if node_ids != spec.node_ids:
+            raise ValueError(
+                f"group {spec.group_id}: snapshot nodes {node_ids} must be {spec.node_ids}"
+            )
+        read_queue_tokens = self.read_queue_tokens
+        for node in snapshot.nodes:
+            read_queue_tokens[self._node_id_to_index[node.node_id]] = node.read_queue_tokens
+        return group
+
+    def plan_load(
+        self, request: SchedulerRequest, prefill_node_index: int, decode_node_index: int
+    ) -> LoadPlan:
+        """Fix the request's read plan from both nodes' ``read_q`` and queue its reads there."""
+        block_size_tokens = self.block_size_tokens
+        read_queue_tokens = self.read_queue_tokens
+        plan = self._load_planner.plan(
+            request.num_cached_tokens // block_size_tokens,
+            read_queue_tokens[prefill_node_index],
+            read_queue_tokens[decode_node_index],
+            self.read_tokens_per_s[prefill_node_index],
+            self.read_tokens_per_s[decode_node_index],
+        )
+        read_queue_tokens[prefill_node_index] += plan.num_prefill_side_blocks * block_size_tokens
+        read_queue_tokens[decode_node_index] += plan.num_decode_side_blocks * block_size_tokens
+        return plan
+
+    def check_request(self, request: SchedulerRequest) -> None:
+        """``ValueError`` unless the request's hit is whole Full Blocks (SPEC §3)."""
+        if request.num_cached_tokens % self.block_size_tokens:
+            raise ValueError(
+                f"request {request.request_id}: num_cached_tokens {request.num_cached_tokens} "
+                f"is not a multiple of block_size_tokens {self.block_size_tokens}"
+            )

@@ -1,0 +1,279 @@
+"""DualPathScheduler: the paper's placement (SPEC §6) as pure policy.
+
+Order of decisions (SPEC §6, our choice where the paper leaves it open)::
+
+    submit -> prefill FIFO --PE fetch: Algorithm 1--> DE global queue
+           --any DE fetch: phase 1--> one DE group's private queue
+           --that group's fetch: phase 2--> (PE, DE) pair final, LoadPlan fixed, reads start
+
+Choices SPEC leaves open, made here:
+
+* A PE's ``tok_e`` counts whole prompts (hit + new tokens): hit KV passes through the PE's GPU
+  layer by layer whichever side reads it. β must be profiled in the same unit.
+* Placing a request on a PE does not change ``read_q``: its reads are planned at DE placement,
+  so an engine leaves Algorithm 1's categories only by exceeding β.
+* Phase 1 moves the whole global queue, FIFO, each request to the DE group with the smallest
+  Σ``tok_e`` + Σ``len_r`` already waiting in its private queue (without the queued part, one
+  fetch would send every request to the same group). A group's Σ``tok_e`` is its last report
+  plus what phase 2 placed since; a group that has not reported yet counts as idle.
+* A DE's ``tok_e`` grows by ``len_r`` (prompt + max output), the same ``len_r`` as Z and the
+  memory gate. Phase 2 computes R and Z once per fetch.
+* Ties: Algorithm 1 gives equal ``tok_e`` to the engine listed first; phase 2 prefers min
+  ``seq_e``, then min ``tok_e``, then the engine listed first; its fallback min ``tok_e``,
+  then the engine listed first; phase 1 the group listed first.
+
+Cost per placement: Algorithm 1 keeps one heap per category (O(log E), E = the group's
+engines); phase 1 one heap over DE groups (O(log G)); phase 2 a list of the group's engines
+sorted by (``seq_e``, ``tok_e``) that is scanned to the first engine with room under Z.
+Nothing is proportional to the cluster's engine count.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import deque
+from heapq import heapify, heappop, heapreplace
+from operator import attrgetter
+
+from dualpath.config import SchedulerConfig
+from dualpath.scheduler.cluster_view import ClusterView, GroupIndex
+from dualpath.scheduler.load_planner import LoadPlanner, make_load_planner
+from dualpath.scheduler.message import (
+    EMPTY_DECODE_FETCH_RESULT,
+    EMPTY_PREFILL_FETCH_RESULT,
+    DecodeFetchResult,
+    EngineSnapshot,
+    GroupSnapshot,
+    PrefillFetchResult,
+    SchedulerRequest,
+)
+from dualpath.scheduler.thresholds import resolve_beta_tokens
+from dualpath.scheduler.topology import ClusterTopology, EngineRole
+
+# A request between its PE and DE placement: (request, prefill_engine_id, the PE's node
+# index, len_r = num_decode_tokens, the DE memory it needs in Full Blocks).
+_PlacedOnPrefill = tuple[SchedulerRequest, int, int, int, int]
+
+_NUM_TOKENS = attrgetter("num_tokens")
+_NUM_SEQS = attrgetter("num_seqs")
+_NUM_FREE_KV_BLOCKS = attrgetter("num_free_kv_blocks")
+
+
+class DualPathScheduler:
+    """Algorithm 1 for PEs, the two-phase DE placement and the read-path choice (SPEC §6).
+
+    Pure policy: no I/O, no clock, no threads. One instance owns its queues; calls must not
+    interleave (the runtime serialises fetches, the simulator is single-threaded). A request
+    that cannot be placed stays queued, in order, for a later fetch.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        topology: ClusterTopology,
+        load_planner: LoadPlanner | None = None,
+    ) -> None:
+        if load_planner is None:
+            load_planner = make_load_planner(
+                config.read_path, block_size_tokens=config.block_size_tokens
+            )
+        self._cluster = ClusterView(topology, config, load_planner)
+        self._beta_tokens = resolve_beta_tokens(config)
+        self._z_factor = config.z_factor
+        self._prefill_queue: deque[SchedulerRequest] = deque()
+        self._decode_global_queue: deque[_PlacedOnPrefill] = deque()
+        num_decode_groups = len(self._cluster.decode_groups)
+        self._decode_group_queues: list[deque[_PlacedOnPrefill]] = [
+            deque() for _ in range(num_decode_groups)
+        ]
+        # Per DE group: Σ len_r waiting in its private queue, and Σ tok_e (last report +
+        # placed since). Their sum is phase 1's load.
+        self._decode_group_queued_tokens = [0] * num_decode_groups
+        self._decode_group_tokens = [0] * num_decode_groups
+        # Submitted and not yet DE-placed; rejects a second submit of a waiting id.
+        self._waiting_request_ids: dict[int, None] = {}
+
+    @property
+    def num_waiting_prefill(self) -> int:
+        """Requests in the FIFO, not placed on a PE yet."""
+        return len(self._prefill_queue)
+
+    @property
+    def num_waiting_decode(self) -> int:
+        """Requests placed on a PE, waiting in the global or a private DE queue."""
+        return len(self._decode_global_queue) + sum(map(len, self._decode_group_queues))
+
+    def submit(self, request: SchedulerRequest) -> None:
+        """Append a request to the prefill FIFO; ``ValueError`` if its id is still waiting."""
+        if request.request_id in self._waiting_request_ids:
+            raise ValueError(f"request {request.request_id} is already waiting")
+        self._cluster.check_request(request)
+        self._waiting_request_ids[request.request_id] = None
+        self._prefill_queue.append(request)
+
+    def fetch_prefill(self, snapshot: GroupSnapshot) -> PrefillFetchResult:
+        """A PE group's fetch: Algorithm 1 over the FIFO (SPEC §6).
+
+        Placed requests join the DE global queue. The group's ``read_q`` is recorded even
+        when nothing is placed.
+        """
+        group = self._cluster.accept(snapshot, EngineRole.PREFILL)
+        if not self._prefill_queue:
+            return EMPTY_PREFILL_FETCH_RESULT
+        short_queue_heap, long_queue_heap = self._categorise(group, snapshot.engines)
+        beta_tokens = self._beta_tokens
+        block_size_tokens = self._cluster.block_size_tokens
+        engine_ids = group.spec.engine_ids
+        node_indices = group.node_indices
+        prefill_queue = self._prefill_queue
+        decode_global_queue = self._decode_global_queue
+        request_ids: list[int] = []
+        prefill_engine_ids: list[int] = []
+        while prefill_queue:
+            # Category A (short read queue) first: an idle short queue wastes an SNIC.
+            heap = short_queue_heap or long_queue_heap
+            if not heap:
+                break  # A and B are both empty: the fetch ends
+            num_tokens, position = heap[0]
+            request = prefill_queue.popleft()
+            num_tokens += request.num_prompt_tokens
+            if num_tokens > beta_tokens:
+                heappop(heap)  # overloaded now: out of both categories
+            else:
+                heapreplace(heap, (num_tokens, position))
+            engine_id = engine_ids[position]
+            request_ids.append(request.request_id)
+            prefill_engine_ids.append(engine_id)
+            num_decode_tokens = request.num_decode_tokens
+            num_decode_blocks = -(-num_decode_tokens // block_size_tokens)
+            decode_global_queue.append(
+                (request, engine_id, node_indices[position], num_decode_tokens, num_decode_blocks)
+            )
+        return PrefillFetchResult(tuple(request_ids), tuple(prefill_engine_ids))
+
+    def _categorise(
+        self, group: GroupIndex, engines: tuple[EngineSnapshot, ...]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Algorithm 1's categories A and B as heaps of (tok_e, engine position)."""
+        beta_tokens = self._beta_tokens
+        read_queue_tokens = self._cluster.read_queue_tokens
+        alpha_tokens = self._cluster.alpha_tokens
+        short_queue_heap, long_queue_heap = [], []
+        for position, (engine, node) in enumerate(zip(engines, group.node_indices, strict=True)):
+            if engine.num_tokens > beta_tokens:
+                continue  # overloaded engines get nothing
+            if read_queue_tokens[node] <= alpha_tokens[node]:
+                short_queue_heap.append((engine.num_tokens, position))  # category A
+            else:
+                long_queue_heap.append((engine.num_tokens, position))  # category B
+        heapify(short_queue_heap)
+        heapify(long_queue_heap)
+        return short_queue_heap, long_queue_heap
+
+    def fetch_decode(self, snapshot: GroupSnapshot) -> DecodeFetchResult:
+        """A DE group's fetch: phase 1 for all groups, then phase 2 in this one (SPEC §6).
+
+        Each placed request's read plan is fixed here from both nodes' latest ``read_q``.
+        """
+        group = self._cluster.accept(snapshot, EngineRole.DECODE)
+        tokens = list(map(_NUM_TOKENS, snapshot.engines))
+        self._decode_group_tokens[group.index] = sum(tokens)
+        self._distribute_global_queue()
+        if not self._decode_group_queues[group.index]:
+            return EMPTY_DECODE_FETCH_RESULT
+        return self._place_in_group(group, snapshot.engines, tokens)
+
+    def _distribute_global_queue(self) -> None:
+        """Phase 1: each request, FIFO, to the DE group with the least tokens."""
+        global_queue = self._decode_global_queue
+        if not global_queue:
+            return
+        queued_tokens = self._decode_group_queued_tokens
+        group_queues = self._decode_group_queues
+        heap = [
+            (num_tokens + queued_tokens[index], index)
+            for index, num_tokens in enumerate(self._decode_group_tokens)
+        ]
+        heapify(heap)
+        while global_queue:
+            entry = global_queue.popleft()
+            load_tokens, index = heap[0]
+            group_queues[index].append(entry)
+            heapreplace(heap, (load_tokens + entry[3], index))
+        for load_tokens, index in heap:
+            queued_tokens[index] = load_tokens - self._decode_group_tokens[index]
+
+    def _place_in_group(
+        self, group: GroupIndex, engines: tuple[EngineSnapshot, ...], tokens: list[int]
+    ) -> DecodeFetchResult:
+        """Phase 2: steps (1)-(4) of SPEC §6 over the group's private queue."""
+        queue = self._decode_group_queues[group.index]
+        free_blocks = list(map(_NUM_FREE_KV_BLOCKS, engines))
+        z_tokens = self._z_tokens(queue, tokens, sum(free_blocks))
+        # Engines by (seq_e, tok_e, position), kept sorted as placements add to them.
+        order = sorted(zip(map(_NUM_SEQS, engines), tokens, range(len(engines)), strict=True))
+        engine_ids = group.spec.engine_ids
+        node_indices = group.node_indices
+        plan_load = self._cluster.plan_load
+        waiting_request_ids = self._waiting_request_ids
+        num_placed_tokens = 0
+        request_ids, prefill_engine_ids, decode_engine_ids, load_plans = [], [], [], []
+        while queue:
+            request, prefill_engine_id, prefill_node, num_tokens, num_blocks = queue[0]
+            index = _choose_decode_engine(order, free_blocks, num_tokens, num_blocks, z_tokens)
+            if index is None:
+                break  # step (4): no DE has room for the head request; the fetch ends
+            queue.popleft()
+            engine_seqs, engine_tokens, position = order.pop(index)
+            insort(order, (engine_seqs + 1, engine_tokens + num_tokens, position))
+            free_blocks[position] -= num_blocks
+            num_placed_tokens += num_tokens
+            del waiting_request_ids[request.request_id]
+            request_ids.append(request.request_id)
+            prefill_engine_ids.append(prefill_engine_id)
+            decode_engine_ids.append(engine_ids[position])
+            load_plans.append(plan_load(request, prefill_node, node_indices[position]))
+        self._decode_group_queued_tokens[group.index] -= num_placed_tokens
+        self._decode_group_tokens[group.index] += num_placed_tokens
+        return DecodeFetchResult(
+            tuple(request_ids),
+            tuple(prefill_engine_ids),
+            tuple(decode_engine_ids),
+            tuple(load_plans),
+        )
+
+    def _z_tokens(
+        self, queue: deque[_PlacedOnPrefill], tokens: list[int], num_free_blocks: int
+    ) -> float:
+        """Steps (1)-(2): R = the queue's longest prefix that fits the group's free memory
+        (ignoring fragmentation); Z = z_factor x (Σ_R len_r + Σ_e tok_e) / |E|."""
+        num_r_tokens = 0
+        num_r_blocks = 0
+        for _, _, _, num_tokens, num_blocks in queue:
+            num_r_blocks += num_blocks
+            if num_r_blocks > num_free_blocks:
+                break
+            num_r_tokens += num_tokens
+        return self._z_factor * (num_r_tokens + sum(tokens)) / len(tokens)
+
+
+def _choose_decode_engine(
+    order: list[tuple[int, int, int]],
+    free_blocks: list[int],
+    num_tokens: int,
+    num_blocks: int,
+    z_tokens: float,
+) -> int | None:
+    """Step (3) for one request, as an index into ``order`` (engines by seq_e, tok_e,
+    position): the first DE with room and ``tok_e + len_r <= Z``; else the DE with room and
+    the least ``tok_e`` (then position); None when no DE has room (step 4). One pass: a fetch
+    ends with a failed search, so the failure must be cheap too."""
+    fallback = None
+    fallback_key = (0, 0)
+    for index, (_, engine_tokens, position) in enumerate(order):
+        if free_blocks[position] >= num_blocks:
+            if engine_tokens + num_tokens <= z_tokens:
+                return index
+            if fallback is None or (engine_tokens, position) < fallback_key:
+                fallback, fallback_key = index, (engine_tokens, position)
+    return fallback

@@ -1,0 +1,59 @@
+"""The ``Scheduler`` interface both placement policies implement, and the factory by name."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from dualpath.config import SCHEDULER_NAMES, SchedulerConfig
+from dualpath.scheduler.dualpath_policy import DualPathScheduler
+from dualpath.scheduler.load_planner import LoadPlanner
+from dualpath.scheduler.message import (
+    DecodeFetchResult,
+    GroupSnapshot,
+    PrefillFetchResult,
+    SchedulerRequest,
+)
+from dualpath.scheduler.round_robin import RoundRobinScheduler
+from dualpath.scheduler.topology import ClusterTopology
+
+
+class Scheduler(Protocol):
+    """Pull-model placement (SPEC §6): requests in, group fetches answered with assignments.
+
+    Contracts shared by every implementation:
+
+    * pure policy: no I/O, no clock, no threads; calls on one instance must not interleave;
+    * ``submit`` appends to the FIFO; ``ValueError`` for a request id already waiting or a hit
+      that is not whole Full Blocks;
+    * ``fetch_prefill`` / ``fetch_decode`` take the group leader's snapshot (``ValueError`` if
+      it does not match the topology or the role) and return the requests placed now, in
+      queue order. Every request is placed on a PE exactly once, later on a DE exactly once
+      (when its read plan is fixed); one that cannot be placed stays queued, in order. Once
+      DE-placed, its id may be submitted again (e.g. to re-place a lost engine's request).
+    """
+
+    @property
+    def num_waiting_prefill(self) -> int: ...
+
+    @property
+    def num_waiting_decode(self) -> int: ...
+
+    def submit(self, request: SchedulerRequest) -> None: ...
+
+    def fetch_prefill(self, snapshot: GroupSnapshot) -> PrefillFetchResult: ...
+
+    def fetch_decode(self, snapshot: GroupSnapshot) -> DecodeFetchResult: ...
+
+
+def make_scheduler(
+    config: SchedulerConfig,
+    topology: ClusterTopology,
+    load_planner: LoadPlanner | None = None,
+) -> Scheduler:
+    """The scheduler ``config.scheduler`` names, reading as ``config.read_path`` says unless
+    a ``load_planner`` is given."""
+    if config.scheduler == "dualpath":
+        return DualPathScheduler(config, topology, load_planner)
+    if config.scheduler == "round_robin":
+        return RoundRobinScheduler(config, topology, load_planner)
+    raise ValueError(f"scheduler must be one of {SCHEDULER_NAMES}, got {config.scheduler!r}")

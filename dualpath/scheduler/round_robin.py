@@ -1,0 +1,133 @@
+"""RoundRobinScheduler: the load-oblivious baseline (our reading of the paper's Basic, SPEC §7).
+
+Each submitted request takes the next PE in cluster order; when its PE's group fetches it, it
+takes the next DE in cluster order. Neither choice looks at load. Fitted into the pull model:
+
+* a PE group's fetch returns every request waiting for one of its engines, FIFO (Basic has no
+  admission gate; the engine queues work locally);
+* a DE group's fetch places its requests FIFO while the chosen DE has room for the head request
+  (``len_r`` in Full Blocks, as SPEC §6's memory gate); the first that does not fit ends the
+  fetch and everything behind it waits (head-of-line blocking, as a Basic DE queue would);
+* the read plan is fixed at DE placement by the configured planner; Basic uses ``read_path="pe"``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dualpath.config import SchedulerConfig
+from dualpath.scheduler.cluster_view import ClusterView
+from dualpath.scheduler.load_planner import LoadPlanner, make_load_planner
+from dualpath.scheduler.message import (
+    DecodeFetchResult,
+    GroupSnapshot,
+    PrefillFetchResult,
+    SchedulerRequest,
+)
+from dualpath.scheduler.topology import ClusterTopology, EngineRole
+
+
+class RoundRobinScheduler:
+    """Round-robin PE and DE choice; same interface and contracts as ``DualPathScheduler``."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        topology: ClusterTopology,
+        load_planner: LoadPlanner | None = None,
+    ) -> None:
+        if load_planner is None:
+            load_planner = make_load_planner(
+                config.read_path, block_size_tokens=config.block_size_tokens
+            )
+        self._cluster = ClusterView(topology, config, load_planner)
+        # Engines in cluster order (group by group), each with its group's index.
+        self._prefill_engines = [
+            (engine_id, group.index)
+            for group in self._cluster.prefill_groups
+            for engine_id in group.spec.engine_ids
+        ]
+        self._decode_engines = [
+            (engine_id, group.index)
+            for group in self._cluster.decode_groups
+            for engine_id in group.spec.engine_ids
+        ]
+        self._next_prefill = 0
+        self._next_decode = 0
+        # Per group, FIFO: (request, prefill_engine_id) / (request, prefill_engine_id,
+        # decode_engine_id).
+        self._prefill_group_queues: list[deque[tuple[SchedulerRequest, int]]] = [
+            deque() for _ in self._cluster.prefill_groups
+        ]
+        self._decode_group_queues: list[deque[tuple[SchedulerRequest, int, int]]] = [
+            deque() for _ in self._cluster.decode_groups
+        ]
+        self._waiting_request_ids: dict[int, None] = {}
+
+    @property
+    def num_waiting_prefill(self) -> int:
+        return sum(map(len, self._prefill_group_queues))
+
+    @property
+    def num_waiting_decode(self) -> int:
+        return sum(map(len, self._decode_group_queues))
+
+    def submit(self, request: SchedulerRequest) -> None:
+        """Queue the request for the next PE in turn; ``ValueError`` if its id is waiting."""
+        if request.request_id in self._waiting_request_ids:
+            raise ValueError(f"request {request.request_id} is already waiting")
+        self._cluster.check_request(request)
+        self._waiting_request_ids[request.request_id] = None
+        engine_id, group_index = self._prefill_engines[self._next_prefill]
+        self._next_prefill = (self._next_prefill + 1) % len(self._prefill_engines)
+        self._prefill_group_queues[group_index].append((request, engine_id))
+
+    def fetch_prefill(self, snapshot: GroupSnapshot) -> PrefillFetchResult:
+        """Every request waiting for this group's PEs; each then takes the next DE."""
+        group = self._cluster.accept(snapshot, EngineRole.PREFILL)
+        queue = self._prefill_group_queues[group.index]
+        request_ids, prefill_engine_ids = [], []
+        while queue:
+            request, prefill_engine_id = queue.popleft()
+            decode_engine_id, decode_group_index = self._decode_engines[self._next_decode]
+            self._next_decode = (self._next_decode + 1) % len(self._decode_engines)
+            self._decode_group_queues[decode_group_index].append(
+                (request, prefill_engine_id, decode_engine_id)
+            )
+            request_ids.append(request.request_id)
+            prefill_engine_ids.append(prefill_engine_id)
+        return PrefillFetchResult(tuple(request_ids), tuple(prefill_engine_ids))
+
+    def fetch_decode(self, snapshot: GroupSnapshot) -> DecodeFetchResult:
+        """FIFO over this group's requests while the chosen DE has room; fixes read plans."""
+        group = self._cluster.accept(snapshot, EngineRole.DECODE)
+        queue = self._decode_group_queues[group.index]
+        cluster = self._cluster
+        engine_id_to_free_blocks = {
+            engine.engine_id: engine.num_free_kv_blocks for engine in snapshot.engines
+        }
+        request_ids, prefill_engine_ids, decode_engine_ids, load_plans = [], [], [], []
+        while queue:
+            request, prefill_engine_id, decode_engine_id = queue[0]
+            num_blocks = -(-request.num_decode_tokens // cluster.block_size_tokens)
+            if engine_id_to_free_blocks[decode_engine_id] < num_blocks:
+                break  # head-of-line: the chosen DE is full
+            queue.popleft()
+            engine_id_to_free_blocks[decode_engine_id] -= num_blocks
+            del self._waiting_request_ids[request.request_id]
+            request_ids.append(request.request_id)
+            prefill_engine_ids.append(prefill_engine_id)
+            decode_engine_ids.append(decode_engine_id)
+            load_plans.append(
+                cluster.plan_load(
+                    request,
+                    cluster.engine_id_to_node_index[prefill_engine_id],
+                    cluster.engine_id_to_node_index[decode_engine_id],
+                )
+            )
+        return DecodeFetchResult(
+            tuple(request_ids),
+            tuple(prefill_engine_ids),
+            tuple(decode_engine_ids),
+            tuple(load_plans),
+        )
