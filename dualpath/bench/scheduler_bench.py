@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import random
 import time
 from pathlib import Path
 
+from dualpath.bench.hardware import hardware_info
 from dualpath.scheduler import (
     READ_PATHS,
     SCHEDULER_NAMES,
@@ -156,7 +155,7 @@ def run_scheduler_bench(
         "queue_depth": queue_depth,
         "seed": seed,
         "python_loop_ns": _python_loop_ns(),
-        "hardware": _hardware_info(),
+        "hardware": hardware_info(),
     }
     logger.info("scheduler bench: %.0f placements/s", result["placements_per_s"])
     return result
@@ -298,26 +297,6 @@ def _make_snapshots(
             for group in topology.groups_of(role)
         ]
         for role in EngineRole
-    }
-
-
-def _hardware_info() -> dict:
-    cpu_model = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as file:
-            cpu_model = next(
-                (line.split(":", 1)[1].strip() for line in file if line.startswith("model name")),
-                cpu_model,
-            )
-    except OSError:
-        pass  # not Linux: keep platform.processor()
-    return {
-        "machine": platform.machine(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "python_implementation": platform.python_implementation(),
     }
 
 

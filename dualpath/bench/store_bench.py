@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -31,6 +30,7 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from dualpath.bench.hardware import hardware_info
 from dualpath.kv.hashing import block_keys, model_fingerprint
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import FileKVStore, block_file_path
@@ -118,7 +118,7 @@ def run_store_read_bench(
     result["page_cache_drop"] = "posix_fadvise"
     result["page_cache_dropped_fraction"] = min(known_fractions) if known_fractions else None
     result["filesystem"] = _filesystem_type(Path(root_dir))
-    result["hardware"] = _hardware_info()
+    result["hardware"] = hardware_info(numpy=np.__version__, xxhash=xxhash.VERSION)
     logger.info("store read bench: %s", {k: result[k] for k in ("cold", "warm")})
     return result
 
@@ -205,27 +205,6 @@ def _filesystem_type(path: Path) -> str | None:
         if is_parent and len(mount_point) >= len(best_mount):
             best_mount, best_type = mount_point, fs_type
     return best_type
-
-
-def _hardware_info() -> dict:
-    cpu_model = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as file:
-            cpu_model = next(
-                (line.split(":", 1)[1].strip() for line in file if line.startswith("model name")),
-                cpu_model,
-            )
-    except OSError:
-        pass  # not Linux: keep platform.processor()
-    return {
-        "machine": platform.machine(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "xxhash": xxhash.VERSION,
-    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,10 +35,9 @@ from dualpath.scheduler.batching import (
 from dualpath.scheduler.dualpath_policy import DualPathScheduler
 from dualpath.scheduler.factory import Scheduler, make_scheduler
 from dualpath.scheduler.load_planner import (
-    DecodeSideLoadPlanner,
+    FixedSideLoadPlanner,
     LoadPlan,
     LoadPlanner,
-    PrefillSideLoadPlanner,
     ShorterQueueLoadPlanner,
     SplitLoadPlanner,
     make_load_planner,
@@ -73,7 +72,6 @@ __all__ = [
     "ConstantAttentionTimePredictor",
     "DecodeAssignment",
     "DecodeFetchResult",
-    "DecodeSideLoadPlanner",
     "DualPathScheduler",
     "EngineGroupSpec",
     "EngineRole",
@@ -89,7 +87,7 @@ __all__ = [
     "PrefillBatcher",
     "PrefillFetchResult",
     "PrefillChunk",
-    "PrefillSideLoadPlanner",
+    "FixedSideLoadPlanner",
     "PrefillWork",
     "RoundRobinScheduler",
     "Scheduler",

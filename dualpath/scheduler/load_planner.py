@@ -64,28 +64,12 @@ class LoadPlanner(Protocol):
         ...
 
 
-class PrefillSideLoadPlanner:
-    """Every hit block through the PE node (the classic path; Basic)."""
+class FixedSideLoadPlanner:
+    """Every hit block through one side: the PE node (the classic path; Basic) or the DE node."""
 
-    def __init__(self) -> None:
-        self._plans = _WholeRequestPlans(on_prefill_side=True)
-
-    def plan(
-        self,
-        num_hit_blocks: int,
-        prefill_read_queue_tokens: float,
-        decode_read_queue_tokens: float,
-        prefill_read_tokens_per_s: float,
-        decode_read_tokens_per_s: float,
-    ) -> LoadPlan:
-        return self._plans[num_hit_blocks]
-
-
-class DecodeSideLoadPlanner:
-    """Every hit block through the DE node."""
-
-    def __init__(self) -> None:
-        self._plans = _WholeRequestPlans(on_prefill_side=False)
+    def __init__(self, *, on_prefill_side: bool) -> None:
+        self.on_prefill_side = on_prefill_side
+        self._plans = _WholeRequestPlans(on_prefill_side=on_prefill_side)
 
     def plan(
         self,
@@ -193,7 +177,7 @@ def make_load_planner(read_path: str, *, block_size_tokens: int) -> LoadPlanner:
     if read_path == "split":
         return SplitLoadPlanner(block_size_tokens)
     if read_path == "pe":
-        return PrefillSideLoadPlanner()
+        return FixedSideLoadPlanner(on_prefill_side=True)
     if read_path == "de":
-        return DecodeSideLoadPlanner()
+        return FixedSideLoadPlanner(on_prefill_side=False)
     raise ValueError(f"read_path must be one of {READ_PATHS}, got {read_path!r}")

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dualpath.scheduler import (
-    DecodeSideLoadPlanner,
     DualPathScheduler,
+    FixedSideLoadPlanner,
     LoadPlan,
-    PrefillSideLoadPlanner,
     ShorterQueueLoadPlanner,
     SplitLoadPlanner,
     make_load_planner,
@@ -34,8 +33,8 @@ def test_dual_reads_on_the_shorter_queue_and_ties_go_to_the_decode_side():
 
 
 def test_fixed_planners_ignore_the_queues():
-    assert PrefillSideLoadPlanner().plan(3, 1e9, 0, 1.0, 1.0) == LoadPlan(3, 0)
-    assert DecodeSideLoadPlanner().plan(3, 0, 1e9, 1.0, 1.0) == LoadPlan(0, 3)
+    assert FixedSideLoadPlanner(on_prefill_side=True).plan(3, 1e9, 0, 1.0, 1.0) == LoadPlan(3, 0)
+    assert FixedSideLoadPlanner(on_prefill_side=False).plan(3, 0, 1e9, 1.0, 1.0) == LoadPlan(0, 3)
 
 
 def test_split_equalises_finish_times():
@@ -65,12 +64,15 @@ def test_load_plan_counts():
     [
         ("dual", ShorterQueueLoadPlanner),
         ("split", SplitLoadPlanner),
-        ("pe", PrefillSideLoadPlanner),
-        ("de", DecodeSideLoadPlanner),
+        ("pe", FixedSideLoadPlanner),
+        ("de", FixedSideLoadPlanner),
     ],
 )
 def test_planners_by_name(read_path, planner_type):
-    assert isinstance(make_load_planner(read_path, block_size_tokens=16), planner_type)
+    planner = make_load_planner(read_path, block_size_tokens=16)
+    assert isinstance(planner, planner_type)
+    if read_path in ("pe", "de"):
+        assert planner.on_prefill_side == (read_path == "pe")
 
 
 def test_unknown_read_path_is_rejected():
