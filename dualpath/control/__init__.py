@@ -1,0 +1,1 @@
+"""The control channel between the scheduler process and the engines (ZeroMQ + msgpack)."""

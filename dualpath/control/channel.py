@@ -1,0 +1,218 @@
+"""ZeroMQ control channel: one server (the scheduler process), many clients (engines).
+
+The server binds a ROUTER socket (loopback unless told otherwise); each client connects a
+DEALER with its own identity. A client's first message must be a ``Hello`` carrying the
+cluster token; the server answers ``Welcome`` or ``Rejected`` and ignores everything else a
+client sends before it is welcomed. Tokens are compared in constant time. Messages are the
+registered dataclasses of ``dualpath.control.codec``.
+
+Every receive takes an explicit ``timeout_s``; nothing here blocks forever.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import secrets
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import zmq
+
+from dualpath.control.codec import PROTOCOL_VERSION, decode, encode, message
+from dualpath.errors import PeerUnavailable, TransferTimeout
+
+logger = logging.getLogger(__name__)
+
+
+@message("hello")
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A client's first message: who it is and the shared cluster token."""
+
+    client_id: str
+    token: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@message("welcome")
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    client_id: str
+
+
+@message("rejected")
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    reason: str
+
+
+def new_cluster_token() -> str:
+    """A random token for a cluster whose processes one launcher starts."""
+    return secrets.token_hex(16)
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ControlServer:
+    """The scheduler side. ``poll`` returns (client_id, message) pairs from welcomed clients."""
+
+    def __init__(self, endpoint: str, token: str, *, context: zmq.Context | None = None) -> None:
+        if not token:
+            raise ValueError("a cluster token is required to open the control port")
+        if urlsplit(endpoint).scheme != "tcp" and not endpoint.startswith("ipc://"):
+            raise ValueError(
+                f"control endpoint must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r}"
+            )
+        if endpoint.startswith("tcp://") and not is_loopback_endpoint(endpoint):
+            logger.warning("control port %s is reachable from other hosts", endpoint)
+        self._token = token.encode()
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted client reuses its id
+        if endpoint.endswith(":0"):
+            port = self._socket.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+            self.endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._socket.bind(endpoint)
+            self.endpoint = endpoint
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._welcomed: dict[bytes, str] = {}
+        self.num_rejected = 0
+        self.num_malformed = 0
+
+    @property
+    def client_ids(self) -> list[str]:
+        return list(self._welcomed.values())
+
+    def poll(self, timeout_s: float) -> list[tuple[str, object]]:
+        """Messages that arrived within ``timeout_s`` (all that are queued, at least one wait)."""
+        received: list[tuple[str, object]] = []
+        if not self._poller.poll(max(0, int(timeout_s * 1000))):
+            return received
+        while True:
+            try:
+                identity, data = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return received
+            except ValueError:  # wrong number of frames: not one of ours
+                self.num_malformed += 1
+                continue
+            item = self._accept(identity, data)
+            if item is not None:
+                received.append(item)
+
+    def _accept(self, identity: bytes, data: bytes) -> tuple[str, object] | None:
+        try:
+            msg = decode(data)
+        except ValueError as exc:
+            self.num_malformed += 1
+            logger.warning("dropping malformed control message: %s", exc)
+            return None
+        if isinstance(msg, Hello):
+            self._handshake(identity, msg)
+            return None
+        client_id = self._welcomed.get(identity)
+        if client_id is None:
+            self.num_rejected += 1
+            self._send_raw(identity, Rejected("say hello with the cluster token first"))
+            return None
+        return client_id, msg
+
+    def _handshake(self, identity: bytes, hello: Hello) -> None:
+        if not hmac.compare_digest(hello.token.encode(), self._token):
+            self.num_rejected += 1
+            logger.warning("rejected %s: wrong cluster token", hello.client_id)
+            self._send_raw(identity, Rejected("wrong cluster token"))
+            return
+        if hello.protocol_version != PROTOCOL_VERSION:
+            self.num_rejected += 1
+            self._send_raw(
+                identity,
+                Rejected(f"protocol {hello.protocol_version}, server speaks {PROTOCOL_VERSION}"),
+            )
+            return
+        self._welcomed[identity] = hello.client_id
+        self._send_raw(identity, Welcome(hello.client_id))
+
+    def send(self, client_id: str, msg: object) -> None:
+        """Send to a welcomed client; ``PeerUnavailable`` if it never said hello."""
+        for identity, welcomed_id in self._welcomed.items():
+            if welcomed_id == client_id:
+                self._send_raw(identity, msg)
+                return
+        raise PeerUnavailable(f"control client {client_id!r} is not connected")
+
+    def forget(self, client_id: str) -> None:
+        """Drop a client (declared dead); it must say hello again to be heard."""
+        self._welcomed = {i: c for i, c in self._welcomed.items() if c != client_id}
+
+    def _send_raw(self, identity: bytes, msg: object) -> None:
+        self._socket.send_multipart([identity, encode(msg)])
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class ControlClient:
+    """An engine's side: ``connect`` says hello; then ``send`` / ``poll`` / ``request``."""
+
+    def __init__(
+        self, endpoint: str, client_id: str, token: str, *, context: zmq.Context | None = None
+    ) -> None:
+        self.client_id = client_id
+        self._token = token
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.IDENTITY, f"{client_id}:{secrets.token_hex(4)}".encode())
+        self._socket.connect(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self.endpoint = endpoint
+
+    def connect(self, timeout_s: float) -> None:
+        """Say hello; ``PeerUnavailable`` if rejected, ``TransferTimeout`` if no answer."""
+        self.send(Hello(self.client_id, self._token))
+        replies = self.poll(timeout_s)
+        if not replies:
+            raise TransferTimeout(
+                f"no answer from the scheduler at {self.endpoint} within {timeout_s} s"
+            )
+        reply = replies[0]
+        if isinstance(reply, Rejected):
+            raise PeerUnavailable(f"scheduler at {self.endpoint} rejected us: {reply.reason}")
+        if not isinstance(reply, Welcome):
+            raise PeerUnavailable(f"unexpected handshake reply {type(reply).__name__}")
+
+    def send(self, msg: object) -> None:
+        self._socket.send(encode(msg))
+
+    def poll(self, timeout_s: float) -> list[object]:
+        """Messages that arrived within ``timeout_s``; malformed ones are logged and dropped."""
+        received: list[object] = []
+        if not self._poller.poll(max(0, int(timeout_s * 1000))):
+            return received
+        while True:
+            try:
+                data = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return received
+            try:
+                received.append(decode(data))
+            except ValueError as exc:
+                logger.warning("dropping malformed control message: %s", exc)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)

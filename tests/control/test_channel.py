@@ -1,0 +1,150 @@
+"""The control channel over real ZeroMQ sockets on loopback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from dualpath.control.channel import (
+    ControlClient,
+    ControlServer,
+    Rejected,
+    is_loopback_endpoint,
+    new_cluster_token,
+)
+from dualpath.control.codec import decode, encode, message
+from dualpath.errors import PeerUnavailable, TransferTimeout
+
+
+@message("test-ping")
+@dataclass(frozen=True, slots=True)
+class Ping:
+    seq: int
+    payload: bytes
+    engine_ids: tuple[int, ...]
+
+
+@message("test-batch")
+@dataclass(frozen=True, slots=True)
+class Batch:
+    pings: tuple[Ping, ...]
+    note: str | None = None
+
+
+def test_codec_round_trips_nested_messages() -> None:
+    msg = Batch((Ping(1, b"\x00\xff", (3, 4)), Ping(2, b"", ())), note="x")
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", encode(Ping(1, b"", ()))[:-1], b"\x92\xa9test-ping\x01", b"\x91\xa4nope"],
+)
+def test_codec_rejects_malformed_bytes(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode(data)
+
+
+def test_codec_refuses_unregistered_types() -> None:
+    with pytest.raises(TypeError):
+        encode(object())
+
+
+@pytest.fixture
+def server():
+    token = new_cluster_token()
+    srv = ControlServer("tcp://127.0.0.1:0", token)
+    yield srv, token
+    srv.close()
+
+
+def _serve_until(srv: ControlServer, n: int, attempts: int = 50) -> list[tuple[str, object]]:
+    got: list[tuple[str, object]] = []
+    for _ in range(attempts):
+        got += srv.poll(0.05)
+        if len(got) >= n:
+            break
+    return got
+
+
+def test_welcomed_client_exchanges_messages(server) -> None:
+    srv, token = server
+    client = ControlClient(srv.endpoint, "engine-0", token)
+    _handshake(srv, client)
+    client.send(Ping(7, b"abc", (1, 2)))
+    got = _serve_until(srv, 1)
+    assert got[-1] == ("engine-0", Ping(7, b"abc", (1, 2)))
+    srv.send("engine-0", Batch((Ping(8, b"", ()),)))
+    assert client.poll(1.0) == [Batch((Ping(8, b"", ()),))]
+    client.close()
+
+
+def _handshake(srv: ControlServer, client: ControlClient) -> None:
+    import threading
+
+    stop = threading.Event()
+
+    def pump() -> None:
+        while not stop.is_set():
+            srv.poll(0.02)
+
+    thread = threading.Thread(target=pump)
+    thread.start()
+    try:
+        client.connect(timeout_s=2.0)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_wrong_token_is_rejected_and_not_heard(server) -> None:
+    srv, _ = server
+    client = ControlClient(srv.endpoint, "intruder", "not-the-token")
+    with pytest.raises(PeerUnavailable, match="wrong cluster token"):
+        _handshake(srv, client)
+    client.send(Ping(1, b"", ()))
+    assert _serve_until(srv, 1, attempts=10) == []
+    assert isinstance(client.poll(1.0)[0], Rejected)
+    assert srv.client_ids == []
+    with pytest.raises(PeerUnavailable):
+        srv.send("intruder", Ping(1, b"", ()))
+    client.close()
+
+
+def test_messages_before_hello_are_refused(server) -> None:
+    srv, token = server
+    client = ControlClient(srv.endpoint, "engine-1", token)
+    client.send(Ping(0, b"", ()))
+    assert _serve_until(srv, 1, attempts=10) == []
+    assert isinstance(client.poll(1.0)[0], Rejected)
+    assert srv.num_rejected == 1
+    client.close()
+
+
+def test_garbage_frames_are_counted_and_dropped(server) -> None:
+    srv, token = server
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.connect(srv.endpoint)
+    raw.send(b"\xc1garbage")
+    raw.send_multipart([b"a", b"b"])
+    assert _serve_until(srv, 1, attempts=10) == []
+    assert srv.num_malformed == 2
+    raw.close(linger=0)
+
+
+def test_client_times_out_without_a_server() -> None:
+    client = ControlClient("tcp://127.0.0.1:1", "engine-0", "t")
+    with pytest.raises(TransferTimeout):
+        client.connect(timeout_s=0.2)
+    client.close()
+
+
+def test_server_requires_a_token_and_flags_public_binds() -> None:
+    with pytest.raises(ValueError, match="token"):
+        ControlServer("tcp://127.0.0.1:0", "")
+    assert is_loopback_endpoint("tcp://127.0.0.1:5555")
+    assert is_loopback_endpoint("tcp://localhost:5555")
+    assert not is_loopback_endpoint("tcp://0.0.0.0:5555")
+    assert not is_loopback_endpoint("tcp://10.1.2.3:5555")
