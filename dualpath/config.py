@@ -156,3 +156,107 @@ class SchedulerConfig:
 def _require_positive(name: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+
+
+# --- the disaggregated cluster ----------------------------------------------------------------
+
+# Named the same everywhere (runtime, benchmarks, simulator). Each adds to the one before it,
+# except oracle, which is dualpath with every storage read, host<->device copy and PE<->DE
+# transfer made free (SPEC §7).
+MODES = ("basic", "layerwise", "layerwise+dual", "dualpath", "oracle")
+
+
+@dataclass(frozen=True, slots=True)
+class ModeSettings:
+    """What a mode switches on; derived from its name by ``mode_settings``."""
+
+    mode: str
+    scheduler: str  # "round_robin" or "dualpath" (SchedulerConfig.scheduler)
+    read_path: str  # SchedulerConfig.read_path
+    is_layerwise: bool  # layer-wise prefill on the PE (SPEC §3)
+    is_io_free: bool  # oracle: links uncapped, hit KV served from memory
+
+
+def mode_settings(mode: str) -> ModeSettings:
+    """The switches of a mode (SPEC §7's ablation: Basic -> +layer-wise -> +dual path ->
+    +scheduler; Oracle = DualPath without I/O cost)."""
+    table = {
+        "basic": ("round_robin", "pe", False, False),
+        "layerwise": ("round_robin", "pe", True, False),
+        "layerwise+dual": ("round_robin", "dual", True, False),
+        "dualpath": ("dualpath", "dual", True, False),
+        "oracle": ("dualpath", "dual", True, True),
+    }
+    if mode not in table:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    scheduler, read_path, is_layerwise, is_io_free = table[mode]
+    return ModeSettings(mode, scheduler, read_path, is_layerwise, is_io_free)
+
+
+def parse_node_shape(shape: str) -> tuple[int, int]:
+    """``"2P4D"`` -> (2 prefill nodes, 4 decode nodes); ``ValueError`` naming the input."""
+    text = shape.strip().upper()
+    head, sep, tail = text.partition("P")
+    if not sep or not tail.endswith("D"):
+        raise ValueError(f"node shape must look like 2P4D, got {shape!r}")
+    try:
+        num_prefill, num_decode = int(head), int(tail[:-1])
+    except ValueError as exc:
+        raise ValueError(f"node shape must look like 2P4D, got {shape!r}") from exc
+    if num_prefill <= 0 or num_decode <= 0:
+        raise ValueError(f"node shape needs >= 1 prefill and >= 1 decode node, got {shape!r}")
+    return num_prefill, num_decode
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """A PD-disaggregated cluster: nodes, engines, buffers and link caps (0 = no cap).
+
+    A cap emulates a cluster's link on one host (SPEC §4); every figure measured with caps
+    depends on them and says so.
+    """
+
+    num_prefill_nodes: int = 1
+    num_decode_nodes: int = 2
+    # One engine = one GPU (or one CPU process here).
+    engines_per_node: int = 1
+    # Engine groups fetch work together (SPEC §6); whole nodes, one role per group.
+    nodes_per_group: int = 1
+    mode: str = "dualpath"
+    # Storage NIC per node, shared by all its engines (storage reads and writes).
+    snic_bandwidth_gbps: float = 0.0
+    # Compute NIC per engine: PE<->DE transfers and host<->device copies.
+    cnic_bandwidth_gbps: float = 0.0
+    # Host-DRAM KV buffer per engine; a full buffer delays loads (back-pressure), never drops.
+    prefill_buffer_bytes: int = 256 << 20
+    decode_buffer_bytes: int = 256 << 20
+    # Where the scheduler listens. Loopback unless told otherwise; a token is always required.
+    control_endpoint: str = "tcp://127.0.0.1:0"
+    # An engine that has not reported for this long is declared dead; an engine that has not
+    # heard from the scheduler for this long exits on its own.
+    heartbeat_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill_nodes", "num_decode_nodes", "engines_per_node"):
+            _require_positive(name, getattr(self, name))
+        _require_positive("nodes_per_group", self.nodes_per_group)
+        for role, count in (("prefill", self.num_prefill_nodes), ("decode", self.num_decode_nodes)):
+            if count % self.nodes_per_group:
+                raise ValueError(
+                    f"{count} {role} nodes do not split into groups of {self.nodes_per_group}"
+                )
+        mode_settings(self.mode)  # validates the name
+        for name in ("snic_bandwidth_gbps", "cnic_bandwidth_gbps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
+        _require_positive("prefill_buffer_bytes", self.prefill_buffer_bytes)
+        _require_positive("decode_buffer_bytes", self.decode_buffer_bytes)
+        _require_positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
+
+    @property
+    def node_shape(self) -> str:
+        return f"{self.num_prefill_nodes}P{self.num_decode_nodes}D"
+
+    @property
+    def settings(self) -> ModeSettings:
+        return mode_settings(self.mode)
