@@ -1,0 +1,68 @@
+"""PE and DE buffers: bounded host-DRAM KV staging in Full Block slots (SPEC §2–§3).
+
+A buffer is one numpy array ``[num_slots, num_layers, block_size, bytes_per_token_per_layer]``
+(uint8), registered once with the transport, so a slot is one contiguous Full Block and
+``(slot, layer)`` is one contiguous Layer Block at a fixed byte offset::
+
+    offset(slot, layer) = (slot * num_layers + layer) * layer_block_bytes
+
+``allocate`` returns None when the buffer cannot hold a request right now: the caller keeps
+the request queued and retries after a ``free`` (back-pressure; nothing is dropped). A request
+larger than the whole buffer is refused up front, so waiting can never deadlock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dualpath.kv.block_pool import BlockPool
+from dualpath.kv.layout import KVLayout
+
+
+class KVBuffer:
+    def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
+        num_slots = capacity_bytes // layout.full_block_bytes
+        if num_slots <= 0:
+            raise ValueError(
+                f"buffer of {capacity_bytes} bytes holds no Full Block of "
+                f"{layout.full_block_bytes} bytes"
+            )
+        self.layout = layout
+        self.num_slots = num_slots
+        self.array = np.zeros((num_slots, *layout.full_block_shape), dtype=np.uint8)
+        self._pool = BlockPool(num_slots)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._pool.num_free_blocks
+
+    @property
+    def num_used_bytes(self) -> int:
+        return self._pool.num_used_blocks * self.layout.full_block_bytes
+
+    def check_fits(self, num_slots: int) -> None:
+        """``ValueError`` if ``num_slots`` could never be held at once (would wait forever)."""
+        if num_slots > self.num_slots:
+            raise ValueError(
+                f"request needs {num_slots} buffer slots but the buffer has {self.num_slots}; "
+                "raise the buffer size"
+            )
+
+    def allocate(self, num_slots: int) -> list[int] | None:
+        """Slot ids, or None when not enough are free now (retry after a ``free``)."""
+        self.check_fits(num_slots)
+        if not self._pool.can_allocate(num_slots):
+            return None
+        return self._pool.allocate(num_slots)
+
+    def free(self, slots: list[int]) -> None:
+        self._pool.free(slots)
+
+    def full_block(self, slot: int) -> np.ndarray:
+        return self.array[slot]
+
+    def layer_block(self, slot: int, layer: int) -> np.ndarray:
+        return self.array[slot, layer]
+
+    def layer_offset_bytes(self, slot: int, layer: int) -> int:
+        return (slot * self.layout.num_layers + layer) * self.layout.layer_block_bytes

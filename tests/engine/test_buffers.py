@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dualpath.engine.buffers import KVBuffer
+from dualpath.kv.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=3, block_size_tokens=4, bytes_per_token_per_layer=8)
+
+
+def test_back_pressure_then_release() -> None:
+    buffer = KVBuffer(LAYOUT, capacity_bytes=5 * LAYOUT.full_block_bytes + 7)
+    assert buffer.num_slots == 5
+    first = buffer.allocate(3)
+    assert first == [0, 1, 2]
+    assert buffer.allocate(3) is None  # full for now: the caller waits
+    assert buffer.num_used_bytes == 3 * LAYOUT.full_block_bytes
+    buffer.free(first)
+    assert buffer.allocate(3) == [3, 4, 2]
+    with pytest.raises(ValueError, match="raise the buffer size"):
+        buffer.allocate(6)  # could never fit: refused, not queued forever
+
+
+def test_layer_offsets_address_the_layer_block_views() -> None:
+    buffer = KVBuffer(LAYOUT, capacity_bytes=4 * LAYOUT.full_block_bytes)
+    flat = buffer.array.reshape(-1)
+    for slot in range(4):
+        for layer in range(3):
+            view = buffer.layer_block(slot, layer)
+            offset = buffer.layer_offset_bytes(slot, layer)
+            view[...] = slot * 3 + layer + 1
+            assert np.all(flat[offset : offset + LAYOUT.layer_block_bytes] == slot * 3 + layer + 1)
+            assert np.shares_memory(view, buffer.full_block(slot))
+
+
+def test_a_buffer_must_hold_one_block() -> None:
+    with pytest.raises(ValueError, match="holds no Full Block"):
+        KVBuffer(LAYOUT, capacity_bytes=LAYOUT.full_block_bytes - 1)
