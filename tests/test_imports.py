@@ -17,6 +17,7 @@ TORCH_FREE = (
     "dualpath.kv.store",
     "dualpath.kv.block_pool",
     "dualpath.model.presets",
+    "dualpath.model.identity",
     "dualpath.cli",
 )
 

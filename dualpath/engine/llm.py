@@ -32,8 +32,8 @@ from dualpath.engine.runner import ModelRunner, ScheduledSeq
 from dualpath.engine.sampling import SamplingParams, TokenLogprob, make_generator, sample
 from dualpath.engine.sequence import Sequence, SequenceStatus
 from dualpath.kv.block_pool import BlockPool
-from dualpath.kv.hashing import model_fingerprint
 from dualpath.kv.store import FileKVStore, StoreStats
+from dualpath.model.identity import kv_identity
 from dualpath.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -106,13 +106,14 @@ class LLMEngine:
         )
         self.pool = BlockPool(num_blocks)
         self.runner = ModelRunner(loaded.model, self.cache)
-        dtype_name = str(loaded.dtype).removeprefix("torch.")
-        self.fingerprint = model_fingerprint(
-            weights_digest=loaded.weights_digest,
-            architecture=model_config.architecture_dict(),
-            kv_dtype=dtype_name,
-            block_size_tokens=self.block_size,
+        identity = kv_identity(
+            model_config,
+            loaded.weights_digest,
+            str(loaded.dtype).removeprefix("torch."),
+            self.block_size,
         )
+        assert identity.layout == self.cache.layout, "cache and store layouts must agree"
+        self.fingerprint = identity.fingerprint
         self.store_io: KVStoreIO | None = None
         if store_config.is_enabled:
             store = FileKVStore.from_config(store_config, self.cache.layout, self.fingerprint)

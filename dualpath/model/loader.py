@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from dualpath.errors import CheckpointError
 from dualpath.kv.hashing import digest_files
 from dualpath.model.config import ModelConfig
+from dualpath.model.identity import weight_files
 from dualpath.model.llama import DecoderModel, rope_inv_freq
 from dualpath.model.tokenizer import Tokenizer
 
@@ -36,15 +37,6 @@ class LoadedModel:
     device: torch.device
     # Hash of the safetensors files' contents: part of the KV store's namespace.
     weights_digest: str
-
-
-def weight_files(path: Path) -> list[Path]:
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weight files")
-    return files
 
 
 def load_model(path: Path, *, device: str = "cpu", dtype: str | None = None) -> LoadedModel:

@@ -1,0 +1,64 @@
+"""What names a checkpoint's KV in the store, computed without torch.
+
+The scheduler process needs the store namespace and the block layout to look prompts up, and
+must not load the model to get them; engines compute the same values from the same files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dualpath.errors import CheckpointError
+from dualpath.kv.hashing import digest_files, model_fingerprint
+from dualpath.kv.layout import KVLayout
+from dualpath.model.config import ModelConfig
+
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's ``*.safetensors`` files in name order; ``CheckpointError`` if none."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+@dataclass(frozen=True, slots=True)
+class KVIdentity:
+    """The store namespace (``fingerprint``) and Full Block layout of one served model."""
+
+    fingerprint: str
+    layout: KVLayout
+    kv_dtype: str
+
+
+def kv_identity(
+    config: ModelConfig, weights_digest: str, kv_dtype: str, block_size_tokens: int
+) -> KVIdentity:
+    if kv_dtype not in DTYPE_ITEMSIZE:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {kv_dtype!r}")
+    layout = KVLayout(
+        num_layers=config.num_layers,
+        block_size_tokens=block_size_tokens,
+        bytes_per_token_per_layer=config.kv_bytes_per_token_per_layer(DTYPE_ITEMSIZE[kv_dtype]),
+    )
+    fingerprint = model_fingerprint(
+        weights_digest=weights_digest,
+        architecture=config.architecture_dict(),
+        kv_dtype=kv_dtype,
+        block_size_tokens=block_size_tokens,
+    )
+    return KVIdentity(fingerprint, layout, kv_dtype)
+
+
+def checkpoint_kv_identity(
+    path: Path, kv_dtype: str | None, block_size_tokens: int
+) -> tuple[ModelConfig, KVIdentity]:
+    """Read a checkpoint directory's config and weights digest (no torch, no weights loaded)."""
+    config = ModelConfig.from_file(Path(path) / "config.json")
+    digest = digest_files(weight_files(Path(path)))
+    return config, kv_identity(config, digest, kv_dtype or config.torch_dtype, block_size_tokens)
