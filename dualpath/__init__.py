@@ -14,7 +14,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 
 if TYPE_CHECKING:
     from dualpath.engine.llm import LLM, RequestOutput
-    from dualpath.engine.sampling import SamplingParams
+    from dualpath.types import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from dualpath.engine.sampling import SamplingParams
+        from dualpath.types import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'dualpath' has no attribute {name!r}")

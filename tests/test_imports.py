@@ -12,6 +12,7 @@ TORCH_FREE = (
     "dualpath.config",
     "dualpath.errors",
     "dualpath.units",
+    "dualpath.types",
     "dualpath.kv.layout",
     "dualpath.kv.hashing",
     "dualpath.kv.store",

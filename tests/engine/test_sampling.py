@@ -36,3 +36,16 @@ def test_top_p_keeps_the_first_token_even_when_it_alone_exceeds_p() -> None:
     params = SamplingParams(temperature=1.0, top_p=0.1, seed=1)
     gen = make_generator(params)
     assert {sample(logits, params, gen)[0] for _ in range(50)} == {0}
+
+
+def test_sampling_params_cross_the_wire_unchanged() -> None:
+    from dualpath.types import sampling_params_from_dict, sampling_params_to_dict
+
+    params = SamplingParams(max_tokens=9, temperature=0.5, stop=("x",), stop_token_ids=(3,), seed=4)
+    wire = sampling_params_to_dict(params)
+    wire["stop"] = list(wire["stop"])  # msgpack turns tuples into lists
+    assert sampling_params_from_dict(wire) == params
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown sampling fields"):
+        sampling_params_from_dict({"max_tokens": 3, "bogus": 1})

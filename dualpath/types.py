@@ -1,0 +1,76 @@
+"""Plain types shared across subsystems; imports nothing else from the package, nor torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, per request (names as in vLLM and OpenAI)."""
+
+    max_tokens: int = 16
+    # 0 = greedy. Greedy output is identical whichever path the KV took (SPEC: correctness).
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    # Seeds a per-request generator: the same seed and prompt give the same tokens.
+    seed: int | None = None
+    # Generate exactly max_tokens, ignoring end-of-sequence (benchmarks need exact lengths).
+    ignore_eos: bool = False
+    min_tokens: int = 0  # end-of-sequence and stop tokens are masked until this many exist
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    # Return this many top log-probabilities per generated token (0 = only the chosen one's).
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), best first
+
+
+def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """A plain dict for the control channel (``SamplingParams(**d)`` rebuilds it)."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+def sampling_params_from_dict(fields: dict[str, Any]) -> SamplingParams:
+    """Inverse of ``sampling_params_to_dict``; ``ValueError`` for unknown or bad fields."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown sampling fields {unknown}")
+    values = dict(fields)
+    for name in ("stop", "stop_token_ids"):
+        if name in values:
+            values[name] = tuple(values[name])
+    return SamplingParams(**values)
