@@ -1,0 +1,1 @@
+"""The PD-disaggregated cluster: the scheduler process, its messages, and the launcher."""
