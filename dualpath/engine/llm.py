@@ -125,6 +125,8 @@ class LLMEngine:
             )
         self.eos_token_ids = model_config.eos_token_ids
         self.waiting: deque[Sequence] = deque()
+        self._new_tokens: dict[str, list[int]] = {}
+        self._finished_outside_step: list[RequestOutput] = []
         self.running: list[Sequence] = []
         self._request_ids = itertools.count()
 
@@ -190,18 +192,19 @@ class LLMEngine:
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._finished_outside_step)
 
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Admit, schedule, run one forward, sample; return the requests that finished."""
+        finished, self._finished_outside_step = self._finished_outside_step, []
         self._admit_waiting()
         work = self._schedule()
         if not work:
-            return []
+            return finished
         logits = self.runner.execute(work)
-        return self._postprocess(work, logits)
+        return finished + self._postprocess(work, logits)
 
     def _admit_waiting(self) -> None:
         """FIFO: admit while a sequence slot and blocks for its whole current context are free."""
@@ -289,19 +292,83 @@ class LLMEngine:
                 logits[row], seq.params, seq.generator, self._banned_tokens(seq)
             )
             row += 1
-            seq.output_token_ids.append(token_id)
-            if logprob is not None:
-                seq.output_logprobs.append(logprob)
-            if seq.first_token_s is None:
-                seq.first_token_s = now_s
-            seq.finish_reason = self._finish_reason(seq, token_id)
-            if seq.finish_reason is not None:
-                self.running.remove(seq)
-                self._release(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_s = now_s
-                finished.append(self._output(seq))
+            output = self._append_token(seq, token_id, logprob, now_s)
+            if output is not None:
+                finished.append(output)
         return finished
+
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now_s: float
+    ) -> RequestOutput | None:
+        """Record a sampled token; finish the sequence (freeing its blocks) if it stops here."""
+        seq.output_token_ids.append(token_id)
+        self._new_tokens.setdefault(seq.request_id, []).append(token_id)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        if seq.first_token_s is None:
+            seq.first_token_s = now_s
+        seq.finish_reason = self._finish_reason(seq, token_id)
+        if seq.finish_reason is None:
+            return None
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_s = now_s
+        return self._output(seq)
+
+    def pop_new_tokens(self) -> dict[str, list[int]]:
+        """Tokens sampled since the last call, by request (for streaming)."""
+        new_tokens, self._new_tokens = self._new_tokens, {}
+        return new_tokens
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        first_token_id: int,
+        first_logprob: TokenLogprob | None,
+        num_cached_tokens: int,
+        fill_blocks: Callable[[list[int]], None],
+    ) -> bool:
+        """Adopt a request whose prompt another engine prefilled (the DE side of SPEC §2).
+
+        Allocates device blocks for the prompt, lets ``fill_blocks(block_table)`` copy the
+        prompt's KV into them, persists the prompt's full blocks beyond the first
+        ``num_cached_tokens`` (already in the store), and continues decoding from
+        ``first_token_id``. Returns False, changing nothing, when the blocks are not free now
+        (the caller retries: back-pressure). A request that stops at its first token finishes
+        at the next ``step``.
+        """
+        self.validate_request(prompt_token_ids, params)
+        num_blocks = -(-len(prompt_token_ids) // self.block_size)
+        reserve = len(self.running)  # one block per running sequence, as at admission
+        if len(self.running) >= self.config.max_num_seqs or not self.pool.can_allocate(
+            num_blocks + reserve
+        ):
+            return False
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            arrival_s=self.clock(),
+            generator=make_generator(params),
+            status=SequenceStatus.RUNNING,
+            block_table=self.pool.allocate(num_blocks),
+            num_cached_tokens=num_cached_tokens,
+            num_computed_tokens=len(prompt_token_ids),
+            num_persisted_blocks=num_cached_tokens // self.block_size,
+            is_admitted_once=True,
+        )
+        fill_blocks(seq.block_table)
+        self.running.append(seq)
+        self._persist_full_blocks(seq)
+        output = self._append_token(seq, first_token_id, first_logprob, self.clock())
+        self._new_tokens.pop(request_id, None)  # the prefill side streamed the first token
+        if output is not None:
+            self._finished_outside_step.append(output)
+        return True
 
     def _persist_full_blocks(self, seq: Sequence) -> None:
         if self.store_io is None:

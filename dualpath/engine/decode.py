@@ -1,0 +1,219 @@
+"""The decode engine (DE): receives a prompt's KV in its buffer, then decodes (SPEC §2).
+
+Per request::
+
+    Assignment   -> buffer slots for every prompt block; DE-side hit blocks read from storage
+                    through this node's SNIC into their slots; DecodeReady tells the PE where
+    (the PE writes the PE-side hit blocks and the miss tokens' KV into the slots, layer by layer)
+    PrefillDone  -> the buffer holds the whole prompt KV: copy it into the paged KV cache,
+                    free the slots, persist the prompt's new full blocks, decode from the
+                    PE's first token, persist each block as it fills
+
+Memory is gated twice and never deadlocks: slots wait for a free buffer (FIFO), and a prompt
+waits for free device blocks before it is adopted; both are released as requests finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone, TokenUpdate
+from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.llm import LLMEngine
+from dualpath.engine.prefill import Mover, direct_move
+from dualpath.errors import KVStoreError
+from dualpath.kv.hashing import BlockKey, block_keys
+from dualpath.types import SamplingParams, TokenLogprob, sampling_params_from_dict
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    assignment: Assignment
+    params: SamplingParams
+    keys: list[BlockKey]
+    slots: list[int] = field(default_factory=list)
+    reads: Future[int] | None = None  # -> leading DE-side blocks read
+    is_ready_sent: bool = False
+    prefill_done: PrefillDone | None = None
+
+    @property
+    def request_id(self) -> int:
+        return self.assignment.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.assignment.prompt_token_ids)
+
+
+class DecodeEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        buffer: KVBuffer,
+        *,
+        mover: Mover = direct_move,
+        num_io_threads: int = 4,
+    ) -> None:
+        self.engine = engine
+        self.buffer = buffer
+        self.block_size = engine.block_size
+        self.store = None if engine.store_io is None else engine.store_io.store
+        self.mover = mover
+        self._readers = ThreadPoolExecutor(num_io_threads, thread_name_prefix="de-read")
+        self.requests: dict[int, DecodeRequest] = {}
+        self._waiting_for_buffer: list[DecodeRequest] = []
+        self._num_cached_tokens: dict[int, int] = {}
+
+    def add(self, assignment: Assignment) -> None:
+        params = sampling_params_from_dict(assignment.sampling)
+        prompt = list(assignment.prompt_token_ids)
+        self.engine.validate_request(prompt, params)
+        self.buffer.check_fits(-(-len(prompt) // self.block_size))
+        hit_tokens = assignment.num_hit_blocks * self.block_size
+        keys = block_keys(prompt[:hit_tokens], self.block_size, self.engine.fingerprint)
+        request = DecodeRequest(assignment, params, keys)
+        self.requests[request.request_id] = request
+        self._waiting_for_buffer.append(request)
+        self._start_reads()
+
+    def _start_reads(self) -> None:
+        while self._waiting_for_buffer:
+            request = self._waiting_for_buffer[0]
+            slots = self.buffer.allocate(-(-request.num_prompt_tokens // self.block_size))
+            if slots is None:
+                return  # back-pressure: wait for a finishing request to free slots
+            self._waiting_for_buffer.pop(0)
+            request.slots = slots
+            request.reads = self._readers.submit(self._read_blocks, request)
+
+    def _read_blocks(self, request: DecodeRequest) -> int:
+        first = request.assignment.num_prefill_side_blocks
+        for index in range(first, request.assignment.num_hit_blocks):
+            out = self.buffer.full_block(request.slots[index])
+            key = request.keys[index]
+            try:
+                self.mover("snic", out.nbytes, lambda key=key, out=out: self.store.read(key, out))
+            except KVStoreError as exc:
+                logger.warning(
+                    "request %d: DE-side block %d unreadable, the PE recomputes from it: %s",
+                    request.request_id,
+                    index,
+                    exc,
+                )
+                return index - first
+        return request.assignment.num_decode_side_blocks
+
+    def poll_ready(self) -> list[DecodeReady]:
+        """DecodeReady for every request whose slots and DE-side reads are done."""
+        ready = []
+        for request in self.requests.values():
+            if request.is_ready_sent or request.reads is None or not request.reads.done():
+                continue
+            request.is_ready_sent = True
+            ready.append(
+                DecodeReady(request.request_id, tuple(request.slots), request.reads.result())
+            )
+        return ready
+
+    def on_prefill_done(self, msg: PrefillDone) -> None:
+        request = self.requests.get(msg.request_id)
+        if request is not None:
+            request.prefill_done = msg
+
+    def _adopt_prefilled(self) -> None:
+        """Move every prefilled prompt whose device blocks are free into the paged cache."""
+        for request in list(self.requests.values()):
+            done = request.prefill_done
+            if done is None:
+                continue
+            logprob = None
+            if done.first_token_logprob is not None:
+                value, top = done.first_token_logprob
+                logprob = TokenLogprob(done.first_token_id, value, tuple(map(tuple, top)))
+            is_adopted = self.engine.add_prefilled(
+                str(request.request_id),
+                list(request.assignment.prompt_token_ids),
+                request.params,
+                first_token_id=done.first_token_id,
+                first_logprob=logprob,
+                num_cached_tokens=done.num_cached_tokens,
+                fill_blocks=lambda table, request=request: self._fill(request, table),
+            )
+            if not is_adopted:
+                return  # FIFO: later prompts wait behind this one
+            self._num_cached_tokens[request.request_id] = done.num_cached_tokens
+            del self.requests[request.request_id]
+            self.buffer.free(request.slots)
+            self._start_reads()
+
+    def _fill(self, request: DecodeRequest, block_table: list[int]) -> None:
+        cache = self.engine.cache
+        for slot, block_id in zip(request.slots, block_table, strict=True):
+            data: np.ndarray = self.buffer.full_block(slot)
+            self.mover("cnic", data.nbytes, lambda b=block_id, d=data: cache.load_full_block(b, d))
+
+    def step(self) -> list[TokenUpdate]:
+        """Adopt prefilled prompts, run one decode step, and return the token updates."""
+        self._adopt_prefilled()
+        finished = {int(out.request_id): out for out in self.engine.step()}
+        updates = []
+        for request_key, token_ids in self.engine.pop_new_tokens().items():
+            request_id = int(request_key)
+            out = finished.pop(request_id, None)
+            updates.append(self._update(request_id, token_ids, out))
+        for request_id, out in finished.items():  # finished without a new token this step
+            updates.append(self._update(request_id, [], out))
+        return updates
+
+    def _update(self, request_id: int, token_ids: list[int], out) -> TokenUpdate:
+        num_cached = self._num_cached_tokens.get(request_id, 0)
+        if out is not None:
+            self._num_cached_tokens.pop(request_id, None)
+        return TokenUpdate(
+            request_id,
+            tuple(token_ids),
+            None if out is None else out.finish_reason,
+            num_cached,
+        )
+
+    def cancel(self, request_id: int) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            if request in self._waiting_for_buffer:
+                self._waiting_for_buffer.remove(request)
+            else:
+                if request.reads is not None:
+                    request.reads.result()
+                self.buffer.free(request.slots)
+                self._start_reads()
+        if self.engine.abort_request(str(request_id)):
+            self._num_cached_tokens.pop(request_id, None)
+
+    @property
+    def num_queued_read_tokens(self) -> int:
+        return sum(
+            r.assignment.num_decode_side_blocks * self.block_size
+            for r in self.requests.values()
+            if r.reads is None or not r.reads.done()
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """tok_e: prompt + max output tokens of every assigned, unfinished request."""
+        pending = sum(r.num_prompt_tokens + r.params.max_tokens for r in self.requests.values())
+        running = sum(s.num_prompt_tokens + s.params.max_tokens for s in self.engine.running)
+        waiting = sum(s.num_prompt_tokens + s.params.max_tokens for s in self.engine.waiting)
+        return pending + running + waiting
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests) + len(self.engine.running) + len(self.engine.waiting)
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)

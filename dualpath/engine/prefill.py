@@ -1,0 +1,365 @@
+"""The prefill engine (PE): loads a request's hit KV, prefills its misses layer by layer, and
+leaves the complete prompt KV in its decode engine's buffer (SPEC §2–§3).
+
+For a batch, layer by layer::
+
+    hit KV of layer l  <- PE buffer (PE-side blocks, read from storage through the PE node's
+                          SNIC before the batch) and the DE buffer (DE-side blocks, read by
+                          the DE through its node's SNIC, pulled here over the CNIC)
+    compute layer l    on the new tokens, attending over hit + new
+    KV of layer l      -> DE buffer: the PE-side hit blocks and the miss tokens' blocks
+                          (the DE-side hit blocks are already there)
+
+With layer-wise prefill only one layer of hit KV is resident per batch and layer l+1's hit KV
+is fetched while layer l computes. Without it (the ``basic`` and ``layerwise``-less modes),
+every layer's hit KV is loaded before the forward and held until it ends.
+
+The DE buffer is reached through a ``RemoteBuffer`` (a transport in a cluster, direct memory
+in one process), so this module does no networking of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone
+from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.sampling import make_generator, sample
+from dualpath.errors import KVStoreError
+from dualpath.kv.hashing import BlockKey, block_keys
+from dualpath.kv.store import KVStore
+from dualpath.model.identity import KVIdentity
+from dualpath.model.llama import DecoderModel, PackedBatch
+from dualpath.types import SamplingParams, sampling_params_from_dict
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteBuffer(Protocol):
+    """The PE's access to one DE's KV buffer; slots and layers as in ``KVBuffer``."""
+
+    def read_layer(self, slots: Sequence[int], layer: int, out: np.ndarray) -> None:
+        """Copy Layer Blocks ``(slot, layer)`` for ``slots`` into ``out[i]`` (blocking)."""
+        ...
+
+    def write_layer(self, slots: Sequence[int], layer: int, data: np.ndarray) -> None:
+        """Post ``data[i]`` to ``(slots[i], layer)``; may return before the bytes land."""
+        ...
+
+    def flush(self) -> None:
+        """Block until every posted write has landed."""
+        ...
+
+
+class LocalRemoteBuffer:
+    """A DE buffer in this process: plain copies (tests, and one-process clusters)."""
+
+    def __init__(self, buffer: KVBuffer) -> None:
+        self.buffer = buffer
+
+    def read_layer(self, slots: Sequence[int], layer: int, out: np.ndarray) -> None:
+        for i, slot in enumerate(slots):
+            out[i] = self.buffer.layer_block(slot, layer)
+
+    def write_layer(self, slots: Sequence[int], layer: int, data: np.ndarray) -> None:
+        for i, slot in enumerate(slots):
+            self.buffer.layer_block(slot, layer)[...] = data[i]
+
+    def flush(self) -> None:
+        """Writes land as they are made."""
+
+
+# (link name, number of bytes, the movement) -> what the movement returns. The engine's
+# traffic manager in a cluster; a plain call in tests.
+Mover = Callable[[str, int, Callable[[], object]], object]
+
+
+def direct_move(link: str, num_bytes: int, do_move: Callable[[], object]) -> object:
+    return do_move()
+
+
+@dataclass(eq=False)
+class PrefillRequest:
+    assignment: Assignment
+    params: SamplingParams
+    keys: list[BlockKey]
+    pe_slots: list[int] = field(default_factory=list)
+    reads: Future[int] | None = None  # -> leading PE-side blocks read
+    decode_ready: DecodeReady | None = None
+
+    @property
+    def request_id(self) -> int:
+        return self.assignment.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.assignment.prompt_token_ids)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.reads is not None and self.reads.done() and self.decode_ready is not None
+
+    def num_hit_blocks(self) -> int:
+        """Leading blocks whose KV is usable: PE-side ones read, then DE-side ones read, as
+        long as no block before them failed."""
+        assert self.reads is not None and self.decode_ready is not None, "request not ready"
+        num_pe_read = self.reads.result()
+        if num_pe_read < self.assignment.num_prefill_side_blocks:
+            return num_pe_read
+        return num_pe_read + self.decode_ready.num_decode_side_blocks_read
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        model: DecoderModel,
+        identity: KVIdentity,
+        store: KVStore | None,
+        buffer: KVBuffer,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        is_layerwise: bool = True,
+        mover: Mover = direct_move,
+        num_io_threads: int = 4,
+    ) -> None:
+        self.model = model
+        self.identity = identity
+        self.layout = identity.layout
+        self.block_size = identity.layout.block_size_tokens
+        self.store = store
+        self.buffer = buffer
+        self.dtype = dtype
+        self.device = device
+        self.is_layerwise = is_layerwise
+        self.mover = mover
+        self._readers = ThreadPoolExecutor(num_io_threads, thread_name_prefix="pe-read")
+        self.requests: dict[int, PrefillRequest] = {}
+        self._waiting_for_buffer: list[PrefillRequest] = []
+        config = model.config
+        self._kv_shape = (2, config.num_kv_heads, config.head_dim)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add(self, assignment: Assignment) -> None:
+        """Accept a placed request and start reading its PE-side hit blocks."""
+        num_pe_blocks = assignment.num_prefill_side_blocks
+        self.buffer.check_fits(num_pe_blocks)
+        prompt = list(assignment.prompt_token_ids)
+        request = PrefillRequest(
+            assignment,
+            sampling_params_from_dict(assignment.sampling),
+            block_keys(
+                prompt[: assignment.num_hit_blocks * self.block_size],
+                self.block_size,
+                self.identity.fingerprint,
+            ),
+        )
+        self.requests[request.request_id] = request
+        self._waiting_for_buffer.append(request)
+        self._start_reads()
+
+    def _start_reads(self) -> None:
+        """FIFO: requests wait for PE buffer slots (back-pressure), then read."""
+        while self._waiting_for_buffer:
+            request = self._waiting_for_buffer[0]
+            slots = self.buffer.allocate(request.assignment.num_prefill_side_blocks)
+            if slots is None:
+                return
+            self._waiting_for_buffer.pop(0)
+            request.pe_slots = slots
+            request.reads = self._readers.submit(self._read_blocks, request)
+
+    def _read_blocks(self, request: PrefillRequest) -> int:
+        for index, slot in enumerate(request.pe_slots):
+            out = self.buffer.full_block(slot)
+            key = request.keys[index]
+            try:
+                self.mover("snic", out.nbytes, lambda key=key, out=out: self.store.read(key, out))
+            except KVStoreError as exc:
+                logger.warning(
+                    "request %d: PE-side block %d unreadable, recomputing from it: %s",
+                    request.request_id,
+                    index,
+                    exc,
+                )
+                return index
+        return len(request.pe_slots)
+
+    def on_decode_ready(self, msg: DecodeReady) -> None:
+        request = self.requests.get(msg.request_id)
+        if request is not None:
+            request.decode_ready = msg
+
+    def cancel(self, request_id: int) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request in self._waiting_for_buffer:
+            self._waiting_for_buffer.remove(request)
+            return
+        if request.reads is not None:
+            request.reads.result()  # the read thread owns the slots until it returns
+        self._release(request)
+
+    def _release(self, request: PrefillRequest) -> None:
+        self.buffer.free(request.pe_slots)
+        request.pe_slots = []
+        self._start_reads()
+
+    def ready_requests(self) -> list[PrefillRequest]:
+        return [r for r in self.requests.values() if r.is_ready]
+
+    @property
+    def num_queued_read_tokens(self) -> int:
+        """Tokens queued for storage reads on this engine (its share of its node's read_q)."""
+        return sum(
+            r.assignment.num_prefill_side_blocks * self.block_size
+            for r in self.requests.values()
+            if r.reads is None or not r.reads.done()
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_prompt_tokens for r in self.requests.values())
+
+    # --- the batch --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run_batch(
+        self, batch: list[PrefillRequest], remote_of: Callable[[int], RemoteBuffer]
+    ) -> list[PrefillDone]:
+        """Prefill ``batch`` (all ready) and leave each prompt's KV in its DE's buffer."""
+        bs = self.block_size
+        hits = [r.num_hit_blocks() for r in batch]
+        cached = [h * bs for h in hits]
+        packed = PackedBatch(
+            num_cached_tokens=tuple(cached),
+            num_new_tokens=tuple(
+                r.num_prompt_tokens - c for r, c in zip(batch, cached, strict=True)
+            ),
+        )
+        input_ids = torch.tensor(
+            [
+                t
+                for r, c in zip(batch, cached, strict=True)
+                for t in r.assignment.prompt_token_ids[c:]
+            ],
+            device=self.device,
+        )
+        remotes = [remote_of(r.assignment.decode_engine_id) for r in batch]
+        hidden = self.model.embed(input_ids)
+        rope = self.model.rope(packed.positions(self.device))
+        offsets = packed.row_offsets
+        preloaded = (
+            None
+            if self.is_layerwise
+            else [self._hit_kv(batch, hits, remotes, i) for i in range(self.model.num_layers)]
+        )
+        for layer in range(self.model.num_layers):
+            past = (
+                preloaded[layer]
+                if preloaded is not None
+                else self._hit_kv(batch, hits, remotes, layer)
+            )
+            hidden, k_new, v_new = self.model.forward_layer(layer, hidden, rope, packed, past)
+            for i, request in enumerate(batch):
+                rows = slice(offsets[i], offsets[i + 1])
+                self._send_layer(request, hits[i], remotes[i], layer, k_new[rows], v_new[rows])
+        for remote in {id(r): r for r in remotes}.values():
+            remote.flush()
+        logits = self.model.logits(hidden[packed.last_rows()]).cpu()
+        done = []
+        for i, request in enumerate(batch):
+            token_id, logprob = sample(logits[i], request.params, make_generator(request.params))
+            done.append(
+                PrefillDone(
+                    request.request_id,
+                    token_id,
+                    None if logprob is None else (logprob.logprob, logprob.top),
+                    cached[i],
+                )
+            )
+            del self.requests[request.request_id]
+            self._release(request)
+        return done
+
+    def _hit_kv(
+        self,
+        batch: list[PrefillRequest],
+        hits: list[int],
+        remotes: list[RemoteBuffer],
+        layer: int,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer ``layer``'s hit K and V of each request, on the device."""
+        past = []
+        for request, num_hit, remote in zip(batch, hits, remotes, strict=True):
+            layer_blocks = np.empty((num_hit, *self.layout.layer_block_shape), dtype=np.uint8)
+            num_pe = min(num_hit, request.assignment.num_prefill_side_blocks)
+            for i in range(num_pe):
+                layer_blocks[i] = self.buffer.layer_block(request.pe_slots[i], layer)
+            if num_hit > num_pe:
+                assert request.decode_ready is not None, "ready request"
+                de_slots = request.decode_ready.slots[num_pe:num_hit]
+                into = layer_blocks[num_pe:]
+                self.mover("cnic", into.nbytes, partial(remote.read_layer, de_slots, layer, into))
+            kv = self._to_device(layer_blocks)
+            past.append((kv[:, 0], kv[:, 1]))
+        return past
+
+    def _to_device(self, layer_blocks: np.ndarray) -> torch.Tensor:
+        num_tokens = layer_blocks.shape[0] * self.block_size
+        host = torch.from_numpy(layer_blocks).view(self.dtype).view(num_tokens, *self._kv_shape)
+        if self.device.type == "cpu":
+            return host
+        return self.mover("cnic", layer_blocks.nbytes, lambda: host.to(self.device))
+
+    def _send_layer(
+        self,
+        request: PrefillRequest,
+        num_hit: int,
+        remote: RemoteBuffer,
+        layer: int,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+    ) -> None:
+        """Layer ``layer`` of what the DE lacks: PE-side hit blocks and the new tokens."""
+        assert request.decode_ready is not None, "ready request"
+        slots = request.decode_ready.slots
+        bs = self.block_size
+        num_pe = min(num_hit, request.assignment.num_prefill_side_blocks)
+        if num_pe:
+            pe_blocks = np.stack(
+                [self.buffer.layer_block(s, layer) for s in request.pe_slots[:num_pe]]
+            )
+            self.mover(
+                "cnic",
+                pe_blocks.nbytes,
+                lambda: remote.write_layer(slots[:num_pe], layer, pe_blocks),
+            )
+        num_new = k_new.shape[0]
+        num_new_blocks = -(-num_new // bs)
+        kv = torch.zeros((num_new_blocks * bs, *self._kv_shape), dtype=self.dtype)
+        kv[:num_new, 0] = k_new.to("cpu")
+        kv[:num_new, 1] = v_new.to("cpu")
+        new_blocks = (
+            kv.view(torch.uint8).numpy().reshape(num_new_blocks, *self.layout.layer_block_shape)
+        )
+        self.mover(
+            "cnic",
+            new_blocks.nbytes,
+            lambda: remote.write_layer(
+                slots[num_hit : num_hit + num_new_blocks], layer, new_blocks
+            ),
+        )
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)

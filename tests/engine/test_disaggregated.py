@@ -1,0 +1,136 @@
+"""PE and DE engines in one process, joined by a local DE buffer: the tokens must equal the
+single-node engine's whichever side read the hit KV (SPEC §2 correctness)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualpath import LLM, SamplingParams
+from dualpath.cluster.messages import Assignment
+from dualpath.config import EngineConfig, KVStoreConfig
+from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.decode import DecodeEngine
+from dualpath.engine.llm import LLMEngine
+from dualpath.engine.prefill import LocalRemoteBuffer, PrefillEngine
+from dualpath.kv.hashing import block_keys
+from dualpath.kv.store import FileKVStore
+from dualpath.model.identity import kv_identity
+from dualpath.model.loader import load_model
+from dualpath.types import sampling_params_to_dict
+from tests.helpers import assert_same_tokens
+
+BLOCK = 64
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Pair:
+    """One PE and one DE sharing a store, driven by hand through the real message types."""
+
+    def __init__(self, model_dir: Path, store_dir: Path, *, is_layerwise: bool) -> None:
+        loaded = load_model(model_dir)
+        self.identity = kv_identity(loaded.config, loaded.weights_digest, "float32", BLOCK)
+        store = FileKVStore(store_dir, self.identity.layout, self.identity.fingerprint)
+        self.prefill = PrefillEngine(
+            loaded.model,
+            self.identity,
+            store,
+            KVBuffer(self.identity.layout, 32 << 20),
+            dtype=loaded.dtype,
+            device=loaded.device,
+            is_layerwise=is_layerwise,
+        )
+        engine = LLMEngine(loaded, EngineConfig(), KVStoreConfig(root_dir=store_dir))
+        self.decode = DecodeEngine(engine, KVBuffer(self.identity.layout, 32 << 20))
+        self.remote = LocalRemoteBuffer(self.decode.buffer)
+        self.store = store
+        self.next_id = 0
+
+    def num_stored_blocks(self, prompt: list[int]) -> int:
+        keys = block_keys(
+            prompt[: (len(prompt) - 1) // BLOCK * BLOCK], BLOCK, self.identity.fingerprint
+        )
+        return self.store.lookup(keys)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, split) -> list[dict]:
+        assignments = []
+        for prompt in prompts:
+            num_hit = self.num_stored_blocks(prompt)
+            num_pe = split(num_hit)
+            assignments.append(
+                Assignment(
+                    self.next_id,
+                    tuple(prompt),
+                    sampling_params_to_dict(params),
+                    num_pe,
+                    num_hit - num_pe,
+                    0,
+                    1,
+                )
+            )
+            self.next_id += 1
+        for a in assignments:
+            self.decode.add(a)
+            self.prefill.add(a)
+        results = {a.request_id: {"token_ids": [], "cached": None} for a in assignments}
+        pending = set(results)
+        while pending:
+            for ready in self.decode.poll_ready():
+                self.prefill.on_decode_ready(ready)
+            batch = self.prefill.ready_requests()
+            if batch:
+                for done in self.prefill.run_batch(batch, lambda de: self.remote):
+                    results[done.request_id]["token_ids"].append(done.first_token_id)
+                    results[done.request_id]["cached"] = done.num_cached_tokens
+                    self.decode.on_prefill_done(done)
+            for update in self.decode.step():
+                results[update.request_id]["token_ids"] += update.token_ids
+                if update.finish_reason is not None:
+                    pending.discard(update.request_id)
+        self.decode.engine.flush()
+        assert self.decode.buffer.num_used_bytes == 0 and self.prefill.buffer.num_used_bytes == 0
+        return [results[a.request_id] for a in assignments]
+
+
+class _Out:
+    def __init__(self, token_ids, logprobs=None) -> None:
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+
+
+SPLITS = {
+    "pe": lambda n: n,
+    "de": lambda n: 0,
+    "split": lambda n: n // 2,
+}
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+@pytest.mark.parametrize("side", list(SPLITS))
+def test_tokens_match_single_node_on_every_read_path(
+    tiny_model_dir: Path, tmp_path: Path, side: str, layerwise: bool
+) -> None:
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    turn1 = [random_ids(n, seed=n) for n in (130, 64, 200)]
+    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+        first = llm.generate([{"prompt_token_ids": p} for p in turn1], params)
+    turn2 = [p + o.token_ids + random_ids(37, seed=9) for p, o in zip(turn1, first, strict=True)]
+    with LLM(tiny_model_dir) as llm:  # no store: a full recompute
+        reference = llm.generate([{"prompt_token_ids": p} for p in turn2], params)
+
+    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=layerwise)
+    results = pair.generate(turn2, params, SPLITS[side])
+    for p1, o1, ref, got, prompt in zip(turn1, first, reference, results, turn2, strict=True):
+        expected_hit = BLOCK * ((len(p1) + len(o1.token_ids) - 1) // BLOCK)
+        assert got["cached"] == expected_hit
+        assert_same_tokens(ref, _Out(got["token_ids"]), label=f"{side} path, prompt {len(prompt)}")
+    # Turn 3 finds turn 2's blocks, persisted by the DE (prompt blocks and output blocks).
+    turn3 = [p + r["token_ids"] + [5, 6, 7] for p, r in zip(turn2, results, strict=True)]
+    for prompt, got in zip(turn3, turn2, strict=True):
+        stored = pair.num_stored_blocks(prompt)
+        assert stored == (len(got) + params.max_tokens - 1) // BLOCK
