@@ -158,6 +158,48 @@ def _require_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
+@dataclass(frozen=True, slots=True)
+class TrafficConfig:
+    """Link caps and arbiter weights of the engines' traffic managers (SPEC §4)."""
+
+    # Each node's storage NIC, shared by all its engine processes through one NodeLimiter.
+    # 0 = no cap (the store's real speed); the paper's nodes have up to 400 Gbps.
+    snic_bandwidth_gbps: float = 0.0
+    # Each engine's compute NIC: PE<->DE KV and host<->device copies; the paper: 400 Gbps.
+    cnic_bandwidth_gbps: float = 0.0
+    # Host memory per engine process; 0 = no cap. (SPEC §5's M is per node.)
+    host_memory_bandwidth_gbps: float = 0.0
+    # SPEC §4: the high class gets ~99% under contention; the low class is never starved.
+    inference_weight: int = 99
+    kv_weight: int = 1
+    # Span of the utilisation figure (TrafficManager's window_s); SPEC §7 measures SNIC
+    # balance over 1 s windows.
+    utilisation_window_s: float = 1.0
+    # A capped link idle for at most this long between two movements counts as busy through
+    # the gap: it is the caller's overhead (time.sleep overshoots 60-180 us), not idleness.
+    # Without it a caller moving 100 KB back to back gets ~45% of a 1 GB/s cap; 0 = off.
+    gap_fill_s: float = 0.001
+
+    def __post_init__(self) -> None:
+        for name in ("snic_bandwidth_gbps", "cnic_bandwidth_gbps", "host_memory_bandwidth_gbps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
+        if self.inference_weight <= 0 or self.kv_weight <= 0:
+            raise ValueError(
+                f"class weights must be > 0 (a zero weight starves a class), "
+                f"got inference {self.inference_weight} and kv {self.kv_weight}"
+            )
+        if not self.gap_fill_s >= 0:
+            raise ValueError(f"gap_fill_s must be >= 0, got {self.gap_fill_s}")
+        if not self.utilisation_window_s > 0:
+            raise ValueError(f"utilisation_window_s must be > 0, got {self.utilisation_window_s}")
+
+    @property
+    def class_weights(self) -> dict[int, int]:
+        """Weights by ``TrafficClass`` value (0 = inference, 1 = KV)."""
+        return {0: self.inference_weight, 1: self.kv_weight}
+
+
 # --- the disaggregated cluster ----------------------------------------------------------------
 
 # Named the same everywhere (runtime, benchmarks, simulator). Each adds to the one before it,
@@ -223,10 +265,8 @@ class ClusterConfig:
     # Engine groups fetch work together (SPEC §6); whole nodes, one role per group.
     nodes_per_group: int = 1
     mode: str = "dualpath"
-    # Storage NIC per node, shared by all its engines (storage reads and writes).
-    snic_bandwidth_gbps: float = 0.0
-    # Compute NIC per engine: PE<->DE transfers and host<->device copies.
-    cnic_bandwidth_gbps: float = 0.0
+    # Link caps (SNIC per node, CNIC per engine) and the traffic classes' weights.
+    traffic: TrafficConfig = TrafficConfig()
     # Host-DRAM KV buffer per engine; a full buffer delays loads (back-pressure), never drops.
     prefill_buffer_bytes: int = 256 << 20
     decode_buffer_bytes: int = 256 << 20
@@ -246,9 +286,6 @@ class ClusterConfig:
                     f"{count} {role} nodes do not split into groups of {self.nodes_per_group}"
                 )
         mode_settings(self.mode)  # validates the name
-        for name in ("snic_bandwidth_gbps", "cnic_bandwidth_gbps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
         _require_positive("prefill_buffer_bytes", self.prefill_buffer_bytes)
         _require_positive("decode_buffer_bytes", self.decode_buffer_bytes)
         _require_positive("heartbeat_timeout_s", self.heartbeat_timeout_s)

@@ -10,6 +10,7 @@ from dualpath.config import (
     EngineConfig,
     KVStoreConfig,
     SchedulerConfig,
+    TrafficConfig,
     mode_settings,
     parse_node_shape,
 )
@@ -45,7 +46,8 @@ def test_parse_node_shape_rejects(shape: str) -> None:
     ("cls", "kwargs", "message"),
     [
         (ClusterConfig, {"num_decode_nodes": 3, "nodes_per_group": 2}, "groups of 2"),
-        (ClusterConfig, {"snic_bandwidth_gbps": -1.0}, "snic_bandwidth_gbps"),
+        (TrafficConfig, {"snic_bandwidth_gbps": -1.0}, "snic_bandwidth_gbps"),
+        (TrafficConfig, {"kv_weight": 0}, "starves"),
         (ClusterConfig, {"mode": "turbo"}, "unknown mode"),
         (ClusterConfig, {"engines_per_node": 0}, "engines_per_node"),
         (EngineConfig, {"dtype": "int8"}, "dtype"),
