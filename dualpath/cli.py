@@ -298,6 +298,93 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- engine ----------------------------------------------------------------------------------
+
+
+def _add_engine(sub: argparse._SubParsersAction) -> None:
+    from dualpath.config import MODES
+
+    p = sub.add_parser(
+        "engine",
+        help="run one prefill or decode engine process that joins a scheduler",
+        description="One engine of a PD-disaggregated cluster (one engine = one GPU). It joins "
+        "the scheduler at --scheduler with the cluster token from $DUALPATH_CLUSTER_TOKEN and "
+        "exits when the scheduler stops or goes silent.",
+    )
+    _add_engine_args(p)
+    p.add_argument("--role", choices=("prefill", "decode"), required=True, help="PE or DE")
+    p.add_argument(
+        "--scheduler", required=True, help="the scheduler's control endpoint, tcp://HOST:PORT"
+    )
+    p.add_argument("--engine-id", type=int, required=True, help="this engine's id in the topology")
+    p.add_argument("--node-id", type=int, required=True, help="the node it belongs to")
+    p.add_argument(
+        "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
+    )
+    p.add_argument(
+        "--transport", choices=("nixl", "shm"), default="nixl", help="PE<->DE KV transport"
+    )
+    p.add_argument("--snic-gbps", type=float, default=0.0, help="node SNIC cap, Gbps (0 = none)")
+    p.add_argument("--cnic-gbps", type=float, default=0.0, help="engine CNIC cap, Gbps (0 = none)")
+    p.add_argument("--buffer-gb", type=float, default=0.25, help="host KV buffer, GB")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="device KV cache, GB")
+    p.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=8192, help="tokens per step"
+    )
+    p.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=5.0,
+        help="exit when the scheduler is silent this long (default 5)",
+    )
+    p.set_defaults(func=_run_engine)
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    from dualpath.cluster.engine_process import EngineProcessConfig, run_engine
+    from dualpath.cluster.launcher import TOKEN_ENV
+    from dualpath.config import ClusterConfig, EngineConfig, KVStoreConfig, TrafficConfig
+
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ValueError(f"set ${TOKEN_ENV} to the cluster token the scheduler was started with")
+    buffer_bytes = gb_to_bytes(args.buffer_gb)
+    config = EngineProcessConfig(
+        role=args.role,
+        engine_id=args.engine_id,
+        node_id=args.node_id,
+        scheduler_endpoint=args.scheduler,
+        token=token,
+        model_dir=_resolve_model(args.model),
+        store=KVStoreConfig(
+            root_dir=None if args.no_kv_store else (args.kv_store or default_kv_store_dir()),
+            capacity_bytes=None
+            if args.kv_store_capacity_gb is None
+            else gb_to_bytes(args.kv_store_capacity_gb),
+        ),
+        engine=EngineConfig(
+            block_size_tokens=args.block_size,
+            device=args.device,
+            dtype=args.dtype or "float32",
+            kv_cache_bytes=gb_to_bytes(args.kv_cache_gb),
+            max_model_len=args.max_model_len,
+            num_threads=args.threads,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
+        cluster=ClusterConfig(
+            mode=args.mode,
+            traffic=TrafficConfig(
+                snic_bandwidth_gbps=args.snic_gbps, cnic_bandwidth_gbps=args.cnic_gbps
+            ),
+            prefill_buffer_bytes=buffer_bytes,
+            decode_buffer_bytes=buffer_bytes,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+        ),
+        transport=args.transport,
+    )
+    return run_engine(config)
+
+
 # --- bench -----------------------------------------------------------------------------------
 
 
@@ -310,6 +397,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "scheduler",
             "dualpath.bench.scheduler_bench",
             "pure-policy placements per second at cluster scale",
+        ),
+        (
+            "transfer",
+            "dualpath.bench.transfer_bench",
+            "cross-process KV transfer GB/s (NIXL or shared memory) vs an in-process copy",
+        ),
+        (
+            "offline",
+            "dualpath.bench.offline",
+            "N agents on a one-host PD cluster per mode: JCT and bytes per read path",
         ),
     ):
         module = __import__(module_name, fromlist=["main"])
@@ -338,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_make_model,
         _add_generate,
         _add_demo,
+        _add_engine,
         _add_bench,
     )
     for add in adders:

@@ -16,6 +16,7 @@ waits for free device blocks before it is adopted; both are released as requests
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -68,6 +69,9 @@ class DecodeEngine:
         self._readers = ThreadPoolExecutor(num_io_threads, thread_name_prefix="de-read")
         self.requests: dict[int, DecodeRequest] = {}
         self._waiting_for_buffer: list[DecodeRequest] = []
+        # Hit-KV bytes this engine read from the store (the DE read path's share).
+        self.num_read_bytes = 0
+        self._count_lock = threading.Lock()
         self._num_cached_tokens: dict[int, int] = {}
 
     def add(self, assignment: Assignment) -> None:
@@ -107,6 +111,8 @@ class DecodeEngine:
                     exc,
                 )
                 return index - first
+            with self._count_lock:
+                self.num_read_bytes += out.nbytes
         return request.assignment.num_decode_side_blocks
 
     def poll_ready(self) -> list[DecodeReady]:

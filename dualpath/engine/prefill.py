@@ -21,6 +21,7 @@ in one process), so this module does no networking of its own.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -144,6 +145,9 @@ class PrefillEngine:
         self._readers = ThreadPoolExecutor(num_io_threads, thread_name_prefix="pe-read")
         self.requests: dict[int, PrefillRequest] = {}
         self._waiting_for_buffer: list[PrefillRequest] = []
+        # Hit-KV bytes this engine read from the store (the PE read path's share).
+        self.num_read_bytes = 0
+        self._count_lock = threading.Lock()
         config = model.config
         self._kv_shape = (2, config.num_kv_heads, config.head_dim)
 
@@ -192,6 +196,8 @@ class PrefillEngine:
                     exc,
                 )
                 return index
+            with self._count_lock:
+                self.num_read_bytes += out.nbytes
         return len(request.pe_slots)
 
     def on_decode_ready(self, msg: DecodeReady) -> None:
@@ -317,6 +323,8 @@ class PrefillEngine:
 
     def _to_device(self, layer_blocks: np.ndarray) -> torch.Tensor:
         num_tokens = layer_blocks.shape[0] * self.block_size
+        if num_tokens == 0:  # an empty array has stride 0, which a dtype view refuses
+            return torch.empty((0, *self._kv_shape), dtype=self.dtype, device=self.device)
         host = torch.from_numpy(layer_blocks).view(self.dtype).view(num_tokens, *self._kv_shape)
         if self.device.type == "cpu":
             return host

@@ -15,10 +15,12 @@ from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.decode import DecodeEngine
 from dualpath.engine.llm import LLMEngine
 from dualpath.engine.prefill import LocalRemoteBuffer, PrefillEngine
+from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
+from dualpath.transfer.transport import FakeNetwork, FakeTransport
 from dualpath.types import sampling_params_to_dict
 from tests.helpers import assert_same_tokens
 
@@ -32,7 +34,9 @@ def random_ids(n: int, seed: int) -> list[int]:
 class Pair:
     """One PE and one DE sharing a store, driven by hand through the real message types."""
 
-    def __init__(self, model_dir: Path, store_dir: Path, *, is_layerwise: bool) -> None:
+    def __init__(
+        self, model_dir: Path, store_dir: Path, *, is_layerwise: bool, remote: str = "local"
+    ) -> None:
         loaded = load_model(model_dir)
         self.identity = kv_identity(loaded.config, loaded.weights_digest, "float32", BLOCK)
         store = FileKVStore(store_dir, self.identity.layout, self.identity.fingerprint)
@@ -48,6 +52,17 @@ class Pair:
         engine = LLMEngine(loaded, EngineConfig(), KVStoreConfig(root_dir=store_dir))
         self.decode = DecodeEngine(engine, KVBuffer(self.identity.layout, 32 << 20))
         self.remote = LocalRemoteBuffer(self.decode.buffer)
+        if remote == "transport":
+            # The real transport interface over in-process buffers; a 3-block write ring
+            # forces wrap-arounds and waits on in-flight writes.
+            network = FakeNetwork()
+            pe_side, de_side = FakeTransport("pe", network), FakeTransport("de", network)
+            descriptor = de_side.register("de-buffer", self.decode.buffer.array)
+            pe_side.connect("de", de_side.metadata())
+            staging = TransportStaging(
+                pe_side, self.identity.layout, max_read_blocks=2, ring_blocks=3
+            )
+            self.remote = TransportRemoteBuffer(staging, "de", descriptor, timeout_s=5.0)
         self.store = store
         self.next_id = 0
 
@@ -110,10 +125,18 @@ SPLITS = {
 }
 
 
-@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
-@pytest.mark.parametrize("side", list(SPLITS))
+@pytest.mark.parametrize(
+    ("side", "layerwise", "remote"),
+    [
+        (side, layerwise, remote)
+        for side in SPLITS
+        for layerwise in (True, False)
+        for remote in ("local", "transport")
+        if remote == "local" or layerwise
+    ],
+)
 def test_tokens_match_single_node_on_every_read_path(
-    tiny_model_dir: Path, tmp_path: Path, side: str, layerwise: bool
+    tiny_model_dir: Path, tmp_path: Path, side: str, layerwise: bool, remote: str
 ) -> None:
     params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
     turn1 = [random_ids(n, seed=n) for n in (130, 64, 200)]
@@ -123,7 +146,7 @@ def test_tokens_match_single_node_on_every_read_path(
     with LLM(tiny_model_dir) as llm:  # no store: a full recompute
         reference = llm.generate([{"prompt_token_ids": p} for p in turn2], params)
 
-    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=layerwise)
+    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=layerwise, remote=remote)
     results = pair.generate(turn2, params, SPLITS[side])
     for p1, o1, ref, got, prompt in zip(turn1, first, reference, results, turn2, strict=True):
         expected_hit = BLOCK * ((len(p1) + len(o1.token_ids) - 1) // BLOCK)

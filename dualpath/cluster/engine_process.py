@@ -1,0 +1,356 @@
+"""One engine process ("one engine = one GPU"): a PE or a DE joined to the scheduler.
+
+    dualpath engine --role prefill --scheduler tcp://HOST:PORT --engine-id 0 --node-id 0 ...
+
+It loads the model, registers its KV buffer with the transport, says hello with the cluster
+token, and then loops: handle the scheduler's messages, do one unit of work (a prefill batch
+or a decode step), report its load every fetch interval (the pull of SPEC §6). It exits on
+``Shutdown``, when the scheduler has been silent for ``heartbeat_timeout_s``, on SIGTERM, and
+(Linux) when its parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from dualpath.cluster.messages import (
+    DECODE,
+    PREFILL,
+    Assignment,
+    CancelRequest,
+    DecodeReady,
+    EngineInfo,
+    EngineReport,
+    Heartbeat,
+    PeerTable,
+    PrefillDone,
+    RequestFailed,
+    Shutdown,
+)
+from dualpath.config import ClusterConfig, EngineConfig, KVStoreConfig, TrafficConfig
+from dualpath.control.channel import ControlClient
+from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.decode import DecodeEngine
+from dualpath.engine.llm import LLMEngine
+from dualpath.engine.prefill import PrefillEngine, PrefillRequest
+from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
+from dualpath.errors import DualPathError
+from dualpath.kv.store import FileKVStore
+from dualpath.model.identity import kv_identity
+from dualpath.model.loader import load_model
+from dualpath.transfer.clock import MonotonicClock
+from dualpath.transfer.links import TrafficClass, engine_link_specs
+from dualpath.transfer.node_limiter import NodeLimiter
+from dualpath.transfer.traffic import TrafficManager
+from dualpath.transfer.transport import BufferDescriptor, create_transport
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProcessConfig:
+    role: str  # PREFILL or DECODE
+    engine_id: int
+    node_id: int
+    scheduler_endpoint: str
+    token: str
+    model_dir: Path
+    store: KVStoreConfig
+    engine: EngineConfig
+    cluster: ClusterConfig
+    transport: str = "nixl"  # or "shm"
+    # How often the engine reports its load (SPEC §6's fetch interval: 10 ms).
+    fetch_interval_s: float = 0.010
+    # Upper bound of one wait on a peer (a transfer, the scheduler's first answer).
+    peer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in (PREFILL, DECODE):
+            raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")
+
+
+class _Stop(Exception):
+    """Raised inside the loop to leave it (shutdown, lost scheduler, signal)."""
+
+
+def run_engine(config: EngineProcessConfig) -> int:
+    """Run until told to stop; 0 on a clean shutdown, 1 when the scheduler was lost."""
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, _raise_stop)
+    process = _EngineProcess(config)
+    try:
+        return process.run()
+    finally:
+        process.close()
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(f"signal {signum}")
+
+
+class _EngineProcess:
+    def __init__(self, config: EngineProcessConfig) -> None:
+        self.config = config
+        engine_config = config.engine
+        loaded = load_model(
+            config.model_dir, device=engine_config.device, dtype=engine_config.dtype
+        )
+        self.identity = kv_identity(
+            loaded.config,
+            loaded.weights_digest,
+            engine_config.dtype,
+            engine_config.block_size_tokens,
+        )
+        self.traffic, self._link_names, self._limiter = _make_traffic(config)
+        self.transport = create_transport(config.transport, f"engine-{config.engine_id}")
+        cluster = config.cluster
+        is_prefill = config.role == PREFILL
+        buffer_bytes = cluster.prefill_buffer_bytes if is_prefill else cluster.decode_buffer_bytes
+        self.buffer = KVBuffer(self.identity.layout, buffer_bytes)
+        self.buffer_descriptor = self.transport.register("kv-buffer", self.buffer.array)
+        self.prefill: PrefillEngine | None = None
+        self.decode: DecodeEngine | None = None
+        if is_prefill:
+            if engine_config.num_threads is not None:
+                import torch
+
+                torch.set_num_threads(engine_config.num_threads)
+            store = (
+                FileKVStore.from_config(
+                    config.store, self.identity.layout, self.identity.fingerprint
+                )
+                if config.store.is_enabled
+                else None
+            )
+            self.prefill = PrefillEngine(
+                loaded.model,
+                self.identity,
+                store,
+                self.buffer,
+                dtype=loaded.dtype,
+                device=loaded.device,
+                is_layerwise=cluster.settings.is_layerwise,
+                mover=self._move,
+            )
+            max_blocks = -(
+                -loaded.config.max_position_embeddings // engine_config.block_size_tokens
+            )
+            self.staging = TransportStaging(
+                self.transport,
+                self.identity.layout,
+                max_read_blocks=max_blocks,
+                ring_blocks=max_blocks,
+            )
+        else:
+            llm_engine = LLMEngine(loaded, engine_config, config.store)
+            self.decode = DecodeEngine(llm_engine, self.buffer, mover=self._move)
+        self.remotes: dict[int, TransportRemoteBuffer] = {}
+        self.client = ControlClient(
+            config.scheduler_endpoint, f"engine-{config.engine_id}", config.token
+        )
+        self.last_heard_s = time.monotonic()
+        self.last_report_s = 0.0
+
+    def _move(self, link: str, num_bytes: int, do_move):
+        return self.traffic.move(
+            self._link_names[link],
+            TrafficClass.KV,
+            num_bytes,
+            do_move,
+            timeout_s=self.config.peer_timeout_s,
+        )
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        config = self.config
+        self.client.connect(timeout_s=config.peer_timeout_s)
+        num_kv_blocks = 0 if self.decode is None else self.decode.engine.pool.num_blocks
+        self.client.send(
+            EngineInfo(
+                config.engine_id,
+                config.role,
+                config.node_id,
+                self.transport.__class__.__name__,
+                self.transport.metadata(),
+                msgpack.packb(self.buffer_descriptor.to_dict()),
+                self.buffer.num_slots,
+                num_kv_blocks,
+            )
+        )
+        self.last_heard_s = time.monotonic()
+        try:
+            while True:
+                is_busy = self._work()
+                for msg in self.client.poll(0.0 if is_busy else config.fetch_interval_s):
+                    self._handle(msg)
+                now_s = time.monotonic()
+                if now_s - self.last_heard_s > config.cluster.heartbeat_timeout_s:
+                    logger.error("scheduler silent for %.1f s: exiting", now_s - self.last_heard_s)
+                    return 1
+                if now_s - self.last_report_s >= config.fetch_interval_s:
+                    self._report()
+                    self.last_report_s = now_s
+        except _Stop as stop:
+            logger.info("engine %d stopping: %s", config.engine_id, stop)
+            return 0
+
+    def _handle(self, msg: object) -> None:
+        self.last_heard_s = time.monotonic()
+        if isinstance(msg, Assignment):
+            self._assign(msg)
+        elif isinstance(msg, DecodeReady) and self.prefill is not None:
+            self.prefill.on_decode_ready(msg)
+        elif isinstance(msg, PrefillDone) and self.decode is not None:
+            self.decode.on_prefill_done(msg)
+        elif isinstance(msg, CancelRequest):
+            (self.prefill or self.decode).cancel(msg.request_id)
+        elif isinstance(msg, PeerTable):
+            self._connect_peers(msg)
+        elif isinstance(msg, Shutdown):
+            raise _Stop(f"shutdown: {msg.reason}")
+        elif not isinstance(msg, Heartbeat):
+            logger.warning("unexpected %s", type(msg).__name__)
+
+    def _assign(self, assignment: Assignment) -> None:
+        try:
+            if self.prefill is not None:
+                self.prefill.add(assignment)
+            else:
+                self.decode.add(assignment)
+        except ValueError as exc:
+            self.client.send(RequestFailed(assignment.request_id, str(exc)))
+
+    def _connect_peers(self, table: PeerTable) -> None:
+        if self.prefill is None:
+            return  # the DE is only ever the remote side
+        for info in table.engines:
+            if info.role != DECODE or info.engine_id in self.remotes:
+                continue
+            peer_name = f"engine-{info.engine_id}"
+            self.transport.connect(peer_name, info.transport_metadata)
+            descriptor = BufferDescriptor.from_dict(msgpack.unpackb(info.buffer_descriptor))
+            self.remotes[info.engine_id] = TransportRemoteBuffer(
+                self.staging, peer_name, descriptor, timeout_s=self.config.peer_timeout_s
+            )
+
+    def _work(self) -> bool:
+        """One unit of work; True if there was any (then poll without waiting)."""
+        if self.prefill is not None:
+            batch = self._next_prefill_batch()
+            if not batch:
+                return False
+            try:
+                finished = self.prefill.run_batch(batch, self.remotes.__getitem__)
+            except DualPathError as exc:  # a DE died or timed out mid-transfer
+                logger.error("prefill batch failed: %s", exc)
+                for request in batch:
+                    self.prefill.cancel(request.request_id)
+                    self.client.send(RequestFailed(request.request_id, f"prefill failed: {exc}"))
+                return True
+            for done in finished:
+                self.client.send(done)
+            return True
+        assert self.decode is not None
+        for ready in self.decode.poll_ready():
+            self.client.send(ready)
+        updates = self.decode.step()
+        for update in updates:
+            self.client.send(update)
+        return bool(updates) or self.decode.engine.has_unfinished_requests()
+
+    def _next_prefill_batch(self) -> list[PrefillRequest]:
+        """Ready requests, FIFO, within the step's token budget (at least one)."""
+        assert self.prefill is not None
+        budget = self.config.engine.max_num_batched_tokens
+        batch: list[PrefillRequest] = []
+        for request in self.prefill.ready_requests():
+            if request.assignment.decode_engine_id not in self.remotes:
+                continue  # its DE's transport metadata has not arrived yet
+            if batch and request.num_prompt_tokens > budget:
+                break
+            batch.append(request)
+            budget -= request.num_prompt_tokens
+        return batch
+
+    def _report(self) -> None:
+        engine = self.prefill or self.decode
+        if self.decode is not None:
+            num_seqs, num_tokens = self.decode.num_seqs, self.decode.num_tokens
+            num_free = self.decode.engine.pool.num_free_blocks
+        else:
+            num_seqs, num_tokens, num_free = len(self.prefill.requests), self.prefill.num_tokens, 0
+        self.client.send(
+            EngineReport(
+                self.config.engine_id,
+                num_seqs,
+                num_tokens,
+                num_free,
+                engine.num_queued_read_tokens,
+                self._link_bytes(),
+                self.buffer.num_used_bytes // self.identity.layout.full_block_bytes,
+            )
+        )
+
+    def _link_bytes(self) -> dict[str, int]:
+        counters: dict[str, int] = {}
+        for link in self.traffic.stats().links:
+            for traffic_class, moved in link.class_to_moved_bytes.items():
+                counters[f"{link.name}.{TrafficClass(traffic_class).name.lower()}"] = int(moved)
+        engine = self.prefill or self.decode
+        counters["store_read_bytes"] = engine.num_read_bytes
+        return counters
+
+    def close(self) -> None:
+        for part in (self.prefill, self.decode):
+            if part is not None:
+                part.close()
+        if self.decode is not None:
+            self.decode.engine.close()
+        self.client.close()
+        self.transport.close()
+        if self._limiter is not None:
+            self._limiter.close()
+
+
+def _make_traffic(
+    config: EngineProcessConfig,
+) -> tuple[TrafficManager, dict[str, str], NodeLimiter | None]:
+    """The engine's traffic manager, its short link names ("snic", "cnic") -> link names,
+    and the node-wide SNIC limiter shared with the node's other engines (SPEC §1)."""
+    cluster = config.cluster
+    traffic_config = cluster.traffic
+    if cluster.settings.is_io_free:  # oracle: no link costs anything
+        traffic_config = TrafficConfig()
+    links = engine_link_specs(traffic_config, node_id=config.node_id, engine_id=config.engine_id)
+    clock = MonotonicClock()
+    node_limiters = {}
+    limiter = None
+    if links.snic.is_capped:
+        limiter = NodeLimiter.for_node(config.node_id, links.snic.bandwidth_gbps, clock=clock)
+        node_limiters[links.snic.name] = limiter
+    traffic = TrafficManager(
+        links.all(),
+        clock=clock,
+        weights=traffic_config.class_weights,
+        window_s=traffic_config.utilisation_window_s,
+        gap_fill_s=traffic_config.gap_fill_s,
+        node_limiters=node_limiters,
+    )
+    return traffic, {"snic": links.snic.name, "cnic": links.cnic.name}, limiter

@@ -1,0 +1,112 @@
+"""A DE's KV buffer reached over the PE's transport (NIXL in a cluster): ``RemoteBuffer``.
+
+The PE registers two host staging areas once: one receives a request's DE-side hit Layer
+Blocks for one layer (READ), one is a ring that outgoing Layer Blocks are copied into before
+they are written (WRITE). Transfers are posted per layer with one region per run of Layer
+Blocks. A ring slot is reused only after its write landed, so in-flight data is never
+overwritten; ``flush`` waits for every write.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from dualpath.kv.layout import KVLayout
+from dualpath.transfer.transport import (
+    BufferDescriptor,
+    SlotLayout,
+    TransferHandle,
+    Transport,
+    layer_block_regions,
+)
+
+
+class TransportStaging:
+    """The PE's registered staging memory, shared by every ``TransportRemoteBuffer``."""
+
+    def __init__(
+        self, transport: Transport, layout: KVLayout, *, max_read_blocks: int, ring_blocks: int
+    ) -> None:
+        self.transport = transport
+        self.layout = layout
+        block = layout.layer_block_bytes
+        self.read_area = transport.allocate_host_buffer(max_read_blocks * block)
+        self.read_descriptor = transport.register("pe-read-staging", self.read_area)
+        self.write_ring = transport.allocate_host_buffer(ring_blocks * block)
+        self.write_descriptor = transport.register("pe-write-ring", self.write_ring)
+        self.max_read_blocks = max_read_blocks
+        self.ring_blocks = ring_blocks
+        self.next_ring_block = 0
+        self.in_flight: deque[TransferHandle] = deque()  # writes not yet known to have landed
+
+
+class TransportRemoteBuffer:
+    def __init__(
+        self,
+        staging: TransportStaging,
+        peer_name: str,
+        remote: BufferDescriptor,
+        *,
+        timeout_s: float,
+    ) -> None:
+        self.staging = staging
+        self.transport = staging.transport
+        self.peer_name = peer_name
+        self.remote = remote
+        self.timeout_s = timeout_s
+        self._remote_layout = SlotLayout.full_blocks(staging.layout)
+        self._local_layout = SlotLayout.layer_blocks(staging.layout)
+
+    def read_layer(self, slots: Sequence[int], layer: int, out: np.ndarray) -> None:
+        staging = self.staging
+        block = staging.layout.layer_block_bytes
+        for start in range(0, len(slots), staging.max_read_blocks):
+            chunk = slots[start : start + staging.max_read_blocks]
+            regions = layer_block_regions(
+                layer, self._local_layout, range(len(chunk)), self._remote_layout, chunk
+            )
+            handle = self.transport.read(
+                self.peer_name, staging.read_descriptor, self.remote, regions
+            )
+            self.transport.wait(handle, self.timeout_s)
+            out_bytes = out[start : start + len(chunk)].reshape(-1)
+            out_bytes[...] = staging.read_area[: len(chunk) * block]
+
+    def write_layer(self, slots: Sequence[int], layer: int, data: np.ndarray) -> None:
+        staging = self.staging
+        block = staging.layout.layer_block_bytes
+        for start in range(0, len(slots), staging.ring_blocks):
+            chunk = slots[start : start + staging.ring_blocks]
+            first = self._reserve_ring(len(chunk))
+            ring = staging.write_ring[first * block : (first + len(chunk)) * block]
+            ring[...] = data[start : start + len(chunk)].reshape(-1)
+            regions = layer_block_regions(
+                layer,
+                self._local_layout,
+                range(first, first + len(chunk)),
+                self._remote_layout,
+                chunk,
+            )
+            handle = self.transport.write(
+                self.peer_name, staging.write_descriptor, self.remote, regions
+            )
+            staging.in_flight.append(handle)
+
+    def _reserve_ring(self, num_blocks: int) -> int:
+        """First of ``num_blocks`` contiguous ring blocks. The ring wraps only after every
+        write has landed, so a reservation never overlaps a write in flight."""
+        staging = self.staging
+        if staging.next_ring_block + num_blocks > staging.ring_blocks:
+            self.flush()
+            staging.next_ring_block = 0
+        first = staging.next_ring_block
+        staging.next_ring_block = first + num_blocks
+        return first
+
+    def flush(self) -> None:
+        staging = self.staging
+        while staging.in_flight:
+            self.transport.wait(staging.in_flight.popleft(), self.timeout_s)

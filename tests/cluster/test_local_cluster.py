@@ -1,0 +1,117 @@
+"""A real one-host cluster: the scheduler here, 1 prefill and 2 decode engine processes,
+KV moving over NIXL (UCX on loopback/shared memory), a real store on disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualpath import LLM, SamplingParams
+from dualpath.cluster.launcher import LocalCluster
+from dualpath.config import ClusterConfig, KVStoreConfig
+from tests.helpers import assert_same_tokens
+
+pytest.importorskip("nixl_cu12")
+
+BLOCK = 64
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class _Out:
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+        self.logprobs = None
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("cluster")
+    with LocalCluster(
+        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=2, mode="dualpath"),
+        model_dir=tiny_model_dir,
+        store=KVStoreConfig(root_dir=root / "kv"),
+        log_dir=root / "logs",
+    ) as local:
+        yield local
+
+
+def test_multi_turn_conversations_reuse_kv_and_match_the_single_node_engine(
+    cluster: LocalCluster, tiny_model_dir: Path
+) -> None:
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    contexts = [random_ids(n, seed=n) for n in (1000, 1130, 1270)]
+    hit_ratios: list[list[float]] = [[] for _ in contexts]
+    expected_cached = [0 for _ in contexts]
+    for turn in range(3):
+        outputs = cluster.generate(contexts, params, timeout_s=120)
+        with LLM(tiny_model_dir) as llm:  # full recompute, no store
+            reference = llm.generate([{"prompt_token_ids": c} for c in contexts], params)
+        for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+            assert out.error is None and out.finish_reason == "length"
+            assert_same_tokens(ref, _Out(out.token_ids), label=f"conversation {i} turn {turn}")
+            assert out.num_cached_tokens == expected_cached[i]
+            hit_ratios[i].append(out.num_cached_tokens / len(contexts[i]))
+            # What the DE persisted: every full block of prompt + output but the last token.
+            expected_cached[i] = BLOCK * ((len(contexts[i]) + len(out.token_ids) - 1) // BLOCK)
+            contexts[i] = contexts[i] + out.token_ids + random_ids(20, seed=100 * turn + i)
+    for ratios in hit_ratios:
+        assert ratios[0] == 0.0
+        assert min(ratios[1:]) >= 0.9, ratios
+    # Both read paths carried hit KV: the DEs read some of it from their own nodes' SNICs.
+    link_bytes = cluster.coordinator.link_bytes()
+    decode_reads = sum(link_bytes[e]["store_read_bytes"] for e in (1, 2))
+    assert decode_reads > 0
+
+
+def test_bad_requests_are_refused_before_reaching_an_engine(cluster: LocalCluster) -> None:
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        cluster.submit([1] * 16000, SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="empty"):
+        cluster.submit([], SamplingParams())
+
+
+def test_engines_exit_when_the_launcher_is_killed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from dualpath.cluster.launcher import LocalCluster\n"
+        "from dualpath.config import ClusterConfig, KVStoreConfig\n"
+        f"c = LocalCluster(ClusterConfig(heartbeat_timeout_s=2.0), model_dir=Path({str(tiny_model_dir)!r}),"
+        " store=KVStoreConfig(root_dir=None)).start()\n"
+        "print(' '.join(map(str, c.engine_pids)), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in launcher.stdout.readline().split()]
+    assert len(pids) == 3
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 15
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if _is_running(p)]
+    assert alive == [], f"engine processes {alive} outlived the killed launcher"
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie whose parent died is reaped by init; treat a zombie as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
