@@ -158,7 +158,7 @@ class _EngineProcess:
                 ring_blocks=max_blocks,
             )
         else:
-            llm_engine = LLMEngine(loaded, engine_config, config.store)
+            llm_engine = LLMEngine(loaded, engine_config, config.store, mover=self._move)
             self.decode = DecodeEngine(llm_engine, self.buffer, mover=self._move)
         self.remotes: dict[int, TransportRemoteBuffer] = {}
         self.client = ControlClient(

@@ -26,6 +26,7 @@ from dualpath.cluster.messages import DECODE, PREFILL
 from dualpath.config import ClusterConfig, EngineConfig, KVStoreConfig, SchedulerConfig
 from dualpath.control.channel import new_cluster_token
 from dualpath.model.identity import checkpoint_kv_identity
+from dualpath.transfer.links import check_pd_ratio
 from dualpath.types import SamplingParams
 from dualpath.units import bytes_to_gb, gbps_to_bytes_per_s
 
@@ -85,6 +86,16 @@ class LocalCluster:
             if cluster.traffic.snic_bandwidth_gbps > 0
             else DEFAULT_STORE_READ_BYTES_PER_S
         )
+        traffic = cluster.traffic
+        for warning in check_pd_ratio(
+            cluster.num_prefill_nodes,
+            cluster.num_decode_nodes,
+            num_gpus_per_node=cluster.engines_per_node,
+            snic_bandwidth_gbps=traffic.snic_bandwidth_gbps,
+            cnic_bandwidth_gbps=traffic.cnic_bandwidth_gbps,
+            host_memory_bandwidth_gbps=traffic.host_memory_bandwidth_gbps,
+        ):
+            logger.warning("%s", warning)  # SPEC §5: some link may congest at this P/D ratio
         self.token = new_cluster_token()
         self.coordinator = Coordinator(
             cluster,

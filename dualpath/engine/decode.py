@@ -24,8 +24,8 @@ import numpy as np
 
 from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone, TokenUpdate
 from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.llm import LLMEngine
-from dualpath.engine.prefill import Mover, direct_move
 from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.types import SamplingParams, TokenLogprob, sampling_params_from_dict

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -27,6 +28,14 @@ from dualpath.kv.store import KVStore
 
 logger = logging.getLogger(__name__)
 
+# (link name, number of bytes, the movement) -> what the movement returns. In a cluster it is
+# the engine's traffic manager (accounting and pacing, SPEC §4); alone, a plain call.
+Mover = Callable[[str, int, Callable[[], object]], object]
+
+
+def direct_move(link: str, num_bytes: int, do_move: Callable[[], object]) -> object:
+    return do_move()
+
 
 class KVStoreIO:
     def __init__(
@@ -36,10 +45,12 @@ class KVStoreIO:
         *,
         num_io_threads: int,
         max_pending_write_bytes: int,
+        mover: Mover = direct_move,
     ) -> None:
         self.store = store
         self.cache = cache
         self._max_pending_write_bytes = max_pending_write_bytes
+        self._mover = mover
         self._readers = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kv-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write")
         self._pending: deque[tuple[Future[bool], int]] = deque()
@@ -69,7 +80,8 @@ class KVStoreIO:
     def _read_one(self, key: BlockKey, block_id: int) -> bool:
         host = self.cache.host_view(block_id)
         try:
-            data = self.store.read(key, out=host)
+            nbytes = self.cache.layout.full_block_bytes
+            data = self._mover("snic", nbytes, lambda: self.store.read(key, out=host))
         except KVStoreError as exc:
             logger.warning("block %s unreadable, recomputing from it: %s", key, exc)
             with self._lock:
@@ -90,7 +102,7 @@ class KVStoreIO:
 
     def _write_one(self, key: BlockKey, data: np.ndarray) -> bool:
         try:
-            return self.store.write(key, data)
+            return self._mover("snic", data.nbytes, lambda: self.store.write(key, data))
         except KVStoreError as exc:
             logger.warning("block %s not persisted: %s", key, exc)
             with self._lock:

@@ -27,7 +27,7 @@ import torch
 
 from dualpath.config import EngineConfig, KVStoreConfig
 from dualpath.engine.kv_cache import PagedKVCache
-from dualpath.engine.kv_io import KVStoreIO
+from dualpath.engine.kv_io import KVStoreIO, Mover, direct_move
 from dualpath.engine.runner import ModelRunner, ScheduledSeq
 from dualpath.engine.sampling import SamplingParams, TokenLogprob, make_generator, sample
 from dualpath.engine.sequence import Sequence, SequenceStatus
@@ -77,6 +77,7 @@ class LLMEngine:
         store_config: KVStoreConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
+        mover: Mover = direct_move,
     ) -> None:
         self.loaded = loaded
         self.config = config
@@ -122,6 +123,7 @@ class LLMEngine:
                 self.cache,
                 num_io_threads=config.num_io_threads,
                 max_pending_write_bytes=config.max_pending_write_bytes,
+                mover=mover,
             )
         self.eos_token_ids = model_config.eos_token_ids
         self.waiting: deque[Sequence] = deque()

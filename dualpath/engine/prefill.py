@@ -33,6 +33,7 @@ import torch
 
 from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone
 from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.sampling import make_generator, sample
 from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import BlockKey, block_keys
@@ -76,15 +77,6 @@ class LocalRemoteBuffer:
 
     def flush(self) -> None:
         """Writes land as they are made."""
-
-
-# (link name, number of bytes, the movement) -> what the movement returns. The engine's
-# traffic manager in a cluster; a plain call in tests.
-Mover = Callable[[str, int, Callable[[], object]], object]
-
-
-def direct_move(link: str, num_bytes: int, do_move: Callable[[], object]) -> object:
-    return do_move()
 
 
 @dataclass(eq=False)
