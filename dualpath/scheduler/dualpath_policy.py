@@ -54,6 +54,9 @@ from dualpath.scheduler.topology import ClusterTopology, EngineRole
 # index, len_r = num_decode_tokens, the DE memory it needs in Full Blocks).
 _PlacedOnPrefill = tuple[SchedulerRequest, int, int, int, int]
 
+# Phase 1's load of a DE group whose engines are all lost: no request goes there again.
+_DEAD_GROUP_TOKENS = 1 << 62
+
 _NUM_TOKENS = attrgetter("num_tokens")
 _NUM_SEQS = attrgetter("num_seqs")
 _NUM_FREE_KV_BLOCKS = attrgetter("num_free_kv_blocks")
@@ -92,6 +95,7 @@ class DualPathScheduler:
         self._decode_group_tokens = [0] * num_decode_groups
         # Submitted and not yet DE-placed; rejects a second submit of a waiting id.
         self._waiting_request_ids: dict[int, None] = {}
+        self._dead_engine_ids: set[int] = set()
 
     @property
     def num_waiting_prefill(self) -> int:
@@ -110,6 +114,35 @@ class DualPathScheduler:
         self._cluster.check_request(request)
         self._waiting_request_ids[request.request_id] = None
         self._prefill_queue.append(request)
+
+    def withdraw_engine(self, engine_id: int) -> list[SchedulerRequest]:
+        """See ``Scheduler.withdraw_engine``. A lost PE's requests waiting for a DE are
+        returned; a DE group whose engines are all lost gets no more requests (phase 1 sees
+        it as infinitely loaded) and its private queue goes back to the global queue."""
+        self._dead_engine_ids.add(engine_id)
+        withdrawn: list[SchedulerRequest] = []
+
+        def keep(entry: _PlacedOnPrefill) -> bool:
+            if entry[1] == engine_id:
+                withdrawn.append(entry[0])
+                return False
+            return True
+
+        self._decode_global_queue = deque(filter(keep, self._decode_global_queue))
+        for index, queue in enumerate(self._decode_group_queues):
+            kept = deque(filter(keep, queue))
+            self._decode_group_queued_tokens[index] = sum(entry[3] for entry in kept)
+            self._decode_group_queues[index] = kept
+        for group in self._cluster.decode_groups:
+            if all(e in self._dead_engine_ids for e in group.spec.engine_ids):
+                queue = self._decode_group_queues[group.index]
+                self._decode_global_queue.extendleft(reversed(queue))
+                queue.clear()
+                self._decode_group_queued_tokens[group.index] = 0
+                self._decode_group_tokens[group.index] = _DEAD_GROUP_TOKENS
+        for request in withdrawn:
+            del self._waiting_request_ids[request.request_id]
+        return withdrawn
 
     def fetch_prefill(self, snapshot: GroupSnapshot) -> PrefillFetchResult:
         """A PE group's fetch: Algorithm 1 over the FIFO (SPEC §6).
@@ -177,7 +210,8 @@ class DualPathScheduler:
         """
         group = self._cluster.accept(snapshot, EngineRole.DECODE)
         tokens = list(map(_NUM_TOKENS, snapshot.engines))
-        self._decode_group_tokens[group.index] = sum(tokens)
+        if self._decode_group_tokens[group.index] != _DEAD_GROUP_TOKENS:
+            self._decode_group_tokens[group.index] = sum(tokens)
         self._distribute_global_queue()
         if not self._decode_group_queues[group.index]:
             return EMPTY_DECODE_FETCH_RESULT

@@ -44,6 +44,12 @@ class Scheduler(Protocol):
 
     def fetch_decode(self, snapshot: GroupSnapshot) -> DecodeFetchResult: ...
 
+    def withdraw_engine(self, engine_id: int) -> list[SchedulerRequest]:
+        """Take a lost engine out of service: nothing is placed on it again, and every waiting
+        request already tied to it is removed and returned, in queue order, for the caller
+        to submit again. Requests placed on it earlier are the caller's to fail or retry."""
+        ...
+
 
 def make_scheduler(
     config: SchedulerConfig,

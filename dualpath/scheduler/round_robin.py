@@ -63,6 +63,7 @@ class RoundRobinScheduler:
             deque() for _ in self._cluster.decode_groups
         ]
         self._waiting_request_ids: dict[int, None] = {}
+        self._dead_engine_ids: set[int] = set()
 
     @property
     def num_waiting_prefill(self) -> int:
@@ -78,9 +79,35 @@ class RoundRobinScheduler:
             raise ValueError(f"request {request.request_id} is already waiting")
         self._cluster.check_request(request)
         self._waiting_request_ids[request.request_id] = None
-        engine_id, group_index = self._prefill_engines[self._next_prefill]
-        self._next_prefill = (self._next_prefill + 1) % len(self._prefill_engines)
+        index, _ = self._next_live(self._prefill_engines, self._next_prefill)
+        engine_id, group_index = self._prefill_engines[index]
+        self._next_prefill = (index + 1) % len(self._prefill_engines)
         self._prefill_group_queues[group_index].append((request, engine_id))
+
+    def withdraw_engine(self, engine_id: int) -> list[SchedulerRequest]:
+        """See ``Scheduler.withdraw_engine``: the turn skips the lost engine from now on."""
+        self._dead_engine_ids.add(engine_id)
+        withdrawn: list[SchedulerRequest] = []
+        for queues in (self._prefill_group_queues, self._decode_group_queues):
+            for index, queue in enumerate(queues):
+                kept = deque()
+                for entry in queue:
+                    if engine_id in entry[1:]:
+                        withdrawn.append(entry[0])
+                    else:
+                        kept.append(entry)
+                queues[index] = kept
+        for request in withdrawn:
+            del self._waiting_request_ids[request.request_id]
+        return withdrawn
+
+    def _next_live(self, engines: list[tuple[int, int]], position: int) -> tuple[int, int]:
+        """(index into ``engines`` of the next live engine at or after ``position``, engine)."""
+        for step in range(len(engines)):
+            index = (position + step) % len(engines)
+            if engines[index][0] not in self._dead_engine_ids:
+                return index, engines[index][0]
+        raise RuntimeError("caller bug: every engine of a role was withdrawn")
 
     def fetch_prefill(self, snapshot: GroupSnapshot) -> PrefillFetchResult:
         """Every request waiting for this group's PEs; each then takes the next DE."""
@@ -89,8 +116,9 @@ class RoundRobinScheduler:
         request_ids, prefill_engine_ids = [], []
         while queue:
             request, prefill_engine_id = queue.popleft()
-            decode_engine_id, decode_group_index = self._decode_engines[self._next_decode]
-            self._next_decode = (self._next_decode + 1) % len(self._decode_engines)
+            index, _ = self._next_live(self._decode_engines, self._next_decode)
+            decode_engine_id, decode_group_index = self._decode_engines[index]
+            self._next_decode = (index + 1) % len(self._decode_engines)
             self._decode_group_queues[decode_group_index].append(
                 (request, prefill_engine_id, decode_engine_id)
             )
