@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench-store clean
+.PHONY: run test lint format bench-store gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,19 +18,24 @@ run: $(STAMP)
 	$(BIN)/dualpath demo
 
 test: $(STAMP)
-	$(BIN)/ruff check dualpath tests
-	$(BIN)/ruff format --check dualpath tests
+	$(BIN)/ruff check dualpath tests scripts
+	$(BIN)/ruff format --check dualpath tests scripts
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check dualpath tests
+	$(BIN)/ruff check dualpath tests scripts
 
 format: $(STAMP)
-	$(BIN)/ruff format dualpath tests
-	$(BIN)/ruff check --fix dualpath tests
+	$(BIN)/ruff format dualpath tests scripts
+	$(BIN)/ruff check --fix dualpath tests scripts
 
 bench-store: $(STAMP)
 	$(BIN)/dualpath bench store --json results/store_read.json
+
+# On a machine with a CUDA GPU (about 5 minutes): parity, disaggregated engines, NIXL VRAM,
+# throughput. Writes results/gpu_check.json.
+gpu-check: $(STAMP)
+	NIXL_LOG_LEVEL=WARN $(BIN)/python scripts/gpu_check.py --json results/gpu_check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
