@@ -13,10 +13,23 @@ larger than the whole buffer is refused up front, so waiting can never deadlock.
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 
+from dualpath.errors import KVStoreError
 from dualpath.kv.block_pool import BlockPool
+from dualpath.kv.hashing import BlockKey
 from dualpath.kv.layout import KVLayout
+from dualpath.kv.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+# (link name, number of bytes, the movement) -> what the movement returns (see kv_io.Mover).
+_Mover = Callable[[str, int, Callable[[], object]], object]
 
 
 class KVBuffer:
@@ -66,3 +79,40 @@ class KVBuffer:
 
     def layer_offset_bytes(self, slot: int, layer: int) -> int:
         return (slot * self.layout.num_layers + layer) * self.layout.layer_block_bytes
+
+
+class StoreReader:
+    """Reads hit Full Blocks from the store into buffer slots on a thread pool, through the
+    node's SNIC (the mover), counting the bytes: either engine's side of SPEC §2's reads."""
+
+    def __init__(
+        self, store: KVStore | None, buffer: KVBuffer, mover: _Mover, *, num_threads: int, name: str
+    ) -> None:
+        self.store = store
+        self.buffer = buffer
+        self.mover = mover
+        self.num_read_bytes = 0  # hit-KV bytes read so far (this side's path_bytes)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix=name)
+
+    def submit(self, keys: Sequence[BlockKey], slots: Sequence[int], what: str) -> Future[int]:
+        """Read ``keys[i]`` into slot ``slots[i]``; the future gives how many leading blocks
+        were read. A block that cannot be read stops the run there (it is recomputed)."""
+        return self._pool.submit(self._read, list(keys), list(slots), what)
+
+    def _read(self, keys: list[BlockKey], slots: list[int], what: str) -> int:
+        for index, (key, slot) in enumerate(zip(keys, slots, strict=True)):
+            out = self.buffer.full_block(slot)
+            try:
+                self.mover("snic", out.nbytes, lambda key=key, out=out: self.store.read(key, out))
+            except KVStoreError as exc:
+                logger.warning(
+                    "%s: block %d unreadable, recomputed from there: %s", what, index, exc
+                )
+                return index
+            with self._lock:
+                self.num_read_bytes += out.nbytes
+        return len(keys)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -16,17 +16,15 @@ waits for free device blocks before it is adopted; both are released as requests
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone, TokenUpdate
-from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.buffers import KVBuffer, StoreReader
 from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.llm import LLMEngine
-from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.types import SamplingParams, TokenLogprob, sampling_params_from_dict
 
@@ -66,12 +64,11 @@ class DecodeEngine:
         self.block_size = engine.block_size
         self.store = None if engine.store_io is None else engine.store_io.store
         self.mover = mover
-        self._readers = ThreadPoolExecutor(num_io_threads, thread_name_prefix="de-read")
+        self.reader = StoreReader(
+            self.store, buffer, mover, num_threads=num_io_threads, name="de-read"
+        )
         self.requests: dict[int, DecodeRequest] = {}
         self._waiting_for_buffer: list[DecodeRequest] = []
-        # Hit-KV bytes this engine read from the store (the DE read path's share).
-        self.num_read_bytes = 0
-        self._count_lock = threading.Lock()
         self._num_cached_tokens: dict[int, int] = {}
 
     def add(self, assignment: Assignment) -> None:
@@ -94,26 +91,13 @@ class DecodeEngine:
                 return  # back-pressure: wait for a finishing request to free slots
             self._waiting_for_buffer.pop(0)
             request.slots = slots
-            request.reads = self._readers.submit(self._read_blocks, request)
-
-    def _read_blocks(self, request: DecodeRequest) -> int:
-        first = request.assignment.num_prefill_side_blocks
-        for index in range(first, request.assignment.num_hit_blocks):
-            out = self.buffer.full_block(request.slots[index])
-            key = request.keys[index]
-            try:
-                self.mover("snic", out.nbytes, lambda key=key, out=out: self.store.read(key, out))
-            except KVStoreError as exc:
-                logger.warning(
-                    "request %d: DE-side block %d unreadable, the PE recomputes from it: %s",
-                    request.request_id,
-                    index,
-                    exc,
-                )
-                return index - first
-            with self._count_lock:
-                self.num_read_bytes += out.nbytes
-        return request.assignment.num_decode_side_blocks
+            first, end = (
+                request.assignment.num_prefill_side_blocks,
+                request.assignment.num_hit_blocks,
+            )
+            request.reads = self.reader.submit(
+                request.keys[first:end], slots[first:end], f"request {request.request_id} DE side"
+            )
 
     def poll_ready(self) -> list[DecodeReady]:
         """DecodeReady for every request whose slots and DE-side reads are done."""
@@ -221,5 +205,9 @@ class DecodeEngine:
     def num_seqs(self) -> int:
         return len(self.requests) + len(self.engine.running) + len(self.engine.waiting)
 
+    @property
+    def num_read_bytes(self) -> int:
+        return self.reader.num_read_bytes
+
     def close(self) -> None:
-        self._readers.shutdown(wait=True)
+        self.reader.close()

@@ -21,9 +21,8 @@ in one process), so this module does no networking of its own.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -32,10 +31,9 @@ import numpy as np
 import torch
 
 from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone
-from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.buffers import KVBuffer, StoreReader
 from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.sampling import make_generator, sample
-from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
@@ -134,12 +132,9 @@ class PrefillEngine:
         self.device = device
         self.is_layerwise = is_layerwise
         self.mover = mover
-        self._readers = ThreadPoolExecutor(num_io_threads, thread_name_prefix="pe-read")
+        self.reader = StoreReader(store, buffer, mover, num_threads=num_io_threads, name="pe-read")
         self.requests: dict[int, PrefillRequest] = {}
         self._waiting_for_buffer: list[PrefillRequest] = []
-        # Hit-KV bytes this engine read from the store (the PE read path's share).
-        self.num_read_bytes = 0
-        self._count_lock = threading.Lock()
         config = model.config
         self._kv_shape = (2, config.num_kv_heads, config.head_dim)
 
@@ -172,25 +167,9 @@ class PrefillEngine:
                 return
             self._waiting_for_buffer.pop(0)
             request.pe_slots = slots
-            request.reads = self._readers.submit(self._read_blocks, request)
-
-    def _read_blocks(self, request: PrefillRequest) -> int:
-        for index, slot in enumerate(request.pe_slots):
-            out = self.buffer.full_block(slot)
-            key = request.keys[index]
-            try:
-                self.mover("snic", out.nbytes, lambda key=key, out=out: self.store.read(key, out))
-            except KVStoreError as exc:
-                logger.warning(
-                    "request %d: PE-side block %d unreadable, recomputing from it: %s",
-                    request.request_id,
-                    index,
-                    exc,
-                )
-                return index
-            with self._count_lock:
-                self.num_read_bytes += out.nbytes
-        return len(request.pe_slots)
+            request.reads = self.reader.submit(
+                request.keys[: len(slots)], slots, f"request {request.request_id} PE side"
+            )
 
     def on_decode_ready(self, msg: DecodeReady) -> None:
         request = self.requests.get(msg.request_id)
@@ -361,5 +340,9 @@ class PrefillEngine:
             ),
         )
 
+    @property
+    def num_read_bytes(self) -> int:
+        return self.reader.num_read_bytes
+
     def close(self) -> None:
-        self._readers.shutdown(wait=True)
+        self.reader.close()
