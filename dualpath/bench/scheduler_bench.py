@@ -1,7 +1,8 @@
 """Scheduler throughput: pure-policy placements per second at cluster scale (issue #3).
 
 Run: ``dualpath bench scheduler [--engines 1152] [--json OUT]`` (or
-``python -m dualpath.bench.scheduler_bench`` with the same flags).
+``python -m dualpath.bench.scheduler_bench`` with the same flags). With ``--wire`` it runs the
+real scheduler process over its control channel instead (``dualpath.bench.scheduler_wire``).
 
 A *placement* is one request taken all the way through the policy: ``submit`` into the FIFO,
 its PE chosen by a PE group's fetch (Algorithm 1), its DE group (phase 1) and DE (phase 2)
@@ -301,10 +302,20 @@ def _make_snapshots(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wire",
+        action="store_true",
+        help="drive the real scheduler process over ZeroMQ from simulated group leaders",
+    )
     # 1,152 = the paper's 48P96D at 8 GPUs per node (SPEC §7, scale).
     parser.add_argument("--engines", type=int, default=1152, help="engines (GPUs) in total")
     parser.add_argument("--engines-per-node", type=int, default=8)
-    parser.add_argument("--nodes-per-group", type=int, default=2)
+    parser.add_argument(
+        "--nodes-per-group",
+        type=int,
+        default=None,
+        help="default 2; 1 with --wire (one leader per node: 144 leaders at 48P96D)",
+    )
     # Deep enough that setup and the last, part-empty fetches do not show in the rate.
     parser.add_argument("--queue-depth", type=int, default=100_000, help="requests to place")
     parser.add_argument("--scheduler", default="dualpath", choices=SCHEDULER_NAMES)
@@ -312,13 +323,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of the same queue; best")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    # Imported here, not at the top: scheduler_wire imports this module's constants.
+    from dualpath.bench import scheduler_wire
+
+    scheduler_wire.add_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.wire:
+        from dualpath.bench import scheduler_wire
+
+        num_nodes = args.engines // args.engines_per_node
+        if args.engines % args.engines_per_node or num_nodes % PREFILL_NODE_SHARE:
+            raise ValueError(
+                f"--engines must be a multiple of {args.engines_per_node * PREFILL_NODE_SHARE} "
+                f"(whole nodes at 1P:2D), got {args.engines}"
+            )
+        return scheduler_wire.main(
+            args,
+            num_prefill_nodes=num_nodes // PREFILL_NODE_SHARE,
+            num_decode_nodes=num_nodes - num_nodes // PREFILL_NODE_SHARE,
+            nodes_per_group=1 if args.nodes_per_group is None else args.nodes_per_group,
+        )
     result = run_scheduler_bench(
         num_engines=args.engines,
         engines_per_node=args.engines_per_node,
-        nodes_per_group=args.nodes_per_group,
+        nodes_per_group=2 if args.nodes_per_group is None else args.nodes_per_group,
         queue_depth=args.queue_depth,
         scheduler=args.scheduler,
         read_path=args.read_path,

@@ -1,19 +1,22 @@
 """The scheduler process: places requests on (PE, DE) pairs and relays the engines' messages.
 
-It runs the pure policy of ``dualpath.scheduler`` unchanged. Engine group leaders pull: each
-``EngineReport`` from a group's leading engine is that group's fetch (SPEC §6), answered with
-``Assignment``s once a request's pair and read plan are fixed. The engines of a group report
-individually here and the group snapshot is assembled from their latest reports (on one host
-the leader would only forward them).
+It runs the pure policy of ``dualpath.scheduler`` unchanged. Engine group leaders pull: a
+``GroupReport`` from a group's leader, or an ``EngineReport`` from a group's leading engine, is
+that group's fetch (SPEC §6), answered with ``Assignment``s once a request's pair and read plan
+are fixed. Engines that speak for themselves report individually and the group snapshot is
+assembled from their latest reports; a leader that speaks for its group (``GroupInfo``, then
+``GroupReport``s) sends them all at once, and receives everything meant for its engines
+(``dualpath.cluster.messages`` has the protocol).
 
     coordinator = Coordinator(cluster_config, scheduler_config, identity, store_root, token)
     request_id = coordinator.submit(prompt_token_ids, params)   # thread-safe
     coordinator.run_once(timeout_s=0.01)                          # in the serving loop
     for event in coordinator.drain_events(): ...                 # tokens, finishes, failures
 
-An engine that stops reporting for ``heartbeat_timeout_s`` is declared dead: the policy sees it
-as overloaded (a PE above beta, a DE with no free memory) so nothing more is placed on it, and
-its in-flight requests fail with a message that names it.
+An engine that stops reporting for ``heartbeat_timeout_s`` is declared dead (checked once per
+heartbeat period, ``heartbeat_timeout_s / 4``): the policy sees it as overloaded (a PE above
+beta, a DE with no free memory) so nothing more is placed on it, and its in-flight requests
+fail with a message that names it.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import itertools
 import logging
 import queue
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.cluster.messages import (
@@ -35,6 +39,8 @@ from dualpath.cluster.messages import (
     DecodeReady,
     EngineInfo,
     EngineReport,
+    GroupInfo,
+    GroupReport,
     Heartbeat,
     PeerTable,
     PrefillDone,
@@ -49,6 +55,7 @@ from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore, KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.scheduler import (
+    EngineGroupSpec,
     EngineRole,
     EngineSnapshot,
     GroupSnapshot,
@@ -90,12 +97,41 @@ class _RequestState:
 
 
 @dataclass
+class _Client:
+    """A control client that speaks for engines: itself, or its group (a leader). Hearing
+    from it keeps all of them alive, so a group report refreshes every engine at once."""
+
+    client_id: str
+    last_seen_s: float
+
+
+@dataclass
 class _EngineState:
     info: EngineInfo
-    last_seen_s: float
-    report: EngineReport | None = None
+    client: _Client
     is_alive: bool = True
-    link_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _GroupState:
+    """A group's latest reported load (SPEC §6), one entry per engine in topology order.
+
+    Both report kinds write here: an ``EngineReport`` one entry, a ``GroupReport`` all of
+    them. An engine that has not reported since it joined, or is dead, is not usable.
+    """
+
+    spec: EngineGroupSpec
+    # Per node of the group: (node_id, first engine position, end position); a group's
+    # engines are listed node by node.
+    node_slices: tuple[tuple[int, int, int], ...]
+    num_seqs: list[int]
+    num_tokens: list[int]
+    num_free_kv_blocks: list[int]
+    read_queue_tokens: list[int]
+    is_usable: list[bool]
+    link_bytes: list[dict[str, int]]  # cumulative counters, for metrics and benchmarks
+    # The leader's client when the group joined through one (GroupInfo); only it may report.
+    leader_client_id: str | None = None
 
 
 class Coordinator:
@@ -126,14 +162,41 @@ class Coordinator:
         self.server = ControlServer(cluster.control_endpoint, token)
         self.endpoint = self.server.endpoint
         self._engine_id_to_node = {e: n.node_id for n in self.topology.nodes for e in n.engine_ids}
-        self._engine_id_to_group = {e: g for g in self.topology.groups for e in g.engine_ids}
+        self._group_id_to_state = {
+            g.group_id: self._new_group_state(g) for g in self.topology.groups
+        }
+        self._engine_id_to_group = {
+            e: self._group_id_to_state[g.group_id]
+            for g in self.topology.groups
+            for e in g.engine_ids
+        }
         self._engines: dict[int, _EngineState] = {}
+        self._is_peer_table_stale = False  # membership changed: announce once this loop turn
         self._requests: dict[int, _RequestState] = {}
         self._submissions: queue.SimpleQueue[_RequestState] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[RequestEvent] = queue.SimpleQueue()
         self._request_ids = itertools.count()
         self._last_heartbeat_s = 0.0
         self.num_assigned = 0
+
+    def _new_group_state(self, spec: EngineGroupSpec) -> _GroupState:
+        num_engines_of_node = Counter(self._engine_id_to_node[e] for e in spec.engine_ids)
+        node_slices, first = [], 0
+        for node_id in spec.node_ids:  # a group lists its engines node by node
+            end = first + num_engines_of_node[node_id]
+            node_slices.append((node_id, first, end))
+            first = end
+        num_engines = len(spec.engine_ids)
+        return _GroupState(
+            spec,
+            tuple(node_slices),
+            num_seqs=[0] * num_engines,
+            num_tokens=[0] * num_engines,
+            num_free_kv_blocks=[0] * num_engines,
+            read_queue_tokens=[0] * num_engines,
+            is_usable=[False] * num_engines,
+            link_bytes=[{} for _ in range(num_engines)],
+        )
 
     # --- the serving side (any thread) ------------------------------------------------------
 
@@ -186,7 +249,11 @@ class Coordinator:
 
     def link_bytes(self) -> dict[int, dict[str, int]]:
         """Latest cumulative link byte counters reported by each engine."""
-        return {engine_id: dict(e.link_bytes) for engine_id, e in self._engines.items()}
+        link_bytes = {}
+        for engine_id in self._engines:
+            group = self._engine_id_to_group[engine_id]
+            link_bytes[engine_id] = dict(group.link_bytes[group.spec.engine_ids.index(engine_id)])
+        return link_bytes
 
     # --- the loop (one thread) --------------------------------------------------------------
 
@@ -209,21 +276,27 @@ class Coordinator:
         for client_id, msg in self.server.poll(timeout_s):
             self._handle(client_id, msg)
         self._check_liveness()
+        if self._is_peer_table_stale:
+            self._is_peer_table_stale = False
+            self._broadcast(PeerTable(tuple(e.info for e in self._engines.values() if e.is_alive)))
 
     def _handle(self, client_id: str, msg: object) -> None:
         now_s = self.clock()
         if isinstance(msg, EngineInfo):
             self._register(client_id, msg, now_s)
             return
+        if isinstance(msg, GroupInfo):
+            self._register_group(client_id, msg, now_s)
+            return
         engine = self._engines.get(_engine_id_of(client_id))
         if engine is None or not engine.is_alive:
             logger.warning("ignoring %s from unregistered %s", type(msg).__name__, client_id)
             return
-        engine.last_seen_s = now_s
-        if isinstance(msg, EngineReport):
-            engine.report = msg
-            engine.link_bytes = msg.link_bytes
-            self._fetch_if_leader(engine.info.engine_id)
+        engine.client.last_seen_s = now_s
+        if isinstance(msg, GroupReport):
+            self._on_group_report(client_id, msg)
+        elif isinstance(msg, EngineReport):
+            self._on_engine_report(engine, msg)
         elif isinstance(msg, DecodeReady):
             self._relay(msg.request_id, msg, to_prefill=True)
         elif isinstance(msg, PrefillDone):
@@ -251,31 +324,99 @@ class Coordinator:
             logger.warning("unexpected %s from %s", type(msg).__name__, client_id)
 
     def _register(self, client_id: str, info: EngineInfo, now_s: float) -> None:
-        expected_node = self._engine_id_to_node.get(info.engine_id)
-        if expected_node is None or expected_node != info.node_id:
-            logger.error("engine %s does not fit the topology (node %s)", info, expected_node)
-            self.server.send(client_id, Shutdown(f"engine {info.engine_id} not in the topology"))
+        problem = self._topology_problem(info)
+        if problem is not None:
+            logger.error("engine %s does not fit the topology: %s", info, problem)
+            self.server.send(client_id, Shutdown(problem))
             return
+        self._engine_id_to_group[info.engine_id].leader_client_id = None  # reports on its own
+        self._join(info, _Client(client_id, now_s))
+        logger.info("engine %d (%s, node %d) joined", info.engine_id, info.role, info.node_id)
+
+    def _register_group(self, client_id: str, group_info: GroupInfo, now_s: float) -> None:
+        """A leader joins its whole group: the group's engines, in order, from its own client."""
+        engine_ids = tuple(info.engine_id for info in group_info.engines)
+        group = self._engine_id_to_group.get(engine_ids[0]) if engine_ids else None
+        if group is None or engine_ids != group.spec.engine_ids:
+            problem = f"engines {engine_ids} are not one group of the topology"
+        elif client_id != _client_id(engine_ids[0]):
+            problem = (
+                f"group {group.spec.group_id} joins through its leader {_client_id(engine_ids[0])}"
+            )
+        else:
+            problem = next(filter(None, map(self._topology_problem, group_info.engines)), None)
+        if problem is not None:
+            logger.error("group from %s does not fit the topology: %s", client_id, problem)
+            self.server.send(client_id, Shutdown(problem))
+            return
+        group.leader_client_id = client_id
+        client = _Client(client_id, now_s)
+        for info in group_info.engines:
+            self._join(info, client)
+        logger.info(
+            "group %d (%s, %d engines) joined through %s",
+            group.spec.group_id,
+            group_info.engines[0].role,
+            len(engine_ids),
+            client_id,
+        )
+
+    def _topology_problem(self, info: EngineInfo) -> str | None:
+        """Why the engine does not fit the topology, or None if it does."""
+        if self._engine_id_to_node.get(info.engine_id) != info.node_id:
+            return f"engine {info.engine_id} not in the topology (as node {info.node_id})"
         expected_role = (
             PREFILL
-            if self._engine_id_to_group[info.engine_id].role == EngineRole.PREFILL
+            if self._engine_id_to_group[info.engine_id].spec.role == EngineRole.PREFILL
             else DECODE
         )
         if info.role != expected_role:
-            self.server.send(
-                client_id, Shutdown(f"engine {info.engine_id} must be {expected_role}")
-            )
-            return
-        self._engines[info.engine_id] = _EngineState(info, now_s)
-        logger.info("engine %d (%s, node %d) joined", info.engine_id, info.role, info.node_id)
-        self._broadcast(PeerTable(tuple(e.info for e in self._engines.values() if e.is_alive)))
+            return f"engine {info.engine_id} must be {expected_role}"
+        return None
 
-    def _fetch_if_leader(self, engine_id: int) -> None:
+    def _join(self, info: EngineInfo, client: _Client) -> None:
+        self._engines[info.engine_id] = _EngineState(info, client)
+        group = self._engine_id_to_group[info.engine_id]
+        group.is_usable[group.spec.engine_ids.index(info.engine_id)] = False  # until it reports
+        self._is_peer_table_stale = True
+
+    def _on_engine_report(self, engine: _EngineState, report: EngineReport) -> None:
+        engine_id = engine.info.engine_id  # the sender's, whatever the report says
         group = self._engine_id_to_group[engine_id]
-        if group.engine_ids[0] != engine_id:
+        position = group.spec.engine_ids.index(engine_id)
+        group.link_bytes[position] = report.link_bytes
+        group.num_seqs[position] = report.num_seqs
+        group.num_tokens[position] = report.num_tokens
+        group.num_free_kv_blocks[position] = report.num_free_kv_blocks
+        group.read_queue_tokens[position] = report.read_queue_tokens
+        group.is_usable[position] = True
+        if position == 0:  # the group's leading engine: its report is the group's fetch
+            self._fetch(group)
+
+    def _on_group_report(self, client_id: str, report: GroupReport) -> None:
+        """Every engine's load at once, then the group's fetch (SPEC §6). The sender's client
+        speaks for the whole group, so hearing from it kept every engine alive already."""
+        group = self._group_id_to_state.get(report.group_id)
+        if (
+            group is None
+            or group.leader_client_id != client_id
+            or report.engine_ids != group.spec.engine_ids
+        ):
+            logger.warning("ignoring a report of group %d from %s", report.group_id, client_id)
             return
+        group.num_seqs[:] = report.num_seqs
+        group.num_tokens[:] = report.num_tokens
+        group.num_free_kv_blocks[:] = report.num_free_kv_blocks
+        group.read_queue_tokens[:] = report.read_queue_tokens
+        if report.link_bytes:  # the leader may send its counters less often
+            group.link_bytes[:] = report.link_bytes
+        if not all(group.is_usable):  # the first report since joining, or an engine is dead
+            group.is_usable[:] = [self._is_alive(e) for e in group.spec.engine_ids]
+        self._fetch(group)
+
+    def _fetch(self, group: _GroupState) -> None:
         snapshot = self._group_snapshot(group)
-        if group.role == EngineRole.PREFILL:
+        if group.spec.role == EngineRole.PREFILL:
             self.policy.fetch_prefill(snapshot)  # placed requests wait for their DE placement
             return
         result = self.policy.fetch_decode(snapshot)
@@ -290,25 +431,33 @@ class Coordinator:
                 request_id, pe, de, plan.num_prefill_side_blocks, plan.num_decode_side_blocks
             )
 
-    def _group_snapshot(self, group) -> GroupSnapshot:
-        engines = []
-        node_read_tokens = dict.fromkeys(group.node_ids, 0)
-        for engine_id in group.engine_ids:
-            state = self._engines.get(engine_id)
-            report = None if state is None else state.report
-            is_usable = state is not None and state.is_alive
-            if report is None or not is_usable:
-                # Not joined yet, or dead: never chosen (a PE above beta, a DE without memory).
-                engines.append(EngineSnapshot(engine_id, 0, _DEAD_ENGINE_TOKENS, 0))
-                continue
-            engines.append(
-                EngineSnapshot(
-                    engine_id, report.num_seqs, report.num_tokens, report.num_free_kv_blocks
-                )
-            )
-            node_read_tokens[self._engine_id_to_node[engine_id]] += report.read_queue_tokens
-        nodes = tuple(NodeSnapshot(n, node_read_tokens[n]) for n in group.node_ids)
-        return GroupSnapshot(group.group_id, tuple(engines), nodes)
+    def _group_snapshot(self, group: _GroupState) -> GroupSnapshot:
+        num_seqs, num_tokens = group.num_seqs, group.num_tokens
+        num_free_kv_blocks, read_queue_tokens = group.num_free_kv_blocks, group.read_queue_tokens
+        if not all(group.is_usable):
+            # Not joined or not reported yet, or dead: never chosen (a PE above beta, a DE
+            # without memory), and its read queue is not counted.
+            usable = group.is_usable
+            num_seqs = [n if ok else 0 for n, ok in zip(num_seqs, usable, strict=True)]
+            num_tokens = [
+                n if ok else _DEAD_ENGINE_TOKENS for n, ok in zip(num_tokens, usable, strict=True)
+            ]
+            num_free_kv_blocks = [
+                n if ok else 0 for n, ok in zip(num_free_kv_blocks, usable, strict=True)
+            ]
+            read_queue_tokens = [
+                n if ok else 0 for n, ok in zip(read_queue_tokens, usable, strict=True)
+            ]
+        engines = tuple(
+            map(EngineSnapshot, group.spec.engine_ids, num_seqs, num_tokens, num_free_kv_blocks)
+        )
+        nodes = tuple(
+            [  # a list, not a generator: this runs on every fetch
+                NodeSnapshot(node_id, sum(read_queue_tokens[first:end]))
+                for node_id, first, end in group.node_slices
+            ]
+        )
+        return GroupSnapshot(group.spec.group_id, engines, nodes)
 
     def _assign(
         self, request_id: int, pe: int, de: int, num_pe_blocks: int, num_de_blocks: int
@@ -327,8 +476,8 @@ class Coordinator:
             decode_engine_id=de,
         )
         try:
-            self.server.send(_client_id(de), assignment)
-            self.server.send(_client_id(pe), assignment)
+            self._send_to_engine(de, assignment)
+            self._send_to_engine(pe, assignment)
         except PeerUnavailable as exc:
             self._fail(request_id, f"engine unavailable at assignment: {exc}")
             return
@@ -340,7 +489,7 @@ class Coordinator:
             return
         target = state.prefill_engine_id if to_prefill else state.decode_engine_id
         try:
-            self.server.send(_client_id(target), msg)
+            self._send_to_engine(target, msg)
         except PeerUnavailable as exc:
             self._fail(request_id, str(exc))
 
@@ -368,7 +517,7 @@ class Coordinator:
         for engine_id in (state.prefill_engine_id, state.decode_engine_id):
             if engine_id is not None:
                 with contextlib.suppress(PeerUnavailable):  # a dead engine frees nothing
-                    self.server.send(_client_id(engine_id), CancelRequest(request_id))
+                    self._send_to_engine(engine_id, CancelRequest(request_id))
 
     def _fail(self, request_id: int, reason: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -380,37 +529,52 @@ class Coordinator:
         )
         for engine_id in (state.prefill_engine_id, state.decode_engine_id):
             if engine_id is not None and self._is_alive(engine_id):
-                self.server.send(_client_id(engine_id), CancelRequest(request_id))
+                self._send_to_engine(engine_id, CancelRequest(request_id))
 
     def _is_alive(self, engine_id: int) -> bool:
         state = self._engines.get(engine_id)
         return state is not None and state.is_alive
 
     def _check_liveness(self) -> None:
+        """Once per heartbeat period, not per loop turn: a turn takes about a millisecond at
+        scale, and this walks every engine (1,152 at 48P96D)."""
         now_s = self.clock()
         timeout_s = self.cluster.heartbeat_timeout_s
+        if now_s - self._last_heartbeat_s < timeout_s / 4:
+            return
+        self._last_heartbeat_s = now_s
         for engine_id, state in self._engines.items():
-            if state.is_alive and now_s - state.last_seen_s > timeout_s:
-                self._declare_dead(engine_id, f"no report for {now_s - state.last_seen_s:.1f} s")
-        if now_s - self._last_heartbeat_s >= timeout_s / 4:
-            self._last_heartbeat_s = now_s
-            self._broadcast(Heartbeat(self.num_live_engines))
+            silent_s = now_s - state.client.last_seen_s
+            if state.is_alive and silent_s > timeout_s:
+                self._declare_dead(engine_id, f"no report for {silent_s:.1f} s")
+        self._broadcast(Heartbeat(self.num_live_engines))
 
     def _declare_dead(self, engine_id: int, why: str) -> None:
         state = self._engines[engine_id]
         state.is_alive = False
-        self.server.forget(_client_id(engine_id))
+        group = self._engine_id_to_group[engine_id]
+        group.is_usable[group.spec.engine_ids.index(engine_id)] = False
+        if not any(e.is_alive and e.client is state.client for e in self._engines.values()):
+            self.server.forget(state.client.client_id)  # it speaks for no live engine any more
         logger.error("engine %d declared dead: %s", engine_id, why)
         for request_id, request in list(self._requests.items()):
             if engine_id in (request.prefill_engine_id, request.decode_engine_id):
                 self._fail(request_id, f"engine {engine_id} ({state.info.role}) died: {why}")
-        self._broadcast(PeerTable(tuple(e.info for e in self._engines.values() if e.is_alive)))
+        self._is_peer_table_stale = True
+
+    def _send_to_engine(self, engine_id: int, msg: object) -> None:
+        """Send to the client that speaks for the engine; ``PeerUnavailable`` if none does."""
+        state = self._engines.get(engine_id)
+        if state is None:
+            raise PeerUnavailable(f"engine {engine_id} has not joined")
+        self.server.send(state.client.client_id, msg)
 
     def _broadcast(self, msg: object) -> None:
-        for engine_id, state in self._engines.items():
-            if state.is_alive:
-                with contextlib.suppress(PeerUnavailable):  # not welcomed yet
-                    self.server.send(_client_id(engine_id), msg)
+        """Send to every client that speaks for a live engine, once each."""
+        client_ids = dict.fromkeys(s.client.client_id for s in self._engines.values() if s.is_alive)
+        for client_id in client_ids:
+            with contextlib.suppress(PeerUnavailable):  # not welcomed yet
+                self.server.send(client_id, msg)
 
     def shutdown(self, reason: str = "cluster stopping") -> None:
         self._broadcast(Shutdown(reason))

@@ -2,7 +2,7 @@
 
 A request's life on the wire::
 
-    engine  --EngineInfo-->  scheduler  --PeerTable-->  every engine       (membership)
+    engine  --EngineInfo-->  scheduler  --PeerTable-->  every client       (membership)
     engine  --EngineReport--> scheduler  (every fetch interval: the pull, SPEC §6)
     scheduler --Assignment--> PE and DE  (pair and LoadPlan fixed; reads start)
     DE --DecodeReady--> scheduler --> PE (DE buffer slots known, DE-side hit KV in them)
@@ -10,10 +10,26 @@ A request's life on the wire::
     DE --TokenUpdate--> scheduler        (streamed tokens; the last one carries finish_reason)
 
 A request is sent in full once (``Assignment``); everything after carries only its id.
+
+Two ways to join. An engine may speak for itself: its control client is ``engine-<id>``, it
+sends one ``EngineInfo`` and an ``EngineReport`` every fetch interval, and the report of a
+group's first engine (its leader) is the group's fetch. Or a group's leader speaks for the
+whole group (SPEC §6: "only the group's leader talks to the scheduler"), which is what keeps a
+1,152-engine cluster at 144 clients::
+
+    leader  --GroupInfo-->   scheduler  (once: every engine of the group, in topology order)
+    leader  --GroupReport--> scheduler  (every fetch interval: the whole group's state; a fetch)
+    scheduler --Assignment, DecodeReady, PrefillDone, CancelRequest--> leader
+                                        (the leader hands each to the engine it names)
+
+The leader's client is ``engine-<leader id>``. Everything the scheduler sends to one of the
+group's engines goes to the leader's client, and ``PeerTable``, ``Heartbeat`` and
+``Shutdown`` reach each client once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +75,91 @@ class EngineReport:
     # Cumulative bytes by "link.class.direction", for metrics and benchmarks.
     link_bytes: dict[str, int]
     num_buffer_slots_used: int
+
+
+@message("group-info")
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """Sent once by a group's leader after the hello: every engine of its group, in the
+    topology's order (the leader first). Joins them all, as one ``EngineInfo`` each would."""
+
+    engines: tuple[EngineInfo, ...]
+
+
+@message("group-report")
+@dataclass(frozen=True, slots=True)
+class GroupReport:
+    """A group leader's report at a fetch: every engine's ``EngineReport``, as columns.
+
+    Entry i of each tuple belongs to engine ``engine_ids[i]``; the engines are the group's, in
+    the topology's order. ``engines`` gives the per-engine view. Columns, not a tuple of
+    nested ``EngineReport``s, because the codec decodes each nested message as a msgpack
+    object and a constructor call of its own: 3-4x the cost, and at 144 leaders x 100
+    reports/s that alone is most of a core (``dualpath bench scheduler --wire``).
+
+    ``link_bytes`` may be empty: the counters are cumulative metrics, not scheduling state,
+    so a leader may send them at its own, slower pace (decoding 8 dicts of 7 named counters
+    is about half the cost of a report).
+    """
+
+    group_id: int
+    engine_ids: tuple[int, ...]
+    num_seqs: tuple[int, ...]
+    num_tokens: tuple[int, ...]
+    num_free_kv_blocks: tuple[int, ...]
+    read_queue_tokens: tuple[int, ...]
+    link_bytes: tuple[dict[str, int], ...]  # per engine, or () when left out
+    num_buffer_slots_used: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        # One chained comparison, not a loop: this runs for every report the scheduler decodes.
+        num_engines = len(self.engine_ids)
+        if not (
+            num_engines
+            == len(self.num_seqs)
+            == len(self.num_tokens)
+            == len(self.num_free_kv_blocks)
+            == len(self.read_queue_tokens)
+            == len(self.num_buffer_slots_used)
+        ) or len(self.link_bytes) not in (0, num_engines):
+            raise ValueError(
+                f"group {self.group_id}: every column needs {num_engines} entries (link_bytes "
+                f"may be empty), got {self.num_seqs}, {self.num_tokens}, "
+                f"{self.num_free_kv_blocks}, {self.read_queue_tokens}, "
+                f"{self.num_buffer_slots_used} and {len(self.link_bytes)} link counter sets"
+            )
+
+    @classmethod
+    def of(cls, group_id: int, reports: Sequence[EngineReport]) -> GroupReport:
+        """The group report made of its engines' reports (in the group's order)."""
+        return cls(
+            group_id,
+            tuple(r.engine_id for r in reports),
+            tuple(r.num_seqs for r in reports),
+            tuple(r.num_tokens for r in reports),
+            tuple(r.num_free_kv_blocks for r in reports),
+            tuple(r.read_queue_tokens for r in reports),
+            tuple(r.link_bytes for r in reports),
+            tuple(r.num_buffer_slots_used for r in reports),
+        )
+
+    @property
+    def engines(self) -> tuple[EngineReport, ...]:
+        """One ``EngineReport`` per engine (with empty ``link_bytes`` if they were left out)."""
+        link_bytes = self.link_bytes or tuple({} for _ in self.engine_ids)
+        return tuple(
+            EngineReport(*entry)
+            for entry in zip(
+                self.engine_ids,
+                self.num_seqs,
+                self.num_tokens,
+                self.num_free_kv_blocks,
+                self.read_queue_tokens,
+                link_bytes,
+                self.num_buffer_slots_used,
+                strict=True,
+            )
+        )
 
 
 @message("assign")

@@ -1,0 +1,819 @@
+"""Scheduler over the wire: the real scheduler process against simulated group leaders (issue #4).
+
+Run: ``dualpath bench scheduler --wire [--duration-s 10] [--requests-per-s 2350] [--json OUT]``
+(or ``python -m dualpath.bench.scheduler_bench --wire`` with the same flags).
+
+What runs where::
+
+    this process                               driver process (spawned)
+    main thread: Poisson arrivals into         144 simulated group leaders (48P96D, one node
+      Coordinator.submit            <--ZMQ-->    per group), one ControlClient each: hello with
+    loop thread: Coordinator.run_once  TCP       the cluster token, GroupInfo, then every fetch
+      (the scheduler process's code):  loopback  interval a GroupReport of all 8 engines, after
+      policy, reports, Assignments               taking in what arrived; Assignments change the
+      to the PE's and the DE's leader            engines' seq_e, tok_e, free KV blocks and
+                                                 read_q until the request "finishes"
+
+A *placement* is one request assigned to a (PE, DE) pair: ``submit``, a PE group's fetch
+(Algorithm 1), a DE group's fetch (phase 1 and 2, read plan) and the ``Assignment`` sent to both
+leaders. Over ``duration_s`` after a warm-up the bench takes ``placements_per_s`` (wall clock)
+and ``cpu_s_per_placement``: the CPU time of the loop thread alone (``pthread_getcpuclockid``)
+over the placements. That CPU time covers everything the loop does, reports included, so
+``cores_at_2350_rps`` = 2,350 x ``cpu_s_per_placement`` is the scheduler's load only when the run
+placed about 2,350 requests/s (compare ``placements_per_s``); ``loop_cores`` is the load it had.
+The driver's CPU is another process's and never counted; the submitting thread's (copying the
+token ids and hashing the prompt's blocks in ``submit``) is ``submit_cpu_s_per_request``.
+
+Every leader reports every ``fetch_interval_s`` (SPEC §6: 10 ms), staggered evenly over the
+interval, whether or not anything changed: 14,400 GroupReports/s at 48P96D. Its engines' link
+counters ride along once per ``link_bytes_interval_s``. Requests follow SPEC §7's 64K workload
+(context ~32.7K tokens, ~429 new, ~176 generated, ~98.7% of the prompt a store hit);
+``mean_context_tokens`` scales the context, and with it the token ids every Assignment carries.
+Arrivals, lengths and token ids come from one seed. Not simulated: the per-request relays
+(DecodeReady, PrefillDone, streamed TokenUpdates) that real engines send through the scheduler.
+
+The loop takes in its messages once per ``loop_turn_s`` (0: it wakes for every message, as a
+plain ``run_once`` loop does). Submissions pause while ``MAX_REQUESTS_IN_FLIGHT`` requests have
+not reached both leaders, so a side that falls behind slows the run (``requests_per_s_submitted``
+then falls short of the target) rather than piling up messages.
+
+Read the figures with the machine: the driver needs about a core of its own to send 14,400
+reports/s (``group_reports_per_s`` says what it managed), and on a 2-CPU machine it competes
+with the loop. NOTE(wire bench): ``ControlServer.poll`` takes in every queued message before it
+returns, so when reports arrive as fast as the loop handles them, ``run_once`` does not return
+and submissions wait (``loop_turns_per_s`` near 0 shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import cProfile
+import heapq
+import json
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dualpath.bench.hardware import hardware_info
+from dualpath.bench.scheduler_bench import (
+    DECODE_KV_CAPACITY_BLOCKS,
+    KV_BYTES_PER_TOKEN,
+    PAPER_REQUESTS_PER_S,
+    SNIC_BANDWIDTH_GBPS,
+)
+from dualpath.cluster.coordinator import Coordinator
+from dualpath.cluster.messages import (
+    DECODE,
+    PREFILL,
+    Assignment,
+    EngineInfo,
+    GroupInfo,
+    GroupReport,
+)
+from dualpath.config import ClusterConfig, SchedulerConfig
+from dualpath.control.channel import ControlClient, new_cluster_token
+from dualpath.control.codec import encode
+from dualpath.kv.layout import KVLayout
+from dualpath.kv.store import KVStore, StoreStats
+from dualpath.model.identity import KVIdentity
+from dualpath.scheduler import EngineRole, storage_read_tokens_per_s
+from dualpath.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+BLOCK_SIZE_TOKENS = 64
+# SPEC §7, 64K workload: mean context (prompt) per turn, appended and generated tokens per turn.
+MEAN_CONTEXT_TOKENS = 32_721
+MEAN_APPEND_TOKENS = 429
+MEAN_GEN_TOKENS = 176
+# Simulated speeds. A PE prefills 1.25x what 2,350 requests/s of 32.7K tokens need from 384 PEs
+# (~200K tokens/s), so the cluster keeps up and the FIFO stays short; a DE emits one token per
+# request every TPOT_S (the SLO is 50 ms).
+PREFILL_TOKENS_PER_S = 250_000.0
+TPOT_S = 0.040
+WARMUP_S = 1.0  # after the driver settled: timing starts with every leader on its schedule
+SETTLE_ROUNDS = 3  # the driver has settled once every leader fetched this often (PeerTables in)
+# Requests submitted whose Assignment has not reached both leaders yet. Submissions pause at this
+# many, so a scheduler or driver that falls behind slows the run down instead of queueing
+# without bound (ZeroMQ drops what is over its queues' limits); --requests-per-s 0 keeps it full.
+MAX_REQUESTS_IN_FLIGHT = 2_000
+BYTES_SAMPLE_EVERY = 64  # one GroupReport / Assignment in this many is encoded again and measured
+# A real engine's counters: cumulative bytes per link ("<link>.<class>") and store reads.
+_LINK_CLASSES = ("inference", "kv")
+
+
+@dataclass(frozen=True, slots=True)
+class _LeaderPlan:
+    """One group as its leader sees it; engines in topology order, the leader first."""
+
+    group_id: int
+    role: str  # PREFILL or DECODE
+    engine_ids: tuple[int, ...]
+    node_ids: tuple[int, ...]  # per engine
+
+
+@dataclass(frozen=True, slots=True)
+class _DriverConfig:
+    endpoint: str
+    token: str
+    leaders: tuple[_LeaderPlan, ...]
+    fetch_interval_s: float
+    link_bytes_interval_s: float
+    engine_read_tokens_per_s: float  # a node's storage read rate shared by its engines
+
+
+class _DrawnHitStore(KVStore):
+    """A store holding exactly the hit the workload drew for the request being submitted.
+
+    ``Coordinator.submit`` looks the prompt up synchronously, so the submitting thread sets
+    ``num_hit_blocks`` just before each call. The scheduler only looks up; it never reads or
+    writes blocks.
+    """
+
+    def __init__(self, layout: KVLayout, fingerprint: str) -> None:
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.num_hit_blocks = 0
+        self._num_lookups = 0
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        self._num_lookups += 1
+        return min(len(keys), self.num_hit_blocks)
+
+    def contains(self, key: str) -> bool:
+        raise RuntimeError("caller bug: the wire bench's store only answers lookups")
+
+    def read(self, key: str, out: np.ndarray | None = None) -> np.ndarray:
+        raise RuntimeError("caller bug: the wire bench's store only answers lookups")
+
+    def write(self, key: str, full_block: object) -> bool:
+        raise RuntimeError("caller bug: the wire bench's store only answers lookups")
+
+    def stats(self) -> StoreStats:
+        return StoreStats(lookups=self._num_lookups)
+
+    def close(self) -> None:
+        pass
+
+
+class _Workload:
+    """SPEC §7's 64K workload as (hit blocks, new tokens, output tokens) per request.
+
+    Hits are whole blocks, uniform on [0, 2 x mean]; new tokens uniform on [1, 857] (mean 429);
+    output tokens uniform on [1, 351] (mean 176). Token ids are one seeded sequence cut to each
+    prompt's length: placement sees only lengths and hits.
+    """
+
+    def __init__(self, rng: np.random.Generator, mean_context_tokens: int) -> None:
+        self._rng = rng
+        mean_hit_tokens = mean_context_tokens - MEAN_APPEND_TOKENS
+        self._max_hit_blocks = 2 * mean_hit_tokens // BLOCK_SIZE_TOKENS
+        max_context_tokens = self._max_hit_blocks * BLOCK_SIZE_TOKENS + 2 * MEAN_APPEND_TOKENS
+        self._token_ids = rng.integers(0, 150_000, max_context_tokens).tolist()
+        self.num_submitted = 0
+        self.num_prompt_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_output_tokens = 0
+
+    def next_gap_s(self, requests_per_s: float) -> float:
+        return float(self._rng.exponential(1.0 / requests_per_s))
+
+    def submit(self, coordinator: Coordinator, store: _DrawnHitStore) -> None:
+        num_hit_blocks = int(self._rng.integers(0, self._max_hit_blocks + 1))
+        num_new_tokens = int(self._rng.integers(1, 2 * MEAN_APPEND_TOKENS))
+        num_output_tokens = int(self._rng.integers(1, 2 * MEAN_GEN_TOKENS))
+        num_prompt_tokens = num_hit_blocks * BLOCK_SIZE_TOKENS + num_new_tokens
+        store.num_hit_blocks = num_hit_blocks
+        coordinator.submit(
+            self._token_ids[:num_prompt_tokens], SamplingParams(max_tokens=num_output_tokens)
+        )
+        self.num_submitted += 1
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_hit_tokens += num_hit_blocks * BLOCK_SIZE_TOKENS
+        self.num_output_tokens += num_output_tokens
+
+
+class _CoordinatorLoop:
+    """``Coordinator.run_once`` in a thread of its own, whose CPU time is read from outside.
+
+    With ``turn_s`` > 0 the loop runs in turns: take in everything queued, then sleep out the
+    rest of the turn, so one wake-up serves many reports (a report waits at most ``turn_s``).
+    With 0 it polls with a 1 ms timeout and wakes for every message, as a plain serving loop
+    does; on the VM we measured on, each wake-up cost more CPU than handling a report.
+    """
+
+    def __init__(self, coordinator: Coordinator, turn_s: float, profile_path: Path | None) -> None:
+        self._coordinator = coordinator
+        self._turn_s = turn_s
+        self._profile_path = profile_path
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._clock_id = 0
+        self.num_turns = 0
+        self._thread = threading.Thread(target=self._run, name="coordinator-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._started.wait()
+
+    def _run(self) -> None:
+        self._clock_id = time.pthread_getcpuclockid(threading.get_ident())
+        self._started.set()
+        # This thread's CPU time, not wall time: waiting in poll costs nothing.
+        profiler = None if self._profile_path is None else cProfile.Profile(time.thread_time)
+        if profiler is not None:
+            profiler.enable()  # this thread only
+        while not self._stop.is_set():
+            turn_start_s = time.monotonic()
+            self._coordinator.run_once(0.0 if self._turn_s else 0.001)
+            self.num_turns += 1
+            if self._turn_s:
+                time.sleep(max(0.0, turn_start_s + self._turn_s - time.monotonic()))
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(self._profile_path)
+
+    def cpu_s(self) -> float:
+        return time.clock_gettime(self._clock_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """The timed part of a run."""
+
+    start_s: float  # time.monotonic(), the same clock in the driver process (Linux)
+    end_s: float
+    loop_cpu_s: float
+    num_loop_turns: int
+    num_placed: int
+    num_submitted: int
+    submit_cpu_s: float
+
+
+def run_wire_bench(
+    *,
+    num_prefill_nodes: int = 48,
+    num_decode_nodes: int = 96,
+    engines_per_node: int = 8,
+    nodes_per_group: int = 1,
+    requests_per_s: float = PAPER_REQUESTS_PER_S,
+    duration_s: float = 10.0,
+    fetch_interval_s: float = 0.010,
+    link_bytes_interval_s: float = 1.0,
+    loop_turn_s: float = 0.002,
+    mean_context_tokens: int = MEAN_CONTEXT_TOKENS,
+    scheduler: str = "dualpath",
+    read_path: str = "dual",
+    seed: int = 0,
+    profile_path: Path | None = None,
+) -> dict:
+    """Drive a Coordinator from simulated leaders in a spawned process; a JSON-able dict.
+
+    ``requests_per_s`` 0 saturates (keeps ``MAX_REQUESTS_IN_FLIGHT``). The keys are
+    the module docstring's figures, the message counts and sizes, the workload as drawn, the
+    cluster, the seed and the hardware. ``is_consistent``: every submitted request reached
+    exactly one PE leader and one DE leader, once each, with the same pair, and every engine
+    was alive at the end.
+    """
+    if duration_s <= 0 or fetch_interval_s <= 0 or requests_per_s < 0 or loop_turn_s < 0:
+        raise ValueError(
+            f"duration_s and fetch_interval_s must be > 0, requests_per_s and loop_turn_s >= 0, "
+            f"got {duration_s}, {fetch_interval_s}, {requests_per_s}, {loop_turn_s}"
+        )
+    if mean_context_tokens <= MEAN_APPEND_TOKENS:
+        raise ValueError(
+            f"mean_context_tokens must exceed the {MEAN_APPEND_TOKENS} appended tokens, got "
+            f"{mean_context_tokens}"
+        )
+    cluster = ClusterConfig(
+        num_prefill_nodes=num_prefill_nodes,
+        num_decode_nodes=num_decode_nodes,
+        engines_per_node=engines_per_node,
+        nodes_per_group=nodes_per_group,
+        # Joining 144 leaders takes seconds here (every PeerTable lists 1,152 engines); the
+        # liveness check must not fire before their first reports.
+        heartbeat_timeout_s=30.0,
+    )
+    scheduler_config = SchedulerConfig(
+        scheduler=scheduler,
+        read_path=read_path,
+        block_size_tokens=BLOCK_SIZE_TOKENS,
+        prefill_tokens_per_s=PREFILL_TOKENS_PER_S,
+        fetch_interval_s=fetch_interval_s,
+    )
+    coordinator, store, driver_config = _make_cluster(
+        cluster, scheduler_config, link_bytes_interval_s
+    )
+    workload = _Workload(np.random.default_rng(seed), mean_context_tokens)
+    context = mp.get_context("spawn")
+    stop, is_settled, results = context.Event(), context.Event(), context.Queue()
+    num_taken_in = context.Value("q", 0, lock=False)  # Assignments the leaders took in
+    loop = _CoordinatorLoop(coordinator, loop_turn_s, profile_path)
+    loop.start()
+    driver = context.Process(
+        target=_run_driver,
+        args=(driver_config, stop, is_settled, num_taken_in, results),
+        name="leaders",
+    )
+    driver.start()
+    try:
+        _wait_until(coordinator.is_ready, timeout_s=120.0, what="every engine to join")
+        _wait_until(is_settled.is_set, timeout_s=120.0, what="the leaders to settle")
+        time.sleep(WARMUP_S)
+
+        def num_in_flight() -> int:
+            return workload.num_submitted - num_taken_in.value // 2
+
+        window = _submit_for(
+            coordinator, store, workload, loop, requests_per_s, duration_s, num_in_flight
+        )
+        _wait_until(
+            lambda: coordinator.num_assigned >= workload.num_submitted,
+            timeout_s=60.0,
+            what="every submitted request to be placed",
+        )
+        stop.set()
+        driver_stats = results.get(timeout=120.0)
+        driver.join(timeout=30.0)
+    finally:
+        stop.set()
+        if driver.is_alive():
+            driver.kill()
+        loop.stop()
+        coordinator.close()
+    result = _result(window, workload, driver_stats, coordinator, cluster)
+    result.update(
+        requests_per_s_target=requests_per_s,
+        fetch_interval_s=fetch_interval_s,
+        link_bytes_interval_s=link_bytes_interval_s,
+        loop_turn_s=loop_turn_s,
+        seed=seed,
+        profile=None if profile_path is None else str(profile_path),
+        hardware=hardware_info(),
+    )
+    logger.info("wire bench: %.0f placements per CPU-second", result["placements_per_cpu_s"])
+    return result
+
+
+def _make_cluster(
+    cluster: ClusterConfig, scheduler_config: SchedulerConfig, link_bytes_interval_s: float
+) -> tuple[Coordinator, _DrawnHitStore, _DriverConfig]:
+    """The scheduler process's Coordinator, its store and what the driver needs to join it."""
+    layout = KVLayout(61, BLOCK_SIZE_TOKENS, KV_BYTES_PER_TOKEN // 61)  # DeepSeek-V3.2 (SPEC §7)
+    identity = KVIdentity("0" * 32, layout, "float8")
+    store = _DrawnHitStore(layout, identity.fingerprint)
+    read_tokens_per_s = storage_read_tokens_per_s(SNIC_BANDWIDTH_GBPS, KV_BYTES_PER_TOKEN)
+    token = new_cluster_token()
+    coordinator = Coordinator(
+        cluster,
+        scheduler_config,
+        identity,
+        store,
+        token,
+        storage_read_tokens_per_s=read_tokens_per_s,
+    )
+    engine_id_to_node = {e: n.node_id for n in coordinator.topology.nodes for e in n.engine_ids}
+    leaders = tuple(
+        _LeaderPlan(
+            group.group_id,
+            PREFILL if group.role == EngineRole.PREFILL else DECODE,
+            group.engine_ids,
+            tuple(engine_id_to_node[e] for e in group.engine_ids),
+        )
+        for group in coordinator.topology.groups
+    )
+    driver_config = _DriverConfig(
+        coordinator.endpoint,
+        token,
+        leaders,
+        scheduler_config.fetch_interval_s,
+        link_bytes_interval_s,
+        read_tokens_per_s / cluster.engines_per_node,
+    )
+    return coordinator, store, driver_config
+
+
+def _submit_for(
+    coordinator: Coordinator,
+    store: _DrawnHitStore,
+    workload: _Workload,
+    loop: _CoordinatorLoop,
+    requests_per_s: float,
+    duration_s: float,
+    num_in_flight: Callable[[], int],
+) -> _Window:
+    """Submit at ``requests_per_s`` (Poisson; 0 = keep a backlog) for ``duration_s``, timed."""
+    submit_cpu_s = 0.0
+    start_s, start_cpu_s, start_turns = time.monotonic(), loop.cpu_s(), loop.num_turns
+    start_placed = coordinator.num_assigned
+    next_arrival_s = start_s
+    while (now_s := time.monotonic()) < start_s + duration_s:
+        if requests_per_s > 0:
+            num_due = 0
+            while next_arrival_s <= now_s and num_in_flight() + num_due < MAX_REQUESTS_IN_FLIGHT:
+                num_due += 1
+                next_arrival_s += workload.next_gap_s(requests_per_s)
+        else:
+            num_due = max(0, MAX_REQUESTS_IN_FLIGHT - num_in_flight())
+        cpu_s = time.thread_time()
+        for _ in range(num_due):
+            workload.submit(coordinator, store)
+        submit_cpu_s += time.thread_time() - cpu_s
+        # Wake for the next arrival, not more often: every wake-up takes the GIL from the loop.
+        wake_s = min(next_arrival_s, start_s + duration_s) if requests_per_s > 0 else 0.0
+        time.sleep(max(0.001, wake_s - time.monotonic()))
+    end_s = time.monotonic()
+    return _Window(
+        start_s,
+        end_s,
+        loop.cpu_s() - start_cpu_s,
+        loop.num_turns - start_turns,
+        coordinator.num_assigned - start_placed,
+        workload.num_submitted,
+        submit_cpu_s,
+    )
+
+
+def _wait_until(condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline_s:
+            raise RuntimeError(f"wire bench: gave up waiting {timeout_s} s for {what}")
+        time.sleep(0.01)
+
+
+def _result(
+    window: _Window,
+    workload: _Workload,
+    driver: dict[str, Any],
+    coordinator: Coordinator,
+    cluster: ClusterConfig,
+) -> dict:
+    wall_s = window.end_s - window.start_s
+    num_submitted = workload.num_submitted
+    cpu_s_per_placement = window.loop_cpu_s / max(1, window.num_placed)
+    prefill_views, decode_views = driver["prefill_assignments"], driver["decode_assignments"]
+    report_times_s = np.frombuffer(driver["report_times_s"], dtype=np.float64)
+    num_reports = int(((report_times_s >= window.start_s) & (report_times_s < window.end_s)).sum())
+    num_groups = len(coordinator.topology.groups)
+    return {
+        "placement": (
+            "one request through submit, a PE and a DE group fetch (each one a leader's "
+            "GroupReport over ZeroMQ) and its Assignment sent to both leaders"
+        ),
+        "placements_per_s": window.num_placed / wall_s,
+        "cpu_s_per_placement": cpu_s_per_placement,
+        "placements_per_cpu_s": window.num_placed / window.loop_cpu_s,
+        "cores_at_2350_rps": PAPER_REQUESTS_PER_S * cpu_s_per_placement,
+        "loop_cores": window.loop_cpu_s / wall_s,
+        # run_once calls: each polls once and takes in every message queued by then.
+        "loop_turns_per_s": window.num_loop_turns / wall_s,
+        "submit_cpu_s_per_request": window.submit_cpu_s / max(1, window.num_submitted),
+        "requests_per_s_submitted": window.num_submitted / wall_s,
+        "duration_s": wall_s,
+        "num_placed_in_window": window.num_placed,
+        "num_submitted": num_submitted,
+        "num_assigned": coordinator.num_assigned,
+        "is_consistent": (
+            coordinator.num_assigned == num_submitted
+            and sorted(prefill_views) == sorted(decode_views)
+            and sorted(r for r, _, _ in prefill_views) == list(range(num_submitted))
+            and driver["num_misrouted"] == 0
+            and coordinator.num_live_engines == coordinator.num_expected_engines
+        ),
+        "num_prefill_assignments_received": len(prefill_views),
+        "num_decode_assignments_received": len(decode_views),
+        "num_misrouted_assignments": driver["num_misrouted"],
+        "group_reports_per_s": num_reports / wall_s,
+        "group_reports_per_s_target": num_groups / driver["fetch_interval_s"],
+        "num_late_reports": driver["num_late_reports"],  # sent over one fetch interval late
+        "messages": driver["messages"],  # per kind: count, and mean encoded bytes (sampled)
+        "mean_prompt_tokens": workload.num_prompt_tokens / max(1, num_submitted),
+        "hit_fraction": workload.num_hit_tokens / max(1, workload.num_prompt_tokens),
+        "mean_output_tokens": workload.num_output_tokens / max(1, num_submitted),
+        "cluster": cluster.node_shape,
+        "num_engines": coordinator.num_expected_engines,
+        "num_leaders": num_groups,
+        "engines_per_node": cluster.engines_per_node,
+        "nodes_per_group": cluster.nodes_per_group,
+    }
+
+
+# --- the driver process: simulated group leaders ------------------------------------------------
+
+
+def _run_driver(
+    config: _DriverConfig, stop: Any, is_settled: Any, num_taken_in: Any, results: Any
+) -> None:
+    """The spawned driver: join every leader, then fetch on schedule until ``stop``."""
+    leaders = [_SimulatedLeader(plan, config, num_taken_in) for plan in config.leaders]
+    for leader in leaders:
+        leader.client.connect(timeout_s=30.0)
+    for leader in leaders:  # all at once, so the scheduler announces the membership rarely
+        leader.join()
+    interval_s = config.fetch_interval_s
+    start_s = time.monotonic()
+    due = [(start_s + i * interval_s / len(leaders), i) for i in range(len(leaders))]
+    report_times_s = array.array("d")
+    num_late = 0
+    while not stop.is_set():
+        due_s, index = due[0]
+        now_s = time.monotonic()
+        if due_s > now_s:
+            time.sleep(due_s - now_s)
+            continue
+        num_late += now_s - due_s > interval_s
+        leaders[index].fetch(now_s)
+        report_times_s.append(now_s)
+        if len(report_times_s) == SETTLE_ROUNDS * len(leaders):
+            is_settled.set()
+        heapq.heapreplace(due, (max(due_s + interval_s, now_s), index))
+    last_message_s = time.monotonic()  # take in the last Assignments, until all is quiet
+    while time.monotonic() - last_message_s < 0.5:
+        if any([leader.receive(time.monotonic()) for leader in leaders]):
+            last_message_s = time.monotonic()
+        time.sleep(0.01)
+    results.put(_driver_stats(leaders, config, report_times_s, num_late))
+    for leader in leaders:
+        leader.client.close()
+
+
+def _driver_stats(
+    leaders: list[_SimulatedLeader],
+    config: _DriverConfig,
+    report_times_s: array.array,
+    num_late: int,
+) -> dict[str, Any]:
+    messages: dict[str, dict[str, float]] = {}
+    for leader in leaders:
+        for kind, (count, sampled_bytes, num_sampled) in leader.messages.items():
+            total = messages.setdefault(kind, {"count": 0, "bytes": 0, "num_sampled": 0})
+            total["count"] += count
+            total["bytes"] += sampled_bytes
+            total["num_sampled"] += num_sampled
+    return {
+        "prefill_assignments": [a for x in leaders if x.is_prefill for a in x.assignments],
+        "decode_assignments": [a for x in leaders if not x.is_prefill for a in x.assignments],
+        "num_misrouted": sum(leader.num_misrouted for leader in leaders),
+        "report_times_s": report_times_s.tobytes(),
+        "num_late_reports": num_late,
+        "fetch_interval_s": config.fetch_interval_s,
+        "messages": {
+            kind: {
+                "count": total["count"],
+                "mean_bytes": total["bytes"] / total["num_sampled"]
+                if total["num_sampled"]
+                else None,
+            }
+            for kind, total in sorted(messages.items())
+        },
+    }
+
+
+class _SimulatedLeader:
+    """A group leader speaking for its simulated engines over a real ControlClient.
+
+    Each engine's state is what SPEC §6 reports: seq_e and tok_e (a PE counts whole prompts, a
+    DE prompt + max output, as the policy does), free KV blocks (DE) and read_q. An Assignment
+    adds to them; a request leaves a PE once prefilled (FIFO at ``PREFILL_TOKENS_PER_S``) and a
+    DE after its prefill and ``max_tokens`` x ``TPOT_S``. read_q drains at the node's storage
+    rate shared by its engines. Link counters grow with the KV each side reads and moves.
+    """
+
+    def __init__(self, plan: _LeaderPlan, config: _DriverConfig, num_taken_in: Any) -> None:
+        self.plan = plan
+        self.is_prefill = plan.role == PREFILL
+        self.client = ControlClient(config.endpoint, f"engine-{plan.engine_ids[0]}", config.token)
+        self._num_taken_in = num_taken_in
+        self._read_tokens_per_s = config.engine_read_tokens_per_s
+        self._link_bytes_interval_s = config.link_bytes_interval_s
+        num_engines = len(plan.engine_ids)
+        self._position = {engine_id: i for i, engine_id in enumerate(plan.engine_ids)}
+        self._num_seqs = [0] * num_engines
+        self._num_tokens = [0] * num_engines
+        self._num_free_blocks = [0 if self.is_prefill else DECODE_KV_CAPACITY_BLOCKS] * num_engines
+        self._read_queue_tokens = [0.0] * num_engines
+        self._busy_until_s = [0.0] * num_engines  # a PE prefills its requests one after another
+        self._finishes: list[tuple[float, int, int, int]] = []  # (time, position, tokens, blocks)
+        self._link_bytes = [
+            {
+                f"{link}.{kind}": 0
+                for link in (f"node{node_id}.snic", f"engine{e}.cnic", f"engine{e}.host_memory")
+                for kind in _LINK_CLASSES
+            }
+            | {"store_read_bytes": 0}
+            for e, node_id in zip(plan.engine_ids, plan.node_ids, strict=True)
+        ]
+        self._last_fetch_s = self._last_link_bytes_s = time.monotonic()
+        self.assignments: list[tuple[int, int, int]] = []  # (request_id, PE, DE) as received
+        self.num_misrouted = 0
+        # Per message kind: (count, sampled encoded bytes, number sampled).
+        self.messages: dict[str, tuple[int, int, int]] = {}
+
+    def join(self) -> None:
+        infos = tuple(
+            EngineInfo(
+                e, self.plan.role, node_id, "simulated", b"", b"", 64, DECODE_KV_CAPACITY_BLOCKS
+            )
+            for e, node_id in zip(self.plan.engine_ids, self.plan.node_ids, strict=True)
+        )
+        self._send(GroupInfo(infos))
+
+    def fetch(self, now_s: float) -> None:
+        """One fetch: take in what arrived, let time pass, report the whole group."""
+        self.receive(now_s)
+        self._advance(now_s)
+        link_bytes: tuple[dict[str, int], ...] = ()
+        if now_s - self._last_link_bytes_s >= self._link_bytes_interval_s:
+            self._last_link_bytes_s = now_s
+            link_bytes = tuple(self._link_bytes)  # encoded right away: no copy needed
+        self._send(
+            GroupReport(
+                self.plan.group_id,
+                self.plan.engine_ids,
+                tuple(self._num_seqs),
+                tuple(self._num_tokens),
+                tuple(self._num_free_blocks),
+                tuple(map(int, self._read_queue_tokens)),
+                link_bytes,
+                (0,) * len(self.plan.engine_ids),
+            )
+        )
+
+    def receive(self, now_s: float) -> bool:
+        messages = self.client.poll(0.0)
+        for msg in messages:
+            self._count(msg)
+            if isinstance(msg, Assignment):
+                self._num_taken_in.value += 1
+                self._on_assignment(msg, now_s)
+        return bool(messages)
+
+    def _on_assignment(self, assignment: Assignment, now_s: float) -> None:
+        self.assignments.append(
+            (assignment.request_id, assignment.prefill_engine_id, assignment.decode_engine_id)
+        )
+        if self.is_prefill:
+            engine_id, num_side_blocks = (
+                assignment.prefill_engine_id,
+                assignment.num_prefill_side_blocks,
+            )
+        else:
+            engine_id, num_side_blocks = (
+                assignment.decode_engine_id,
+                assignment.num_decode_side_blocks,
+            )
+        position = self._position.get(engine_id)
+        if position is None:
+            self.num_misrouted += 1
+            return
+        num_prompt_tokens = len(assignment.prompt_token_ids)
+        read_bytes = num_side_blocks * BLOCK_SIZE_TOKENS * KV_BYTES_PER_TOKEN
+        counters = self._link_bytes[position]
+        counters[f"node{self.plan.node_ids[position]}.snic.kv"] += read_bytes
+        counters["store_read_bytes"] += read_bytes
+        counters[f"engine{engine_id}.host_memory.kv"] += read_bytes
+        counters[f"engine{engine_id}.cnic.kv"] += num_prompt_tokens * KV_BYTES_PER_TOKEN
+        counters[f"engine{engine_id}.cnic.inference"] += 1024  # control and token traffic
+        self._read_queue_tokens[position] += num_side_blocks * BLOCK_SIZE_TOKENS
+        prefill_s = num_prompt_tokens / PREFILL_TOKENS_PER_S
+        if self.is_prefill:
+            num_tokens, num_blocks = num_prompt_tokens, 0
+            self._busy_until_s[position] = max(now_s, self._busy_until_s[position]) + prefill_s
+            finish_s = self._busy_until_s[position]
+        else:
+            max_tokens = assignment.sampling["max_tokens"]
+            num_tokens = num_prompt_tokens + max_tokens
+            num_blocks = -(-num_tokens // BLOCK_SIZE_TOKENS)
+            finish_s = now_s + prefill_s + max_tokens * TPOT_S
+        self._num_seqs[position] += 1
+        self._num_tokens[position] += num_tokens
+        self._num_free_blocks[position] -= num_blocks
+        heapq.heappush(self._finishes, (finish_s, position, num_tokens, num_blocks))
+
+    def _advance(self, now_s: float) -> None:
+        """Finish what is due and drain the read queues up to ``now_s``."""
+        while self._finishes and self._finishes[0][0] <= now_s:
+            _, position, num_tokens, num_blocks = heapq.heappop(self._finishes)
+            self._num_seqs[position] -= 1
+            self._num_tokens[position] -= num_tokens
+            self._num_free_blocks[position] += num_blocks
+        num_read_tokens = self._read_tokens_per_s * (now_s - self._last_fetch_s)
+        self._last_fetch_s = now_s
+        self._read_queue_tokens = [max(0.0, q - num_read_tokens) for q in self._read_queue_tokens]
+
+    def _send(self, msg: object) -> None:
+        self._count(msg)
+        self.client.send(msg)
+
+    def _count(self, msg: object) -> None:
+        """Count every message; measure one GroupReport / Assignment in BYTES_SAMPLE_EVERY."""
+        kind = type(msg).__name__
+        count, sampled_bytes, num_sampled = self.messages.get(kind, (0, 0, 0))
+        if isinstance(msg, GroupReport | Assignment) and count % BYTES_SAMPLE_EVERY == 0:
+            sampled_bytes += len(encode(msg))
+            num_sampled += 1
+        self.messages[kind] = (count + 1, sampled_bytes, num_sampled)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The wire mode's own flags (``dualpath bench scheduler`` adds them to its parser)."""
+    parser.add_argument(
+        "--duration-s", type=float, default=10.0, help="--wire: timed seconds of submissions"
+    )
+    parser.add_argument(
+        "--requests-per-s",
+        type=float,
+        default=PAPER_REQUESTS_PER_S,
+        help="--wire: Poisson arrival rate; 0 = saturate (default 2350: 48P96D in the paper)",
+    )
+    parser.add_argument(
+        "--fetch-interval-ms",
+        type=float,
+        default=10.0,
+        help="--wire: every leader reports this often (default 10, SPEC §6)",
+    )
+    parser.add_argument(
+        "--link-bytes-interval-ms",
+        type=float,
+        default=1000.0,
+        help="--wire: leaders add their link counters this often (default 1000)",
+    )
+    parser.add_argument(
+        "--loop-turn-ms",
+        type=float,
+        default=2.0,
+        help="--wire: the scheduler loop takes in its messages once per turn of this length; "
+        "0 = wake for every message (default 2)",
+    )
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        default=MEAN_CONTEXT_TOKENS,
+        help="--wire: mean prompt tokens (default 32721: SPEC §7's 64K workload)",
+    )
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="--wire: cProfile the loop thread into this file"
+    )
+
+
+def main(
+    args: argparse.Namespace, *, num_prefill_nodes: int, num_decode_nodes: int, nodes_per_group: int
+) -> int:
+    """``dualpath bench scheduler --wire``; the cluster shape comes from its ``--engines``."""
+    result = run_wire_bench(
+        num_prefill_nodes=num_prefill_nodes,
+        num_decode_nodes=num_decode_nodes,
+        engines_per_node=args.engines_per_node,
+        nodes_per_group=nodes_per_group,
+        requests_per_s=args.requests_per_s,
+        duration_s=args.duration_s,
+        fetch_interval_s=args.fetch_interval_ms / 1000,
+        link_bytes_interval_s=args.link_bytes_interval_ms / 1000,
+        loop_turn_s=args.loop_turn_ms / 1000,
+        mean_context_tokens=args.context_tokens,
+        scheduler=args.scheduler,
+        read_path=args.read_path,
+        seed=args.seed,
+        profile_path=args.profile,
+    )
+    print(
+        f"{result['cluster']} ({result['num_engines']} engines, {result['num_leaders']} leaders "
+        f"reporting every {result['fetch_interval_s'] * 1000:g} ms), seed {result['seed']}: "
+        f"{result['requests_per_s_submitted']:,.0f} requests/s submitted (target "
+        f"{result['requests_per_s_target']:,.0f}), mean prompt {result['mean_prompt_tokens']:,.0f} "
+        f"tokens, {result['hit_fraction']:.1%} hit"
+    )
+    print(
+        f"{result['placements_per_s']:,.0f} placements/s, "
+        f"{result['cpu_s_per_placement'] * 1e6:,.1f} scheduler CPU us/placement "
+        f"({result['placements_per_cpu_s']:,.0f} placements per CPU-second): "
+        f"{result['cores_at_2350_rps']:.3f} cores at 2,350 requests/s "
+        f"(loop thread measured at {result['loop_cores']:.3f} cores)"
+    )
+    print(
+        f"group reports {result['group_reports_per_s']:,.0f}/s (target "
+        f"{result['group_reports_per_s_target']:,.0f}, {result['num_late_reports']} late); "
+        f"submit {result['submit_cpu_s_per_request'] * 1e6:,.0f} CPU us/request (serving "
+        f"thread); consistent: {result['is_consistent']}"
+    )
+    print(f"messages: {result['messages']}")
+    print(f"hardware: {result['hardware']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0 if result["is_consistent"] else 1
