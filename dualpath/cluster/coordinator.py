@@ -560,6 +560,9 @@ class Coordinator:
         for request_id, request in list(self._requests.items()):
             if engine_id in (request.prefill_engine_id, request.decode_engine_id):
                 self._fail(request_id, f"engine {engine_id} ({state.info.role}) died: {why}")
+        # Requests only queued for it (not yet sent to any engine) are placed again.
+        for request in self.policy.withdraw_engine(engine_id):
+            self.policy.submit(request)
         self._is_peer_table_stale = True
 
     def _send_to_engine(self, engine_id: int, msg: object) -> None:

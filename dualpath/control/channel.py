@@ -96,12 +96,13 @@ class ControlServer:
     def client_ids(self) -> list[str]:
         return list(self._welcomed.values())
 
-    def poll(self, timeout_s: float) -> list[tuple[str, object]]:
-        """Messages that arrived within ``timeout_s`` (all that are queued, at least one wait)."""
+    def poll(self, timeout_s: float, max_messages: int = 1024) -> list[tuple[str, object]]:
+        """Messages that arrived within ``timeout_s``: what is queued, up to ``max_messages``
+        frames, so a caller's loop gets control back even while messages keep arriving."""
         received: list[tuple[str, object]] = []
         if not self._poller.poll(max(0, int(timeout_s * 1000))):
             return received
-        while True:
+        for _ in range(max_messages):
             try:
                 identity, data = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -112,6 +113,7 @@ class ControlServer:
             item = self._accept(identity, data)
             if item is not None:
                 received.append(item)
+        return received
 
     def _accept(self, identity: bytes, data: bytes) -> tuple[str, object] | None:
         try:

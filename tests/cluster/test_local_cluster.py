@@ -115,3 +115,32 @@ def _is_running(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_killing_a_decode_engine_fails_only_its_requests(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with LocalCluster(
+        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=2, heartbeat_timeout_s=2.0),
+        model_dir=tiny_model_dir,
+        store=KVStoreConfig(root_dir=tmp_path / "kv"),
+        log_dir=tmp_path / "logs",
+    ) as cluster:
+        long_params = SamplingParams(max_tokens=400, ignore_eos=True)
+        request_ids = [cluster.submit(random_ids(300, seed=s), long_params) for s in range(6)]
+        time.sleep(1.0)  # every request is decoding by now
+        victim = cluster.engine_pids[2]  # engine 2: the second decode engine
+        os.kill(victim, signal.SIGKILL)
+        outcomes = [cluster.result(r, timeout_s=60) for r in request_ids]
+        failed = [o for o in outcomes if o.error is not None]
+        finished = [o for o in outcomes if o.error is None]
+        assert failed, "no request was on the killed engine"
+        # Failed by the scheduler's death notice, or by the PE's transfer to the dead engine.
+        assert all("engine 2 (decode) died" in o.error or "engine-2" in o.error for o in failed)
+        assert all(len(o.token_ids) == 400 for o in finished)
+        # The survivors keep serving: new requests land on the live decode engine.
+        after = cluster.generate(
+            [random_ids(200, seed=s) for s in (7, 8)], SamplingParams(max_tokens=8, ignore_eos=True)
+        )
+        assert [o.error for o in after] == [None, None]
+        assert all(len(o.token_ids) == 8 for o in after)

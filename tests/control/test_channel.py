@@ -148,3 +148,20 @@ def test_server_requires_a_token_and_flags_public_binds() -> None:
     assert is_loopback_endpoint("tcp://localhost:5555")
     assert not is_loopback_endpoint("tcp://0.0.0.0:5555")
     assert not is_loopback_endpoint("tcp://10.1.2.3:5555")
+
+
+def test_poll_returns_after_max_messages_while_more_keep_coming(server) -> None:
+    srv, token = server
+    client = ControlClient(srv.endpoint, "engine-2", token)
+    _handshake(srv, client)
+    for seq in range(30):
+        client.send(Ping(seq, b"", ()))
+    got = []
+    for _ in range(50):
+        batch = srv.poll(0.05, max_messages=10)
+        assert len(batch) <= 10
+        got += batch
+        if len(got) == 30:
+            break
+    assert [msg.seq for _, msg in got] == list(range(30))
+    client.close()
