@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from dualpath.cluster.coordinator import Coordinator
@@ -27,6 +25,7 @@ from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import MemoryKVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.types import SamplingParams
+from tests.cluster.scripted import Inbox, pump, spin
 
 LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
 IDENTITY = KVIdentity("0" * 32, LAYOUT, "float32")
@@ -41,49 +40,22 @@ class FakeClock:
         return self.now_s
 
 
-class ScriptedEngine:
+class ScriptedEngine(Inbox):
     """A real control client that plays an engine's part by hand."""
 
     def __init__(self, coordinator: Coordinator, engine_id: int, role: str, node_id: int) -> None:
+        super().__init__()
         self.engine_id = engine_id
         self.client = ControlClient(coordinator.endpoint, f"engine-{engine_id}", TOKEN)
-        _pump(coordinator, lambda: self.client.connect(timeout_s=2.0))
+        pump(coordinator, lambda: self.client.connect(timeout_s=2.0))
         self.client.send(
             EngineInfo(engine_id, role, node_id, "fake", b"", b"", 16, 64 if role == DECODE else 0)
         )
-        self.inbox: list[object] = []
 
     def report(self, num_tokens: int = 0, free_blocks: int = 64, read_queue: int = 0) -> None:
         self.client.send(
             EngineReport(self.engine_id, 0, num_tokens, free_blocks, read_queue, {"snic": 1}, 0)
         )
-
-    def receive(self, kind: type) -> list:
-        self.inbox += self.client.poll(0.2)
-        found = [m for m in self.inbox if isinstance(m, kind)]
-        self.inbox = [m for m in self.inbox if not isinstance(m, kind)]
-        return found
-
-
-def _pump(coordinator: Coordinator, action) -> None:
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            coordinator.run_once(0.01)
-
-    thread = threading.Thread(target=loop)
-    thread.start()
-    try:
-        action()
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _spin(coordinator: Coordinator, n: int = 20) -> None:
-    for _ in range(n):
-        coordinator.run_once(0.01)
 
 
 @pytest.fixture
@@ -104,7 +76,7 @@ def cluster():
         ScriptedEngine(coordinator, 1, DECODE, 1),
         ScriptedEngine(coordinator, 2, DECODE, 2),
     ]
-    _spin(coordinator)
+    spin(coordinator)
     yield coordinator, engines, clock, store
     coordinator.close()
     for engine in engines:
@@ -113,12 +85,12 @@ def cluster():
 
 def _place(coordinator, engines, prompt, params, de_loads=(0, 0)):
     request_id = coordinator.submit(prompt, params)
-    _spin(coordinator, 2)
+    spin(coordinator, 2)
     engines[0].report()
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     engines[1].report(num_tokens=de_loads[0])
     engines[2].report(num_tokens=de_loads[1])
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     return request_id
 
 
@@ -140,13 +112,13 @@ def test_request_is_placed_relayed_and_finished(cluster) -> None:
     assert pe_view.prompt_token_ids == tuple(prompt)
 
     engines[2].client.send(DecodeReady(request_id, (5, 6, 7, 8), 2))
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     assert engines[0].receive(DecodeReady) == [DecodeReady(request_id, (5, 6, 7, 8), 2)]
     engines[0].client.send(PrefillDone(request_id, 42, None, 8))
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     assert [m.first_token_id for m in engines[2].receive(PrefillDone)] == [42]
     engines[2].client.send(TokenUpdate(request_id, (7, 9), "length", 8))
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     events = coordinator.drain_events()
     assert [(e.token_ids, e.finish_reason, e.num_cached_tokens) for e in events] == [
         ((42,), None, 8),
@@ -164,9 +136,9 @@ def test_a_silent_engine_is_declared_dead_and_its_requests_fail(cluster) -> None
     for engine in engines:
         if engine.engine_id != de:
             engine.report()
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     clock.now_s = 6.0  # the DE has been silent for 6 s > 5 s
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     (event,) = coordinator.drain_events()
     assert event.request_id == request_id and event.finish_reason == "error"
     assert f"engine {de} (decode) died" in event.error
@@ -185,7 +157,7 @@ def test_cancel_reaches_both_engines(cluster) -> None:
     request_id = _place(coordinator, engines, list(range(6)), SamplingParams(max_tokens=2))
     (assignment,) = engines[0].receive(Assignment)
     coordinator.cancel(request_id)
-    _spin(coordinator, 2)
+    spin(coordinator, 2)
     de = engines[assignment.decode_engine_id]
     assert engines[0].receive(CancelRequest) == [CancelRequest(request_id)]
     assert de.receive(CancelRequest) == [CancelRequest(request_id)]

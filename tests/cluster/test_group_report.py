@@ -9,8 +9,6 @@ The cluster: one prefill node and two decode nodes of two engines each, one node
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from dualpath.cluster.coordinator import Coordinator
@@ -35,6 +33,7 @@ from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import MemoryKVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.types import SamplingParams
+from tests.cluster.scripted import Inbox, pump, spin
 
 LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
 IDENTITY = KVIdentity("0" * 32, LAYOUT, "float32")
@@ -54,18 +53,18 @@ def _info(engine_id: int, role: str, node_id: int) -> EngineInfo:
     return EngineInfo(engine_id, role, node_id, "fake", b"", b"", 16, 64 if role == DECODE else 0)
 
 
-class ScriptedLeader:
+class ScriptedLeader(Inbox):
     """A real control client that plays a group leader by hand."""
 
     def __init__(self, coordinator: Coordinator, group_id: int, client_engine_id=None) -> None:
+        super().__init__()
         role, node_id, engine_ids = GROUPS[group_id]
         self.group_id = group_id
         self.engine_ids = engine_ids
         client_engine_id = engine_ids[0] if client_engine_id is None else client_engine_id
         self.client = ControlClient(coordinator.endpoint, f"engine-{client_engine_id}", TOKEN)
-        _pump(coordinator, lambda: self.client.connect(timeout_s=2.0))
+        pump(coordinator, lambda: self.client.connect(timeout_s=2.0))
         self.client.send(GroupInfo(tuple(_info(e, role, node_id) for e in engine_ids)))
-        self.inbox: list[object] = []
 
     def report(self, num_seqs=(0, 0), num_tokens=(0, 0), read_queue=(0, 0)) -> None:
         self.client.send(
@@ -80,33 +79,6 @@ class ScriptedLeader:
                 (0, 0),
             )
         )
-
-    def receive(self, kind: type) -> list:
-        self.inbox += self.client.poll(0.2)
-        found = [m for m in self.inbox if isinstance(m, kind)]
-        self.inbox = [m for m in self.inbox if not isinstance(m, kind)]
-        return found
-
-
-def _pump(coordinator: Coordinator, action) -> None:
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            coordinator.run_once(0.01)
-
-    thread = threading.Thread(target=loop)
-    thread.start()
-    try:
-        action()
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _spin(coordinator: Coordinator, n: int = 20) -> None:
-    for _ in range(n):
-        coordinator.run_once(0.01)
 
 
 def _coordinator(clock: FakeClock, store: MemoryKVStore | None = None) -> Coordinator:
@@ -129,7 +101,7 @@ def cluster():
     store = MemoryKVStore(LAYOUT, IDENTITY.fingerprint)
     coordinator = _coordinator(clock, store)
     leaders = [ScriptedLeader(coordinator, group_id) for group_id in GROUPS]
-    _spin(coordinator)
+    spin(coordinator)
     yield coordinator, leaders, clock, store
     coordinator.close()
     for leader in leaders:
@@ -158,16 +130,16 @@ def test_leaders_join_their_groups_and_place_from_group_reports(cluster) -> None
     for key in block_keys(prompt[:8], 4, IDENTITY.fingerprint):
         store.write(key, bytes(LAYOUT.full_block_bytes))
     request_id = coordinator.submit(prompt, SamplingParams(max_tokens=3))
-    _spin(coordinator, 2)
+    spin(coordinator, 2)
 
     # Engine 0 is busier: Algorithm 1 picks engine 1. Node 0's read_q sums both engines'.
     prefill.report(num_tokens=(5000, 0), read_queue=(300, 200))
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     # Phase 1 sends the request to the less loaded DE group (1); phase 2 to its DE with the
     # fewest sequences (3), whose node's read_q (0) is shorter than node 0's (500).
     decode_2.report(num_seqs=(1, 1), num_tokens=(900, 900))
     decode_1.report(num_seqs=(1, 0), num_tokens=(100, 0))
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
 
     (pe_view,) = prefill.receive(Assignment)
     (de_view,) = decode_1.receive(Assignment)
@@ -191,7 +163,7 @@ def test_leaders_join_their_groups_and_place_from_group_reports(cluster) -> None
 
     # Messages for a group's engine go to its leader's client.
     decode_1.client.send(DecodeReady(request_id, (5, 6, 7, 8), 2))
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     assert prefill.receive(DecodeReady) == [DecodeReady(request_id, (5, 6, 7, 8), 2)]
 
 
@@ -202,11 +174,11 @@ def test_a_group_report_keeps_all_its_engines_alive(cluster) -> None:
     clock.now_s = 3.0
     prefill.report()
     decode_1.report()
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     assert len(prefill.receive(Heartbeat)) == 1  # once per leader, not once per engine
     assert len(decode_2.receive(Heartbeat)) == 1
     clock.now_s = 6.0  # group 2 has been silent for 6 s > 5 s; the others for 3 s
-    _spin(coordinator, 5)
+    spin(coordinator, 5)
     assert coordinator.num_live_engines == 4
     (table,) = prefill.receive(PeerTable)  # one announcement for both deaths
     assert [info.engine_id for info in table.engines] == [0, 1, 2, 3]
@@ -218,12 +190,12 @@ def test_a_group_joins_only_through_its_leader_and_whole() -> None:
     coordinator = _coordinator(FakeClock())
     try:
         impostor = ScriptedLeader(coordinator, 0, client_engine_id=1)
-        _spin(coordinator, 5)
+        spin(coordinator, 5)
         assert impostor.receive(Shutdown) == [Shutdown("group 0 joins through its leader engine-0")]
         partial = ControlClient(coordinator.endpoint, "engine-2", TOKEN)
-        _pump(coordinator, lambda: partial.connect(timeout_s=2.0))
+        pump(coordinator, lambda: partial.connect(timeout_s=2.0))
         partial.send(GroupInfo((_info(2, DECODE, 1),)))
-        _spin(coordinator, 5)
+        spin(coordinator, 5)
         assert [m for m in partial.poll(0.2) if isinstance(m, Shutdown)] == [
             Shutdown("engines (2,) are not one group of the topology")
         ]
