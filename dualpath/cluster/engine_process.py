@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import logging
 import signal
 import time
@@ -343,7 +344,11 @@ def _make_traffic(
     node_limiters = {}
     limiter = None
     if links.snic.is_capped:
-        limiter = NodeLimiter.for_node(config.node_id, links.snic.bandwidth_gbps, clock=clock)
+        # Named after the cluster (a hash of its token, which must not leak into a file name).
+        cluster_id = hashlib.sha256(config.token.encode()).hexdigest()[:12]
+        limiter = NodeLimiter.for_node(
+            config.node_id, links.snic.bandwidth_gbps, clock=clock, cluster_id=cluster_id
+        )
         node_limiters[links.snic.name] = limiter
     traffic = TrafficManager(
         links.all(),

@@ -91,9 +91,14 @@ class NodeLimiter:
         directory: Path = DEFAULT_LIMITER_DIR,
         clock: Clock | None = None,
         gap_fill_s: float = 0.001,
+        cluster_id: str = "",
     ) -> NodeLimiter:
-        """The limiter of node ``node_id``: ``directory/dualpath-node<id>.snic``."""
-        path = directory / f"dualpath-node{node_id}.snic"
+        """The limiter of node ``node_id``: ``directory/dualpath-[<cluster_id>-]node<id>.snic``.
+
+        ``cluster_id`` keeps two clusters on one host (or a crashed run's leftover file) from
+        sharing a node's limiter."""
+        prefix = f"dualpath-{cluster_id}-" if cluster_id else "dualpath-"
+        path = directory / f"{prefix}node{node_id}.snic"
         return cls(path, bandwidth_gbps, clock=clock, gap_fill_s=gap_fill_s)
 
     @property

@@ -209,3 +209,17 @@ def test_two_processes_together_stay_within_the_cap(tmp_path: Path) -> None:
     for (_, end_s), (next_start_s, _) in itertools.pairwise(intervals):
         assert next_start_s >= end_s - 1e-9, "two bookings of one link overlap"
     assert not Path(path).exists()  # the last user removed the file
+
+
+def test_clusters_on_one_host_get_separate_limiter_files(tmp_path) -> None:
+    a = NodeLimiter.for_node(3, 1.0, directory=tmp_path, cluster_id="aaaa")
+    b = NodeLimiter.for_node(3, 2.0, directory=tmp_path, cluster_id="bbbb")  # another cap: fine
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "dualpath-aaaa-node3.snic",
+            "dualpath-bbbb-node3.snic",
+        ]
+    finally:
+        a.close()
+        b.close()
+    assert list(tmp_path.iterdir()) == []
