@@ -92,12 +92,16 @@ class StoreReader:
         self.buffer = buffer
         self.mover = mover
         self.num_read_bytes = 0  # hit-KV bytes read so far (this side's path_bytes)
+        # Blocks submitted and not yet read or given up: this engine's share of read_q.
+        self.num_queued_blocks = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix=name)
 
     def submit(self, keys: Sequence[BlockKey], slots: Sequence[int], what: str) -> Future[int]:
         """Read ``keys[i]`` into slot ``slots[i]``; the future gives how many leading blocks
         were read. A block that cannot be read stops the run there (it is recomputed)."""
+        with self._lock:
+            self.num_queued_blocks += len(keys)
         return self._pool.submit(self._read, list(keys), list(slots), what)
 
     def _read(self, keys: list[BlockKey], slots: list[int], what: str) -> int:
@@ -109,9 +113,12 @@ class StoreReader:
                 logger.warning(
                     "%s: block %d unreadable, recomputed from there: %s", what, index, exc
                 )
+                with self._lock:
+                    self.num_queued_blocks -= len(keys) - index
                 return index
             with self._lock:
                 self.num_read_bytes += out.nbytes
+                self.num_queued_blocks -= 1
         return len(keys)
 
     def close(self) -> None:

@@ -187,11 +187,8 @@ class DecodeEngine:
 
     @property
     def num_queued_read_tokens(self) -> int:
-        return sum(
-            r.assignment.num_decode_side_blocks * self.block_size
-            for r in self.requests.values()
-            if r.reads is None or not r.reads.done()
-        )
+        """Tokens queued for storage reads on this engine (its share of its node's read_q)."""
+        return self.reader.num_queued_blocks * self.block_size
 
     @property
     def num_tokens(self) -> int:

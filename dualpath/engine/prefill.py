@@ -198,11 +198,7 @@ class PrefillEngine:
     @property
     def num_queued_read_tokens(self) -> int:
         """Tokens queued for storage reads on this engine (its share of its node's read_q)."""
-        return sum(
-            r.assignment.num_prefill_side_blocks * self.block_size
-            for r in self.requests.values()
-            if r.reads is None or not r.reads.done()
-        )
+        return self.reader.num_queued_blocks * self.block_size
 
     @property
     def num_tokens(self) -> int:

@@ -37,3 +37,28 @@ def test_layer_offsets_address_the_layer_block_views() -> None:
 def test_a_buffer_must_hold_one_block() -> None:
     with pytest.raises(ValueError, match="holds no Full Block"):
         KVBuffer(LAYOUT, capacity_bytes=LAYOUT.full_block_bytes - 1)
+
+
+def test_store_reader_counts_queued_blocks_until_read_or_given_up() -> None:
+    from dualpath.engine.buffers import StoreReader
+    from dualpath.kv.hashing import block_keys
+    from dualpath.kv.store import MemoryKVStore
+
+    fingerprint = "0" * 32
+    store = MemoryKVStore(LAYOUT, fingerprint)
+    keys = block_keys(list(range(20)), LAYOUT.block_size_tokens, fingerprint)  # 5 blocks
+    for key in keys[:3]:  # blocks 3 and 4 are missing
+        store.write(key, np.full(LAYOUT.full_block_shape, 7, dtype=np.uint8))
+    buffer = KVBuffer(LAYOUT, capacity_bytes=5 * LAYOUT.full_block_bytes)
+    reader = StoreReader(store, buffer, lambda link, n, move: move(), num_threads=1, name="t")
+    gate = __import__("threading").Event()
+    blocker = reader._pool.submit(gate.wait)  # hold the pool so the count is observable
+    future = reader.submit(keys, [0, 1, 2, 3, 4], "test")
+    assert reader.num_queued_blocks == 5
+    gate.set()
+    blocker.result()
+    assert future.result() == 3  # stops at the first missing block
+    assert reader.num_queued_blocks == 0
+    assert reader.num_read_bytes == 3 * LAYOUT.full_block_bytes
+    assert np.all(buffer.full_block(2) == 7)
+    reader.close()
