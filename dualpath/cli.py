@@ -48,6 +48,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -337,6 +347,13 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         default=5.0,
         help="exit when the scheduler is silent this long (default 5)",
     )
+    p.add_argument(
+        "--attention-quota-s",
+        type=_positive_float,
+        default=0.3,
+        help="PE: predicted seconds of one layer per prefill batch, the compute quota "
+        "(default 0.3); longer prompts are prefilled in chunks across batches",
+    )
     p.set_defaults(func=_run_engine)
 
 
@@ -381,6 +398,7 @@ def _run_engine(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout_s,
         ),
         transport=args.transport,
+        attention_quota_s=args.attention_quota_s,
     )
     return run_engine(config)
 

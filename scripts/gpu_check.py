@@ -122,11 +122,9 @@ def step_disaggregated(device: str, model_dir: Path, work: Path) -> dict:
         while pending:
             for ready in decode.poll_ready():
                 prefill.on_decode_ready(ready)
-            batch = prefill.ready_requests()
-            if batch:
-                for done in prefill.run_batch(batch, lambda _, remote=remote: remote):
-                    tokens[done.request_id].append(done.first_token_id)
-                    decode.on_prefill_done(done)
+            for done in prefill.step(lambda _, remote=remote: remote):
+                tokens[done.request_id].append(done.first_token_id)
+                decode.on_prefill_done(done)
             for update in decode.step():
                 tokens[update.request_id] += update.token_ids
                 if update.finish_reason is not None:

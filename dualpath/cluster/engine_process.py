@@ -41,12 +41,14 @@ from dualpath.control.channel import ControlClient
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.decode import DecodeEngine
 from dualpath.engine.llm import LLMEngine
-from dualpath.engine.prefill import PrefillEngine, PrefillRequest
+from dualpath.engine.prefill import PrefillEngine
+from dualpath.engine.profile import profile_layer_time
 from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
 from dualpath.errors import DualPathError
 from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
+from dualpath.scheduler.batching import PrefillBatcher
 from dualpath.transfer.clock import MonotonicClock
 from dualpath.transfer.links import TrafficClass, engine_link_specs
 from dualpath.transfer.node_limiter import NodeLimiter
@@ -56,6 +58,9 @@ from dualpath.transfer.transport import BufferDescriptor, create_transport
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Longest context the start-up profile times (~0.4 s for the tiny model on one CPU thread);
+# the fitted quadratic term extrapolates beyond it.
+_MAX_PROFILED_CONTEXT_TOKENS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,9 @@ class EngineProcessConfig:
     fetch_interval_s: float = 0.010
     # Upper bound of one wait on a peer (a transfer, the scheduler's first answer).
     peer_timeout_s: float = 30.0
+    # PE: predicted time of one layer per prefill batch (SPEC §6's compute quota; the
+    # paper's 300 ms). The predictor is profiled on this engine at start-up.
+    attention_quota_s: float = 0.300
 
     def __post_init__(self) -> None:
         if self.role not in (PREFILL, DECODE):
@@ -139,6 +147,8 @@ class _EngineProcess:
                 if config.store.is_enabled
                 else None
             )
+            max_model_len = engine_config.max_model_len or loaded.config.max_position_embeddings
+            block_size = engine_config.block_size_tokens
             self.prefill = PrefillEngine(
                 loaded.model,
                 self.identity,
@@ -148,10 +158,18 @@ class _EngineProcess:
                 device=loaded.device,
                 is_layerwise=cluster.settings.is_layerwise,
                 mover=self._move,
+                batcher=PrefillBatcher(
+                    profile_layer_time(
+                        loaded.model,
+                        device=loaded.device,
+                        max_context_tokens=min(max_model_len, _MAX_PROFILED_CONTEXT_TOKENS),
+                    ),
+                    quota_s=config.attention_quota_s,
+                    min_chunk_tokens=block_size,
+                    chunk_align_tokens=block_size,
+                ),
             )
-            max_blocks = -(
-                -loaded.config.max_position_embeddings // engine_config.block_size_tokens
-            )
+            max_blocks = -(-loaded.config.max_position_embeddings // block_size)
             self.staging = TransportStaging(
                 self.transport,
                 self.identity.layout,
@@ -254,14 +272,17 @@ class _EngineProcess:
     def _work(self) -> bool:
         """One unit of work; True if there was any (then poll without waiting)."""
         if self.prefill is not None:
-            batch = self._next_prefill_batch()
+            # A request waits until its DE's transport metadata has arrived.
+            batch = self.prefill.next_batch(
+                lambda request: request.assignment.decode_engine_id in self.remotes
+            )
             if not batch:
                 return False
             try:
                 finished = self.prefill.run_batch(batch, self.remotes.__getitem__)
             except DualPathError as exc:  # a DE died or timed out mid-transfer
                 logger.error("prefill batch failed: %s", exc)
-                for request in batch:
+                for request, _ in batch:
                     self.prefill.cancel(request.request_id)
                     self.client.send(RequestFailed(request.request_id, f"prefill failed: {exc}"))
                 return True
@@ -275,20 +296,6 @@ class _EngineProcess:
         for update in updates:
             self.client.send(update)
         return bool(updates) or self.decode.engine.has_unfinished_requests()
-
-    def _next_prefill_batch(self) -> list[PrefillRequest]:
-        """Ready requests, FIFO, within the step's token budget (at least one)."""
-        assert self.prefill is not None
-        budget = self.config.engine.max_num_batched_tokens
-        batch: list[PrefillRequest] = []
-        for request in self.prefill.ready_requests():
-            if request.assignment.decode_engine_id not in self.remotes:
-                continue  # its DE's transport metadata has not arrived yet
-            if batch and request.num_prompt_tokens > budget:
-                break
-            batch.append(request)
-            budget -= request.num_prompt_tokens
-        return batch
 
     def _report(self) -> None:
         engine = self.prefill or self.decode

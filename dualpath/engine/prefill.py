@@ -14,6 +14,13 @@ With layer-wise prefill only one layer of hit KV is resident per batch and layer
 is fetched while layer l computes. Without it (the ``basic`` and ``layerwise``-less modes),
 every layer's hit KV is loaded before the forward and held until it ends.
 
+Batches come from the compute-quota ``PrefillBatcher`` (SPEC §6): ready requests queue in FIFO
+order and each batch is packed up to the predicted time of one layer; the request that would
+overflow is cut at a block boundary and its remainder runs in a later batch (chunked prefill).
+A chunk attends over the hit KV (loaded again, layer by layer) and over the KV its earlier
+chunks computed, which the PE keeps on its device until the request's last chunk; each chunk's
+new blocks go to the DE buffer as they are computed, so the DE still receives every block once.
+
 The DE buffer is reached through a ``RemoteBuffer`` (a transport in a cluster, direct memory
 in one process), so this module does no networking of its own.
 """
@@ -38,6 +45,8 @@ from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.model.llama import DecoderModel, PackedBatch
+from dualpath.scheduler.attention_predictor import ConstantAttentionTimePredictor
+from dualpath.scheduler.batching import PrefillBatcher, PrefillChunk, PrefillWork
 from dualpath.types import SamplingParams, sampling_params_from_dict
 
 logger = logging.getLogger(__name__)
@@ -85,6 +94,11 @@ class PrefillRequest:
     pe_slots: list[int] = field(default_factory=list)
     reads: Future[int] | None = None  # -> leading PE-side blocks read
     decode_ready: DecodeReady | None = None
+    # Set when the request joins the batcher: leading blocks whose KV was read (either side).
+    num_hit: int | None = None
+    # Per layer, K and V of the tokens earlier chunks computed (device); empty until a chunk
+    # that is not the last one has run.
+    computed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def request_id(self) -> int:
@@ -121,7 +135,9 @@ class PrefillEngine:
         is_layerwise: bool = True,
         mover: Mover = direct_move,
         num_io_threads: int = 4,
+        batcher: PrefillBatcher | None = None,
     ) -> None:
+        """``batcher`` packs the batches (``None``: no quota, every ready request at once)."""
         self.model = model
         self.identity = identity
         self.layout = identity.layout
@@ -135,6 +151,12 @@ class PrefillEngine:
         self.reader = StoreReader(store, buffer, mover, num_threads=num_io_threads, name="pe-read")
         self.requests: dict[int, PrefillRequest] = {}
         self._waiting_for_buffer: list[PrefillRequest] = []
+        self.batcher = batcher or PrefillBatcher(
+            ConstantAttentionTimePredictor(0.0),
+            quota_s=float("inf"),
+            min_chunk_tokens=self.block_size,
+            chunk_align_tokens=self.block_size,
+        )
         config = model.config
         self._kv_shape = (2, config.num_kv_heads, config.head_dim)
 
@@ -185,15 +207,35 @@ class PrefillEngine:
             return
         if request.reads is not None:
             request.reads.result()  # the read thread owns the slots until it returns
+        self.batcher.remove(request_id)
         self._release(request)
 
     def _release(self, request: PrefillRequest) -> None:
         self.buffer.free(request.pe_slots)
         request.pe_slots = []
+        request.computed = []
         self._start_reads()
 
-    def ready_requests(self) -> list[PrefillRequest]:
-        return [r for r in self.requests.values() if r.is_ready]
+    def next_batch(
+        self, can_send: Callable[[PrefillRequest], bool] = lambda request: True
+    ) -> list[tuple[PrefillRequest, PrefillChunk]]:
+        """Queue newly ready requests (those ``can_send`` allows: their DE is reachable) for
+        the batcher, in order, and take its next batch: ``(request, chunk)`` pairs."""
+        for request in self.requests.values():
+            if request.num_hit is None and request.is_ready and can_send(request):
+                request.num_hit = request.num_hit_blocks()
+                num_cached = request.num_hit * self.block_size
+                self.batcher.add(
+                    PrefillWork(
+                        request.request_id, num_cached, request.num_prompt_tokens - num_cached
+                    )
+                )
+        return [(self.requests[c.request_id], c) for c in self.batcher.next_batch().chunks]
+
+    def step(self, remote_of: Callable[[int], RemoteBuffer]) -> list[PrefillDone]:
+        """One batch, if any request is ready: ``next_batch`` then ``run_batch``."""
+        batch = self.next_batch()
+        return self.run_batch(batch, remote_of) if batch else []
 
     @property
     def num_queued_read_tokens(self) -> int:
@@ -208,73 +250,107 @@ class PrefillEngine:
 
     @torch.inference_mode()
     def run_batch(
-        self, batch: list[PrefillRequest], remote_of: Callable[[int], RemoteBuffer]
+        self,
+        batch: list[tuple[PrefillRequest, PrefillChunk]],
+        remote_of: Callable[[int], RemoteBuffer],
     ) -> list[PrefillDone]:
-        """Prefill ``batch`` (all ready) and leave each prompt's KV in its DE's buffer."""
-        bs = self.block_size
-        hits = [r.num_hit_blocks() for r in batch]
-        cached = [h * bs for h in hits]
+        """Compute ``batch``'s chunks and leave their KV in each request's DE buffer; one
+        ``PrefillDone`` per request whose last chunk this was (its prompt KV is complete)."""
+        requests = [request for request, _ in batch]
+        chunks = [chunk for _, chunk in batch]
         packed = PackedBatch(
-            num_cached_tokens=tuple(cached),
-            num_new_tokens=tuple(
-                r.num_prompt_tokens - c for r, c in zip(batch, cached, strict=True)
-            ),
+            num_cached_tokens=tuple(c.num_cached_tokens for c in chunks),
+            num_new_tokens=tuple(c.num_new_tokens for c in chunks),
         )
         input_ids = torch.tensor(
             [
                 t
-                for r, c in zip(batch, cached, strict=True)
-                for t in r.assignment.prompt_token_ids[c:]
+                for r, c in batch
+                for t in r.assignment.prompt_token_ids[
+                    c.num_cached_tokens : c.num_cached_tokens + c.num_new_tokens
+                ]
             ],
             device=self.device,
         )
-        remotes = [remote_of(r.assignment.decode_engine_id) for r in batch]
+        remotes = [remote_of(r.assignment.decode_engine_id) for r in requests]
         hidden = self.model.embed(input_ids)
         rope = self.model.rope(packed.positions(self.device))
         offsets = packed.row_offsets
         preloaded = (
             None
             if self.is_layerwise
-            else [self._hit_kv(batch, hits, remotes, i) for i in range(self.model.num_layers)]
+            else [self._past_kv(batch, remotes, i) for i in range(self.model.num_layers)]
         )
         for layer in range(self.model.num_layers):
             past = (
-                preloaded[layer]
-                if preloaded is not None
-                else self._hit_kv(batch, hits, remotes, layer)
+                preloaded[layer] if preloaded is not None else self._past_kv(batch, remotes, layer)
             )
             hidden, k_new, v_new = self.model.forward_layer(layer, hidden, rope, packed, past)
-            for i, request in enumerate(batch):
+            for i, (request, chunk) in enumerate(batch):
                 rows = slice(offsets[i], offsets[i + 1])
-                self._send_layer(request, hits[i], remotes[i], layer, k_new[rows], v_new[rows])
+                self._send_layer(request, chunk, remotes[i], layer, k_new[rows], v_new[rows])
+                if not chunk.is_last_chunk:
+                    self._keep_chunk(request, layer, k_new[rows], v_new[rows])
         for remote in {id(r): r for r in remotes}.values():
             remote.flush()
-        logits = self.model.logits(hidden[packed.last_rows()]).cpu()
+        last = [i for i, chunk in enumerate(chunks) if chunk.is_last_chunk]
+        if not last:
+            return []
+        last_rows = torch.tensor([offsets[i + 1] - 1 for i in last], device=self.device)
+        logits = self.model.logits(hidden[last_rows]).cpu()
         done = []
-        for i, request in enumerate(batch):
-            token_id, logprob = sample(logits[i], request.params, make_generator(request.params))
+        for row, i in enumerate(last):
+            request = requests[i]
+            token_id, logprob = sample(logits[row], request.params, make_generator(request.params))
+            assert request.num_hit is not None, "a batched request has joined the batcher"
             done.append(
                 PrefillDone(
                     request.request_id,
                     token_id,
                     None if logprob is None else (logprob.logprob, logprob.top),
-                    cached[i],
+                    request.num_hit * self.block_size,
                 )
             )
             del self.requests[request.request_id]
             self._release(request)
         return done
 
-    def _hit_kv(
+    def _keep_chunk(
+        self, request: PrefillRequest, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> None:
+        """Append a chunk's layer KV to what the request's later chunks attend over."""
+        if len(request.computed) == layer:
+            request.computed.append((k_new.clone(), v_new.clone()))
+        else:
+            k, v = request.computed[layer]
+            request.computed[layer] = (torch.cat((k, k_new)), torch.cat((v, v_new)))
+
+    def _past_kv(
         self,
-        batch: list[PrefillRequest],
-        hits: list[int],
+        batch: list[tuple[PrefillRequest, PrefillChunk]],
         remotes: list[RemoteBuffer],
         layer: int,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer ``layer``'s KV before each request's chunk: its hit KV, then what its earlier
+        chunks computed."""
+        requests = [request for request, _ in batch]
+        past = self._hit_kv(requests, remotes, layer)
+        for i, (request, chunk) in enumerate(batch):
+            assert request.num_hit is not None, "a batched request has joined the batcher"
+            if chunk.num_cached_tokens > request.num_hit * self.block_size:
+                k_hit, v_hit = past[i]
+                k, v = request.computed[layer]
+                past[i] = (torch.cat((k_hit, k)), torch.cat((v_hit, v)))
+        return past
+
+    def _hit_kv(
+        self, requests: list[PrefillRequest], remotes: list[RemoteBuffer], layer: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Layer ``layer``'s hit K and V of each request, on the device."""
         past = []
-        for request, num_hit, remote in zip(batch, hits, remotes, strict=True):
+        for request, remote in zip(requests, remotes, strict=True):
+            num_hit = request.num_hit
+            assert num_hit is not None, "a batched request has joined the batcher"
             layer_blocks = np.empty((num_hit, *self.layout.layer_block_shape), dtype=np.uint8)
             num_pe = min(num_hit, request.assignment.num_prefill_side_blocks)
             for i in range(num_pe):
@@ -300,18 +376,22 @@ class PrefillEngine:
     def _send_layer(
         self,
         request: PrefillRequest,
-        num_hit: int,
+        chunk: PrefillChunk,
         remote: RemoteBuffer,
         layer: int,
         k_new: torch.Tensor,
         v_new: torch.Tensor,
     ) -> None:
-        """Layer ``layer`` of what the DE lacks: PE-side hit blocks and the new tokens."""
-        assert request.decode_ready is not None, "ready request"
+        """Layer ``layer`` of what the DE lacks: the PE-side hit blocks (with the first chunk)
+        and the chunk's new tokens, whose first block is fresh (chunks are block-aligned)."""
+        assert request.decode_ready is not None and request.num_hit is not None, "ready request"
         slots = request.decode_ready.slots
         bs = self.block_size
+        num_hit = request.num_hit
+        is_first_chunk = chunk.num_cached_tokens == num_hit * bs
+        assert chunk.num_cached_tokens % bs == 0, "chunks start on a block boundary"
         num_pe = min(num_hit, request.assignment.num_prefill_side_blocks)
-        if num_pe:
+        if num_pe and is_first_chunk:
             pe_blocks = np.stack(
                 [self.buffer.layer_block(s, layer) for s in request.pe_slots[:num_pe]]
             )
@@ -328,12 +408,11 @@ class PrefillEngine:
         new_blocks = (
             kv.view(torch.uint8).numpy().reshape(num_new_blocks, *self.layout.layer_block_shape)
         )
+        first = chunk.num_cached_tokens // bs
         self.mover(
             "cnic",
             new_blocks.nbytes,
-            lambda: remote.write_layer(
-                slots[num_hit : num_hit + num_new_blocks], layer, new_blocks
-            ),
+            lambda: remote.write_layer(slots[first : first + num_new_blocks], layer, new_blocks),
         )
 
     @property

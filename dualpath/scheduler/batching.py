@@ -12,6 +12,10 @@ The only overrun allowed: a batch whose first request cannot fit even one minimu
 exactly that chunk (``min_chunk_tokens``, or the whole rest if it is shorter), so every batch
 makes progress. The searches assume the predictor is monotone (more work never predicts less
 time; the fitted predictor guarantees it) and never accept a batch they have not predicted.
+
+A cut may be aligned (``chunk_align_tokens``): an engine whose KV moves in Full Blocks cuts at
+block boundaries, so that every chunk but the last fills whole blocks and the next chunk starts
+on a fresh one.
 """
 
 from __future__ import annotations
@@ -63,17 +67,17 @@ def pack_prefill_batch(
     *,
     quota_s: float,
     min_chunk_tokens: int,
+    chunk_align_tokens: int = 1,
 ) -> PrefillBatch:
     """The next batch from ``waiting`` (FIFO); pure, leaves ``waiting`` untouched.
 
     Whole requests are taken while the prediction stays within ``quota_s`` (galloping then
     binary search over the prefix length, O(k log k) predictions' work for k requests); the
-    next request is cut to the most new tokens in ``[min_chunk_tokens, rest)`` that still fit.
+    next request is cut to the most new tokens in ``[min_chunk_tokens, rest)`` that still fit,
+    a multiple of ``chunk_align_tokens`` (which must divide ``min_chunk_tokens``).
     """
-    if quota_s <= 0 or min_chunk_tokens <= 0:
-        raise ValueError(
-            f"need quota_s > 0 and min_chunk_tokens > 0, got {quota_s}, {min_chunk_tokens}"
-        )
+    _check_quota(quota_s, min_chunk_tokens, chunk_align_tokens)
+    align = chunk_align_tokens
 
     def fits(num_whole: int, cut_tokens: int | None = None) -> bool:
         """Whether the first ``num_whole`` requests, plus ``cut_tokens`` of the next one,
@@ -90,9 +94,12 @@ def pack_prefill_batch(
     ]
     if num_whole < len(waiting):
         work = waiting[num_whole]
-        cut_tokens = _most_tokens_fitting(
-            min_chunk_tokens, work.num_new_tokens - 1, lambda n: fits(num_whole, n)
+        num_units = _most_tokens_fitting(
+            min_chunk_tokens // align,
+            (work.num_new_tokens - 1) // align,
+            lambda n: fits(num_whole, n * align),
         )
+        cut_tokens = None if num_units is None else num_units * align
         if cut_tokens is None and num_whole == 0:
             cut_tokens = min(min_chunk_tokens, work.num_new_tokens)  # the one allowed overrun
         if cut_tokens is not None:
@@ -106,6 +113,19 @@ def pack_prefill_batch(
             )
     batch_pairs = [(chunk.num_cached_tokens, chunk.num_new_tokens) for chunk in chunks]
     return PrefillBatch(tuple(chunks), predictor.predict_s(batch_pairs))
+
+
+def _check_quota(quota_s: float, min_chunk_tokens: int, chunk_align_tokens: int) -> None:
+    if quota_s <= 0 or min_chunk_tokens <= 0 or chunk_align_tokens <= 0:
+        raise ValueError(
+            "need quota_s, min_chunk_tokens and chunk_align_tokens > 0, got "
+            f"{quota_s}, {min_chunk_tokens}, {chunk_align_tokens}"
+        )
+    if min_chunk_tokens % chunk_align_tokens:
+        raise ValueError(
+            f"min_chunk_tokens ({min_chunk_tokens}) must be a multiple of chunk_align_tokens "
+            f"({chunk_align_tokens})"
+        )
 
 
 def _largest_fitting_prefix(num_items: int, fits: Callable[[int], bool]) -> int:
@@ -144,26 +164,30 @@ class PrefillBatcher:
     """
 
     def __init__(
-        self, predictor: AttentionTimePredictor, *, quota_s: float, min_chunk_tokens: int
+        self,
+        predictor: AttentionTimePredictor,
+        *,
+        quota_s: float,
+        min_chunk_tokens: int,
+        chunk_align_tokens: int = 1,
     ) -> None:
-        if quota_s <= 0 or min_chunk_tokens <= 0:
-            raise ValueError(
-                f"need quota_s > 0 and min_chunk_tokens > 0, got {quota_s}, {min_chunk_tokens}"
-            )
+        _check_quota(quota_s, min_chunk_tokens, chunk_align_tokens)
         self._predictor = predictor
         self._quota_s = quota_s
         self._min_chunk_tokens = min_chunk_tokens
+        self._chunk_align_tokens = chunk_align_tokens
         self._waiting: list[PrefillWork] = []
 
     @classmethod
     def from_config(
-        cls, config: SchedulerConfig, predictor: AttentionTimePredictor
+        cls, config: SchedulerConfig, predictor: AttentionTimePredictor, chunk_align_tokens: int = 1
     ) -> PrefillBatcher:
         """A batcher with the config's quota and minimum chunk."""
         return cls(
             predictor,
             quota_s=config.attention_quota_s,
             min_chunk_tokens=config.min_prefill_chunk_tokens,
+            chunk_align_tokens=chunk_align_tokens,
         )
 
     @property
@@ -175,6 +199,14 @@ class PrefillBatcher:
         """Queue a request's prefill behind everything already waiting."""
         self._waiting.append(work)
 
+    def remove(self, request_id: int) -> bool:
+        """Drop a request's remaining work (a cancel); False if it was not waiting."""
+        for index, work in enumerate(self._waiting):
+            if work.request_id == request_id:
+                del self._waiting[index]
+                return True
+        return False
+
     def next_batch(self) -> PrefillBatch:
         """The next batch (empty when nothing waits)."""
         batch = pack_prefill_batch(
@@ -182,6 +214,7 @@ class PrefillBatcher:
             self._predictor,
             quota_s=self._quota_s,
             min_chunk_tokens=self._min_chunk_tokens,
+            chunk_align_tokens=self._chunk_align_tokens,
         )
         num_done = sum(chunk.is_last_chunk for chunk in batch.chunks)
         del self._waiting[:num_done]

@@ -20,6 +20,8 @@ from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
+from dualpath.scheduler.attention_predictor import ConstantAttentionTimePredictor
+from dualpath.scheduler.batching import PrefillBatcher
 from dualpath.transfer.transport import FakeNetwork, FakeTransport
 from dualpath.types import sampling_params_to_dict
 from tests.helpers import assert_same_tokens
@@ -35,7 +37,13 @@ class Pair:
     """One PE and one DE sharing a store, driven by hand through the real message types."""
 
     def __init__(
-        self, model_dir: Path, store_dir: Path, *, is_layerwise: bool, remote: str = "local"
+        self,
+        model_dir: Path,
+        store_dir: Path,
+        *,
+        is_layerwise: bool,
+        remote: str = "local",
+        batcher: PrefillBatcher | None = None,
     ) -> None:
         loaded = load_model(model_dir)
         self.identity = kv_identity(loaded.config, loaded.weights_digest, "float32", BLOCK)
@@ -48,6 +56,7 @@ class Pair:
             dtype=loaded.dtype,
             device=loaded.device,
             is_layerwise=is_layerwise,
+            batcher=batcher,
         )
         engine = LLMEngine(loaded, EngineConfig(), KVStoreConfig(root_dir=store_dir))
         self.decode = DecodeEngine(engine, KVBuffer(self.identity.layout, 32 << 20))
@@ -65,6 +74,7 @@ class Pair:
             self.remote = TransportRemoteBuffer(staging, "de", descriptor, timeout_s=5.0)
         self.store = store
         self.next_id = 0
+        self.batches: list[list[tuple[int, int]]] = []  # (request id, new tokens) per batch
 
     def num_stored_blocks(self, prompt: list[int]) -> int:
         keys = block_keys(
@@ -97,7 +107,8 @@ class Pair:
         while pending:
             for ready in self.decode.poll_ready():
                 self.prefill.on_decode_ready(ready)
-            batch = self.prefill.ready_requests()
+            batch = self.prefill.next_batch()
+            self.batches.append([(r.request_id, c.num_new_tokens) for r, c in batch])
             if batch:
                 for done in self.prefill.run_batch(batch, lambda de: self.remote):
                     results[done.request_id]["token_ids"].append(done.first_token_id)
@@ -157,3 +168,37 @@ def test_tokens_match_single_node_on_every_read_path(
     for prompt, got in zip(turn3, turn2, strict=True):
         stored = pair.num_stored_blocks(prompt)
         assert stored == (len(got) + params.max_tokens - 1) // BLOCK
+
+
+@pytest.mark.parametrize("side", ["pe", "de", "split"])
+def test_chunked_prefill_across_batches_gives_the_same_tokens(
+    tiny_model_dir: Path, tmp_path: Path, side: str
+) -> None:
+    """A quota of 128 new tokens per batch cuts long prompts at block boundaries; the chunks
+    attend over the hit KV and the earlier chunks, and the tokens stay the same."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    turn1 = [random_ids(n, seed=n) for n in (150, 70)]
+    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+        first = llm.generate([{"prompt_token_ids": p} for p in turn1], params)
+    turn2 = [p + o.token_ids + random_ids(300, seed=3) for p, o in zip(turn1, first, strict=True)]
+    with LLM(tiny_model_dir) as llm:
+        reference = llm.generate([{"prompt_token_ids": p} for p in turn2], params)
+
+    batcher = PrefillBatcher(
+        ConstantAttentionTimePredictor(seconds_per_new_token=1.0),
+        quota_s=128.0,
+        min_chunk_tokens=BLOCK,
+        chunk_align_tokens=BLOCK,
+    )
+    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=True, batcher=batcher)
+    results = pair.generate(turn2, params, SPLITS[side])
+    for ref, got, prompt in zip(reference, results, turn2, strict=True):
+        assert_same_tokens(ref, _Out(got["token_ids"]), label=f"chunked, prompt {len(prompt)}")
+    batches = [b for b in pair.batches if b]
+    # Every batch keeps to 128 new tokens, and each request was computed in several chunks.
+    assert all(sum(n for _, n in batch) <= 128 for batch in batches)
+    for request_id, prompt, got in zip((0, 1), turn2, results, strict=True):
+        chunks = [n for batch in batches for r, n in batch if r == request_id]
+        assert len(chunks) >= 2
+        assert sum(chunks) == len(prompt) - got["cached"]
+        assert all(n % BLOCK == 0 for n in chunks[:-1])

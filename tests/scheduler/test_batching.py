@@ -98,7 +98,35 @@ def test_batcher_from_config_uses_the_quota_and_minimum_chunk():
     assert [c.num_new_tokens for c in batcher.next_batch().chunks] == [40] * 7
 
 
+def test_aligned_cuts_end_on_a_block_boundary():
+    # 300 tokens fit; with 64-token blocks the head is cut to 256, never 300.
+    batcher = PrefillBatcher(PER_TOKEN, quota_s=QUOTA_S, min_chunk_tokens=64, chunk_align_tokens=64)
+    batcher.add(PrefillWork(1, 128, 700))
+    batches = [batcher.next_batch().chunks for _ in range(4)]
+    assert batches == [
+        (PrefillChunk(1, 128, 256, False),),
+        (PrefillChunk(1, 384, 256, False),),
+        (PrefillChunk(1, 640, 188, True),),  # the last chunk takes the unaligned rest
+        (),
+    ]
+    # Unaligned, the same quota cuts at 300 tokens.
+    assert _pack([PrefillWork(1, 128, 700)]).chunks == (PrefillChunk(1, 128, 300, False),)
+
+
+def test_remove_drops_a_waiting_request_even_mid_chunking():
+    batcher = PrefillBatcher(PER_TOKEN, quota_s=QUOTA_S, min_chunk_tokens=16)
+    batcher.add(PrefillWork(1, 0, 400))
+    batcher.add(PrefillWork(2, 0, 50))
+    assert batcher.next_batch().chunks == (PrefillChunk(1, 0, 300, False),)
+    assert batcher.remove(1)
+    assert not batcher.remove(1)
+    assert batcher.next_batch().chunks == (PrefillChunk(2, 0, 50, True),)
+    assert batcher.num_waiting == 0
+
+
 def test_pack_rejects_bad_limits():
+    with pytest.raises(ValueError, match="multiple of chunk_align_tokens"):
+        PrefillBatcher(PER_TOKEN, quota_s=QUOTA_S, min_chunk_tokens=16, chunk_align_tokens=64)
     with pytest.raises(ValueError, match="quota_s"):
         _pack([PrefillWork(1, 0, 1)], quota_s=0.0)
     with pytest.raises(ValueError, match="num_new_tokens > 0"):
