@@ -7,6 +7,7 @@ Derived values come from functions that return new objects (``dataclasses.replac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,6 +266,9 @@ class ClusterConfig:
     # Engine groups fetch work together (SPEC §6); whole nodes, one role per group.
     nodes_per_group: int = 1
     mode: str = "dualpath"
+    # Forces one read path (READ_PATHS: "pe", "de", ...) instead of the mode's; None keeps the
+    # mode's. For experiments and tests of a single data path.
+    read_path: str | None = None
     # Link caps (SNIC per node, CNIC per engine) and the traffic classes' weights.
     traffic: TrafficConfig = TrafficConfig()
     # Host-DRAM KV buffer per engine; a full buffer delays loads (back-pressure), never drops.
@@ -286,6 +290,8 @@ class ClusterConfig:
                     f"{count} {role} nodes do not split into groups of {self.nodes_per_group}"
                 )
         mode_settings(self.mode)  # validates the name
+        if self.read_path is not None and self.read_path not in READ_PATHS:
+            raise ValueError(f"read_path must be one of {READ_PATHS}, got {self.read_path!r}")
         _require_positive("prefill_buffer_bytes", self.prefill_buffer_bytes)
         _require_positive("decode_buffer_bytes", self.decode_buffer_bytes)
         _require_positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
@@ -296,4 +302,7 @@ class ClusterConfig:
 
     @property
     def settings(self) -> ModeSettings:
-        return mode_settings(self.mode)
+        settings = mode_settings(self.mode)
+        if self.read_path is None:
+            return settings
+        return dataclasses.replace(settings, read_path=self.read_path)

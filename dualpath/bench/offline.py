@@ -10,7 +10,12 @@ on the preset's caps, which the JSON records.
 
 Per mode the JSON has ``jct_s``, ``tokens_per_s``, ``ttft_s`` percentiles, ``hit_ratio`` and
 ``path_bytes = {"pe": ..., "de": ...}``: hit-KV bytes read from the store by each side (split
-reads count each part on its side).
+reads count each part on its side). ``token_mismatches`` counts the turns whose tokens differ
+from the first mode's: every mode must generate the same tokens.
+
+``oracle`` removes every link cap and keeps its store on a memory file system (/dev/shm), so
+every hit is served from memory: each mode starts from an empty store, so all the hit KV of a
+run is written during the run, into memory (``store_in_memory`` in the JSON).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +34,15 @@ from tqdm import tqdm
 
 from dualpath.bench.hardware import hardware_info
 from dualpath.cluster.launcher import LocalCluster
-from dualpath.config import MODES, ClusterConfig, EngineConfig, KVStoreConfig, TrafficConfig
+from dualpath.config import (
+    MODES,
+    READ_PATHS,
+    ClusterConfig,
+    EngineConfig,
+    KVStoreConfig,
+    TrafficConfig,
+    mode_settings,
+)
 from dualpath.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -92,12 +106,15 @@ def run_mode(
     seed: int,
     vocab_size: int,
     transport: str = "nixl",
+    read_path: str | None = None,
 ) -> dict:
-    """Replay the preset's conversations on a fresh cluster in ``mode``; the mode's results."""
+    """Replay the preset's conversations on a fresh cluster in ``mode`` (``read_path`` forces
+    one read path); the mode's results."""
     cluster_config = ClusterConfig(
         num_prefill_nodes=preset.num_prefill_nodes,
         num_decode_nodes=preset.num_decode_nodes,
         mode=mode,
+        read_path=read_path,
         traffic=TrafficConfig(
             snic_bandwidth_gbps=preset.snic_bandwidth_gbps,
             cnic_bandwidth_gbps=preset.cnic_bandwidth_gbps,
@@ -105,7 +122,42 @@ def run_mode(
     )
     params = SamplingParams(max_tokens=preset.gen_tokens, ignore_eos=True)
     agents = make_conversation_seeds(preset, seed, vocab_size)
-    store_dir = work_dir / f"kv-{mode.replace('+', '-')}"
+    memory_dir = _memory_dir() if mode_settings(mode).is_io_free else None
+    store_dir = (memory_dir or work_dir) / f"kv-{mode.replace('+', '-')}"
+    try:
+        result = _replay(
+            mode, preset, cluster_config, params, agents, model_dir, store_dir, work_dir, transport
+        )
+    finally:
+        if memory_dir is not None:
+            shutil.rmtree(memory_dir, ignore_errors=True)
+    result["store_in_memory"] = memory_dir is not None
+    return result
+
+
+def _memory_dir() -> Path | None:
+    """A fresh directory on a memory file system, or None (with a warning) if there is none."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and any(
+        line.split()[1:3] == ["/dev/shm", "tmpfs"]
+        for line in Path("/proc/mounts").read_text().splitlines()
+    ):
+        return Path(tempfile.mkdtemp(prefix="dualpath-oracle-", dir=shm))
+    logger.warning("no tmpfs at /dev/shm: the oracle's store stays on disk (page cache)")
+    return None
+
+
+def _replay(
+    mode: str,
+    preset: OfflinePreset,
+    cluster_config: ClusterConfig,
+    params: SamplingParams,
+    agents: list[dict],
+    model_dir: Path,
+    store_dir: Path,
+    work_dir: Path,
+    transport: str,
+) -> dict:
     with LocalCluster(
         cluster_config,
         model_dir=model_dir,
@@ -116,6 +168,7 @@ def run_mode(
     ) as cluster:
         contexts = [list(agent["first"]) for agent in agents]
         turns_done = [0] * len(agents)
+        tokens: dict[str, list[int]] = {}  # "agent/turn" -> generated tokens
         in_flight = {cluster.submit(contexts[i], params): i for i in range(len(agents))}
         outputs = []
         start_s = time.monotonic()
@@ -127,6 +180,7 @@ def run_mode(
                 if out.error is not None:
                     raise RuntimeError(f"{mode}: agent {agent} failed: {out.error}")
                 outputs.append((len(contexts[agent]), out))
+                tokens[f"{agent}/{turns_done[agent]}"] = out.token_ids
                 bar.update(1)
                 turns_done[agent] += 1
                 if turns_done[agent] < preset.num_turns:
@@ -153,6 +207,7 @@ def run_mode(
         "ttft_s": _percentiles(ttfts),
         "path_bytes": path_bytes,
         "link_bytes": {str(k): v for k, v in sorted(link_bytes.items())},
+        "tokens": tokens,
     }
 
 
@@ -170,6 +225,7 @@ def run_offline(
     seed: int = 0,
     work_dir: Path | None = None,
     transport: str = "nixl",
+    read_path: str | None = None,
 ) -> dict:
     from dualpath.model.config import ModelConfig
 
@@ -191,9 +247,14 @@ def run_offline(
                 seed=seed,
                 vocab_size=vocab_size,
                 transport=transport,
+                read_path=read_path,
             )
             for mode in modes
         }
+    first_tokens = results[modes[0]]["tokens"]
+    for r in results.values():
+        tokens = r.pop("tokens")
+        r["token_mismatches"] = sum(tokens[k] != first_tokens.get(k) for k in tokens)
     report = {
         "benchmark": "offline",
         "preset": preset_name,
@@ -201,6 +262,7 @@ def run_offline(
         "seed": seed,
         "model_dir": str(model_dir),
         "transport": transport,
+        "read_path": read_path,  # None: each mode's own
         "modes": results,
         "link_caps_emulated": preset.snic_bandwidth_gbps > 0 or preset.cnic_bandwidth_gbps > 0,
         "hardware": hardware_info(),
@@ -226,6 +288,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: tiny)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--transport", choices=("nixl", "shm"), default="nixl")
+    parser.add_argument(
+        "--read-path",
+        choices=READ_PATHS,
+        default=None,
+        help="force one read path in every mode (default: each mode's own)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
 
 
@@ -238,17 +306,21 @@ def main(args: argparse.Namespace) -> int:
         model_dir=_resolve_model(args.model),
         seed=args.seed,
         transport=args.transport,
+        read_path=args.read_path,
     )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(
-        f"{'mode':>15} {'JCT s':>8} {'tok/s':>8} {'hit':>6} {'PE read MB':>11} {'DE read MB':>11}"
+        f"{'mode':>15} {'JCT s':>8} {'tok/s':>8} {'hit':>6} {'PE read MB':>11} "
+        f"{'DE read MB':>11} {'tokens':>9}"
     )
     for mode, r in report["modes"].items():
+        same = "same" if r["token_mismatches"] == 0 else f"{r['token_mismatches']} differ"
         print(
             f"{mode:>15} {r['jct_s']:>8.2f} {r['tokens_per_s']:>8.0f} {r['hit_ratio']:>6.1%} "
-            f"{r['path_bytes']['pe'] / 1e6:>11.2f} {r['path_bytes']['de'] / 1e6:>11.2f}"
+            f"{r['path_bytes']['pe'] / 1e6:>11.2f} {r['path_bytes']['de'] / 1e6:>11.2f} "
+            f"{same:>9}"
         )
     caps = report["preset_config"]
     print(
