@@ -86,7 +86,7 @@ def step_disaggregated(device: str, model_dir: Path, work: Path) -> dict:
             loaded.model,
             identity,
             store,
-            KVBuffer(identity.layout, 64 << 20),
+            KVBuffer(identity.layout, 64 << 20, pin_memory=device == "cuda"),
             dtype=loaded.dtype,
             device=loaded.device,
             is_layerwise=True,
@@ -94,7 +94,9 @@ def step_disaggregated(device: str, model_dir: Path, work: Path) -> dict:
         decode_engine = LLMEngine(
             loaded, EngineConfig(device=device), KVStoreConfig(root_dir=store_dir)
         )
-        decode = DecodeEngine(decode_engine, KVBuffer(identity.layout, 64 << 20))
+        decode = DecodeEngine(
+            decode_engine, KVBuffer(identity.layout, 64 << 20, pin_memory=device == "cuda")
+        )
         descriptor = de_transport.register("de-buffer", decode.buffer.array)
         pe_transport.connect(f"de-{side}", de_transport.metadata())
         staging = TransportStaging(

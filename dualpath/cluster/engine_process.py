@@ -131,7 +131,9 @@ class _EngineProcess:
         cluster = config.cluster
         is_prefill = config.role == PREFILL
         buffer_bytes = cluster.prefill_buffer_bytes if is_prefill else cluster.decode_buffer_bytes
-        self.buffer = KVBuffer(self.identity.layout, buffer_bytes)
+        self.buffer = KVBuffer(
+            self.identity.layout, buffer_bytes, pin_memory=loaded.device.type == "cuda"
+        )
         self.buffer_descriptor = self.transport.register("kv-buffer", self.buffer.array)
         self.prefill: PrefillEngine | None = None
         self.decode: DecodeEngine | None = None

@@ -33,7 +33,9 @@ _Mover = Callable[[str, int, Callable[[], object]], object]
 
 
 class KVBuffer:
-    def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
+    def __init__(self, layout: KVLayout, capacity_bytes: int, *, pin_memory: bool = False) -> None:
+        """``pin_memory``: page-locked, for an engine on a GPU (DMA to and from the device,
+        and what RDMA registration wants); needs CUDA."""
         num_slots = capacity_bytes // layout.full_block_bytes
         if num_slots <= 0:
             raise ValueError(
@@ -42,7 +44,13 @@ class KVBuffer:
             )
         self.layout = layout
         self.num_slots = num_slots
-        self.array = np.zeros((num_slots, *layout.full_block_shape), dtype=np.uint8)
+        shape = (num_slots, *layout.full_block_shape)
+        if pin_memory:
+            import torch  # only engines on a GPU pay for the import here
+
+            self.array = torch.zeros(shape, dtype=torch.uint8, pin_memory=True).numpy()
+        else:
+            self.array = np.zeros(shape, dtype=np.uint8)
         self._pool = BlockPool(num_slots)
 
     @property

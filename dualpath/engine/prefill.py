@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -149,6 +149,8 @@ class PrefillEngine:
         self.is_layerwise = is_layerwise
         self.mover = mover
         self.reader = StoreReader(store, buffer, mover, num_threads=num_io_threads, name="pe-read")
+        # Loads the next layer's hit KV while the current layer computes.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="pe-layer-load")
         self.requests: dict[int, PrefillRequest] = {}
         self._waiting_for_buffer: list[PrefillRequest] = []
         self.batcher = batcher or PrefillBatcher(
@@ -276,21 +278,33 @@ class PrefillEngine:
         hidden = self.model.embed(input_ids)
         rope = self.model.rope(packed.positions(self.device))
         offsets = packed.row_offsets
-        preloaded = (
-            None
-            if self.is_layerwise
-            else [self._past_kv(batch, remotes, i) for i in range(self.model.num_layers)]
-        )
-        for layer in range(self.model.num_layers):
-            past = (
-                preloaded[layer] if preloaded is not None else self._past_kv(batch, remotes, layer)
-            )
-            hidden, k_new, v_new = self.model.forward_layer(layer, hidden, rope, packed, past)
-            for i, (request, chunk) in enumerate(batch):
-                rows = slice(offsets[i], offsets[i + 1])
-                self._send_layer(request, chunk, remotes[i], layer, k_new[rows], v_new[rows])
-                if not chunk.is_last_chunk:
-                    self._keep_chunk(request, layer, k_new[rows], v_new[rows])
+        num_layers = self.model.num_layers
+        loading: Future | None = None
+        if self.is_layerwise:
+            # Layer l+1's hit KV loads (PE buffer, DE buffer over the CNIC, host -> device)
+            # while layer l computes: at most two layers of hit KV are resident.
+            loading = self._loader.submit(self._past_kv, batch, remotes, 0)
+        else:
+            preloaded = [self._past_kv(batch, remotes, i) for i in range(num_layers)]
+        try:
+            for layer in range(num_layers):
+                if loading is not None:
+                    past = loading.result()
+                    loading = None
+                    if layer + 1 < num_layers:
+                        loading = self._loader.submit(self._past_kv, batch, remotes, layer + 1)
+                else:
+                    past = preloaded[layer]
+                hidden, k_new, v_new = self.model.forward_layer(layer, hidden, rope, packed, past)
+                del past
+                for i, (request, chunk) in enumerate(batch):
+                    rows = slice(offsets[i], offsets[i + 1])
+                    self._send_layer(request, chunk, remotes[i], layer, k_new[rows], v_new[rows])
+                    if not chunk.is_last_chunk:
+                        self._keep_chunk(request, layer, k_new[rows], v_new[rows])
+        finally:
+            if loading is not None:  # a failed layer: the loader reads the buffers until done
+                wait([loading])
         for remote in {id(r): r for r in remotes}.values():
             remote.flush()
         last = [i for i, chunk in enumerate(chunks) if chunk.is_last_chunk]
@@ -351,7 +365,7 @@ class PrefillEngine:
         for request, remote in zip(requests, remotes, strict=True):
             num_hit = request.num_hit
             assert num_hit is not None, "a batched request has joined the batcher"
-            layer_blocks = np.empty((num_hit, *self.layout.layer_block_shape), dtype=np.uint8)
+            layer_blocks = self._host_layer_blocks(num_hit)
             num_pe = min(num_hit, request.assignment.num_prefill_side_blocks)
             for i in range(num_pe):
                 layer_blocks[i] = self.buffer.layer_block(request.pe_slots[i], layer)
@@ -364,6 +378,14 @@ class PrefillEngine:
             past.append((kv[:, 0], kv[:, 1]))
         return past
 
+    def _host_layer_blocks(self, num_blocks: int) -> np.ndarray:
+        """Host staging for Layer Blocks on their way to the device: page-locked with a GPU
+        (an asynchronous DMA; torch's caching host allocator recycles it once the copy ends)."""
+        shape = (num_blocks, *self.layout.layer_block_shape)
+        if self.device.type == "cuda":
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True).numpy()
+        return np.empty(shape, dtype=np.uint8)
+
     def _to_device(self, layer_blocks: np.ndarray) -> torch.Tensor:
         num_tokens = layer_blocks.shape[0] * self.block_size
         if num_tokens == 0:  # an empty array has stride 0, which a dtype view refuses
@@ -371,7 +393,9 @@ class PrefillEngine:
         host = torch.from_numpy(layer_blocks).view(self.dtype).view(num_tokens, *self._kv_shape)
         if self.device.type == "cpu":
             return host
-        return self.mover("cnic", layer_blocks.nbytes, lambda: host.to(self.device))
+        return self.mover(
+            "cnic", layer_blocks.nbytes, lambda: host.to(self.device, non_blocking=True)
+        )
 
     def _send_layer(
         self,
@@ -421,3 +445,4 @@ class PrefillEngine:
 
     def close(self) -> None:
         self.reader.close()
+        self._loader.shutdown()

@@ -3,6 +3,7 @@ single-node engine's whichever side read the hit KV (SPEC §2 correctness)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,59 @@ def test_chunked_prefill_across_batches_gives_the_same_tokens(
         assert len(chunks) >= 2
         assert sum(chunks) == len(prompt) - got["cached"]
         assert all(n % BLOCK == 0 for n in chunks[:-1])
+
+
+class _RecordingRemote:
+    """A local DE buffer that records when each layer's DE-side hit KV is read."""
+
+    def __init__(self, inner: LocalRemoteBuffer) -> None:
+        self.inner = inner
+        self.layers_read: list[int] = []
+        self.read_started = threading.Condition()
+
+    def read_layer(self, slots, layer, out) -> None:
+        with self.read_started:
+            self.layers_read.append(layer)
+            self.read_started.notify_all()
+        self.inner.read_layer(slots, layer, out)
+
+    def write_layer(self, slots, layer, data) -> None:
+        self.inner.write_layer(slots, layer, data)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+def test_the_next_layers_hit_kv_loads_while_this_layer_computes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = random_ids(200, seed=4)
+    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+        first = llm.generate([{"prompt_token_ids": prompt}], params)
+    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=True)
+    remote = _RecordingRemote(pair.remote)
+    pair.remote = remote
+    model = pair.prefill.model
+    num_layers = model.num_layers
+    forward_layer = model.forward_layer
+    overlapped = []
+
+    def forward_waiting_for_the_next_load(layer, *args):
+        # Layer l may finish only once layer l+1's load has begun: without prefetching,
+        # that load would start after this returns, and the wait would time out.
+        with remote.read_started:
+            overlapped.append(
+                layer + 1 == num_layers
+                or remote.read_started.wait_for(lambda: layer + 1 in remote.layers_read, 10.0)
+            )
+        return forward_layer(layer, *args)
+
+    model.forward_layer = forward_waiting_for_the_next_load
+    try:
+        pair.generate([prompt + first[0].token_ids + [1, 2, 3]], params, SPLITS["de"])
+    finally:
+        model.forward_layer = forward_layer
+    # The PE's prefill comes first (the DE's decode steps share the model and follow).
+    assert overlapped[:num_layers] == [True] * num_layers
+    assert remote.layers_read == list(range(num_layers))
