@@ -283,9 +283,8 @@ class _EngineProcess:
             try:
                 finished = self.prefill.run_batch(batch, self.remotes.__getitem__)
             except DualPathError as exc:  # a DE died or timed out mid-transfer
-                logger.error("prefill batch failed: %s", exc)
+                logger.error("prefill batch failed: %s", exc)  # its requests are cancelled
                 for request, _ in batch:
-                    self.prefill.cancel(request.request_id)
                     self.client.send(RequestFailed(request.request_id, f"prefill failed: {exc}"))
                 return True
             for done in finished:

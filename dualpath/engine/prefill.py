@@ -41,6 +41,7 @@ from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone
 from dualpath.engine.buffers import KVBuffer, StoreReader
 from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.sampling import make_generator, sample
+from dualpath.errors import DualPathError
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
@@ -257,7 +258,24 @@ class PrefillEngine:
         remote_of: Callable[[int], RemoteBuffer],
     ) -> list[PrefillDone]:
         """Compute ``batch``'s chunks and leave their KV in each request's DE buffer; one
-        ``PrefillDone`` per request whose last chunk this was (its prompt KV is complete)."""
+        ``PrefillDone`` per request whose last chunk this was (its prompt KV is complete).
+
+        A ``DualPathError`` mid-batch (a transfer timed out, a DE died) cancels every request
+        of the batch -- their PE buffer slots and chunk KV are freed -- and is re-raised; the
+        caller fails them, which makes their DEs free theirs.
+        """
+        try:
+            return self._run_batch(batch, remote_of)
+        except DualPathError:
+            for request, _ in batch:
+                self.cancel(request.request_id)
+            raise
+
+    def _run_batch(
+        self,
+        batch: list[tuple[PrefillRequest, PrefillChunk]],
+        remote_of: Callable[[int], RemoteBuffer],
+    ) -> list[PrefillDone]:
         requests = [request for request, _ in batch]
         chunks = [chunk for _, chunk in batch]
         packed = PackedBatch(

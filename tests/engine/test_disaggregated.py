@@ -17,6 +17,7 @@ from dualpath.engine.decode import DecodeEngine
 from dualpath.engine.llm import LLMEngine
 from dualpath.engine.prefill import LocalRemoteBuffer, PrefillEngine
 from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
+from dualpath.errors import TransferTimeout
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import kv_identity
@@ -259,3 +260,59 @@ def test_the_next_layers_hit_kv_loads_while_this_layer_computes(
     # The PE's prefill comes first (the DE's decode steps share the model and follow).
     assert overlapped[:num_layers] == [True] * num_layers
     assert remote.layers_read == list(range(num_layers))
+
+
+class _TimingOutRemote(_RecordingRemote):
+    """Times out the first write of ``failing_layer`` (a DE that stopped answering)."""
+
+    def __init__(self, inner: LocalRemoteBuffer, failing_layer: int) -> None:
+        super().__init__(inner)
+        self.failing_layer = failing_layer
+        self.has_failed = False
+
+    def write_layer(self, slots, layer, data) -> None:
+        if layer == self.failing_layer and not self.has_failed:
+            self.has_failed = True
+            raise TransferTimeout(f"write of layer {layer} timed out")
+        super().write_layer(slots, layer, data)
+
+
+@pytest.mark.parametrize("side", ["pe", "de"])
+def test_a_transfer_timing_out_mid_layer_frees_both_buffers(
+    tiny_model_dir: Path, tmp_path: Path, side: str
+) -> None:
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    turn1 = random_ids(200, seed=6)
+    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+        first = llm.generate([{"prompt_token_ids": turn1}], params)
+    prompt = turn1 + first[0].token_ids + random_ids(30, seed=7)
+    with LLM(tiny_model_dir) as llm:
+        reference = llm.generate([{"prompt_token_ids": prompt}], params)
+
+    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=True)
+    remote = _TimingOutRemote(pair.remote, failing_layer=2)
+    num_hit = pair.num_stored_blocks(prompt)
+    num_pe = SPLITS[side](num_hit)
+    assignment = Assignment(
+        0, tuple(prompt), sampling_params_to_dict(params), num_pe, num_hit - num_pe, 0, 1
+    )
+    pair.decode.add(assignment)
+    pair.prefill.add(assignment)
+    batch = []
+    while not batch:
+        for ready in pair.decode.poll_ready():
+            pair.prefill.on_decode_ready(ready)
+        batch = pair.prefill.next_batch()
+    assert pair.prefill.buffer.num_used_bytes + pair.decode.buffer.num_used_bytes > 0
+    with pytest.raises(TransferTimeout, match="layer 2"):
+        pair.prefill.run_batch(batch, lambda de: remote)
+    # The PE freed its side at once; the DE frees its side when the failure reaches it.
+    assert pair.prefill.buffer.num_used_bytes == 0 and not pair.prefill.requests
+    pair.decode.cancel(0)
+    assert pair.decode.buffer.num_used_bytes == 0 and not pair.decode.requests
+    # Both engines are healthy afterwards: the same prompt again gives the right tokens.
+    pair.remote = remote  # has failed once; passes everything through now
+    pair.next_id = 1
+    (again,) = pair.generate([prompt], params, SPLITS[side])
+    assert again["cached"] == num_hit * BLOCK
+    assert_same_tokens(reference[0], _Out(again["token_ids"]), label=f"retry, {side} path")
