@@ -20,6 +20,7 @@ TORCH_FREE = (
     "dualpath.model.presets",
     "dualpath.model.identity",
     "dualpath.cli",
+    "dualpath.workload",
 )
 
 
