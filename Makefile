@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The OpenAI-compatible server on the embedded default (tiny model, 1P2D, 127.0.0.1:8000);
+# Ctrl-C stops it. `dualpath demo` replays a multi-turn agent conversation instead.
 run: $(STAMP)
-	$(BIN)/dualpath demo
+	$(BIN)/dualpath serve
 
 test: $(STAMP)
 	$(BIN)/ruff check dualpath tests scripts

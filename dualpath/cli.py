@@ -3,6 +3,7 @@
     dualpath make-model --preset tiny --out DIR
     dualpath generate --prompt "Hello" --max-tokens 16 [--json]
     dualpath demo
+    dualpath serve [--model DIR] [--port 8000]    # OpenAI-compatible API on a one-host cluster
     dualpath bench store | scheduler ...
 
 Set ``DUALPATH_HOME`` to move the default data directory (models and KV store), which is
@@ -101,7 +102,7 @@ def _run_make_model(args: argparse.Namespace) -> int:
 # --- generate --------------------------------------------------------------------------------
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, *, default_threads: int | None = None) -> None:
     p.add_argument(
         "--model",
         type=Path,
@@ -142,8 +143,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=_positive_int,
-        default=None,
-        help="torch CPU threads (default: torch's choice, usually one per core)",
+        default=default_threads,
+        help="torch CPU threads per engine (default: "
+        + (
+            "torch's choice, usually one per core)"
+            if default_threads is None
+            else f"{default_threads})"
+        ),
     )
     p.add_argument(
         "--max-model-len",
@@ -403,6 +409,131 @@ def _run_engine(args: argparse.Namespace) -> int:
     return run_engine(config)
 
 
+# --- serve -----------------------------------------------------------------------------------
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from dualpath.server.args import add_serve_arguments, detach_defaults
+
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API from a one-host PD-disaggregated cluster",
+        description="Start the scheduler and the HTTP API in this process and every engine as "
+        "its own process, then serve /v1/completions, /v1/chat/completions, /v1/models, "
+        "/tokenize, /detokenize, /health, /metrics and /version until SIGINT or SIGTERM. "
+        "Without flags: the embedded tiny model (generated on first use), the store under "
+        "$DUALPATH_HOME/kv, 1 prefill and 2 decode engines, no link caps, 127.0.0.1:8000.",
+    )
+    _add_engine_args(p, default_threads=1)  # engines share the host: one thread each
+    add_serve_arguments(p, _positive_int)
+    p.set_defaults(func=_run_serve, serve_options=detach_defaults(p))
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from dualpath.cluster.launcher import TOKEN_ENV, LocalCluster
+    from dualpath.config import DTYPES, KVStoreConfig
+    from dualpath.model.config import ModelConfig
+    from dualpath.model.tokenizer import Tokenizer
+    from dualpath.server.args import resolve
+    from dualpath.server.chat import ChatRenderer
+    from dualpath.server.context import ServingContext
+    from dualpath.server.serve import run_server
+
+    s = resolve(args, args.serve_options)
+    token = os.environ.get(TOKEN_ENV) or None
+    if s.external_engines and token is None:
+        raise ValueError(f"--external-engines needs ${TOKEN_ENV}, shared with the engines")
+    if s.kv_store_capacity_gb is not None and not s.kv_store_capacity_gb > 0:
+        raise ValueError(f"--kv-store-capacity-gb must be > 0, got {s.kv_store_capacity_gb}")
+    model_dir = _resolve_model(s.model)
+    dtype = s.dtype or ModelConfig.from_file(model_dir / "config.json").torch_dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"the checkpoint's dtype {dtype!r} is not supported; pass --dtype")
+    tokenizer = Tokenizer(model_dir / "tokenizer.json")
+    chat = ChatRenderer.for_checkpoint(model_dir)
+    server_config = _serve_server_config(s, model_dir)
+    cluster = LocalCluster(
+        _serve_cluster_config(s),
+        model_dir=model_dir,
+        store=KVStoreConfig(
+            root_dir=None if s.no_kv_store else (s.kv_store or default_kv_store_dir()),
+            capacity_bytes=None
+            if s.kv_store_capacity_gb is None
+            else gb_to_bytes(s.kv_store_capacity_gb),
+        ),
+        engine=_serve_engine_config(s, dtype),
+        transport=s.transport,
+        log_dir=s.engine_log_dir or data_home() / "logs",
+        spawn_engines=not s.external_engines,
+        token=token,
+    )
+    context = ServingContext(server_config, cluster, tokenizer, chat)
+    url = f"http://{server_config.host}:{server_config.port}"
+    print(
+        f"dualpath serve: model {server_config.served_model_name!r} on {url}; engines joining "
+        f"the scheduler at {cluster.coordinator.endpoint} (GET /health turns 200 when ready)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return run_server(
+        context,
+        on_ready=lambda: print(f"dualpath serve: ready on {url}", file=sys.stderr, flush=True),
+    )
+
+
+def _serve_server_config(s: argparse.Namespace, model_dir: Path):  # -> ServerConfig
+    from dualpath.server.config import ServerConfig
+
+    return ServerConfig(
+        served_model_name=s.served_model_name or model_dir.name,
+        host=s.host,
+        port=s.port,
+        api_key=s.api_key or os.environ.get("DUALPATH_API_KEY") or None,
+        max_waiting_requests=s.max_waiting_requests,
+        max_request_bytes=s.max_request_bytes,
+        max_prompt_tokens=s.max_prompt_tokens,
+        engine_start_timeout_s=s.engine_start_timeout_s,
+        shutdown_timeout_s=s.shutdown_timeout_s,
+    )
+
+
+def _serve_cluster_config(s: argparse.Namespace):  # -> ClusterConfig
+    from dualpath.config import ClusterConfig, TrafficConfig, parse_node_shape
+
+    num_prefill_nodes, num_decode_nodes = parse_node_shape(s.nodes)
+    buffer_bytes = gb_to_bytes(s.buffer_gb)
+    return ClusterConfig(
+        num_prefill_nodes=num_prefill_nodes,
+        num_decode_nodes=num_decode_nodes,
+        engines_per_node=s.engines_per_node,
+        nodes_per_group=s.nodes_per_group,
+        mode=s.mode,
+        traffic=TrafficConfig(
+            snic_bandwidth_gbps=s.snic_gbps,
+            cnic_bandwidth_gbps=s.cnic_gbps,
+            host_memory_bandwidth_gbps=s.host_memory_gbps,
+        ),
+        prefill_buffer_bytes=buffer_bytes,
+        decode_buffer_bytes=buffer_bytes,
+        control_endpoint=s.scheduler_endpoint,
+        heartbeat_timeout_s=s.heartbeat_timeout_s,
+    )
+
+
+def _serve_engine_config(s: argparse.Namespace, dtype: str):  # -> EngineConfig
+    from dualpath.config import EngineConfig
+
+    return EngineConfig(
+        block_size_tokens=s.block_size,
+        device=s.device,
+        dtype=dtype,
+        kv_cache_bytes=gb_to_bytes(s.kv_cache_gb),
+        max_model_len=s.max_model_len,
+        num_threads=s.threads,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+    )
+
+
 # --- bench -----------------------------------------------------------------------------------
 
 
@@ -454,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_generate,
         _add_demo,
         _add_engine,
+        _add_serve,
         _add_bench,
     )
     for add in adders:

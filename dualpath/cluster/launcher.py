@@ -4,21 +4,32 @@
                       store=KVStoreConfig(root_dir=...)) as cluster:
         outputs = cluster.generate([prompt_ids], SamplingParams(max_tokens=16))
 
+        # or, streaming (the HTTP server's way): events arrive on the scheduler loop thread
+        request_id = cluster.submit(prompt_ids, params, on_event=handle_event)
+        cluster.cancel(request_id)          # the engines free its buffers and KV
+
 Engine ``i`` is started as ``python -m dualpath.cli engine ...`` with the cluster token in its
 environment (not on its command line). The engines exit on their own if this process dies
 (parent-death signal and the scheduler heartbeat); ``close`` asks them to stop, then
-terminates and finally kills any that linger.
+terminates and finally kills any that linger. With ``spawn_engines=False`` no engine is
+started here: engines started by hand (on other hosts) join with the same token.
+
+One thread (the scheduler loop) owns the ``Coordinator``: it takes submissions, applies
+cancellations, hands out events, and publishes a ``ClusterSnapshot`` for readers on other
+threads, so nothing outside it touches the coordinator's state or its control socket.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.cluster.coordinator import Coordinator, RequestEvent, open_store_for_lookups
@@ -35,6 +46,10 @@ logger = logging.getLogger(__name__)
 TOKEN_ENV = "DUALPATH_CLUSTER_TOKEN"
 # Storage read rate assumed for alpha when the SNIC is uncapped and nothing was measured.
 DEFAULT_STORE_READ_BYTES_PER_S = 1e9
+# How often the loop thread publishes a ClusterSnapshot (metrics and health read it).
+SNAPSHOT_INTERVAL_S = 0.1
+
+EventListener = Callable[[RequestEvent], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +64,29 @@ class ClusterOutput:
     finish_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """The scheduler's state at one instant, taken on the loop thread (so self-consistent).
+
+    Readers on other threads (health checks, metrics) use this instead of the coordinator,
+    whose state only the loop thread may touch. At most ``SNAPSHOT_INTERVAL_S`` old.
+    """
+
+    time_s: float  # time.monotonic() when taken
+    num_live_engines: int
+    num_expected_engines: int
+    num_waiting_prefill: int  # in the scheduler's FIFO, not placed on a PE yet
+    num_waiting_decode: int  # placed on a PE, waiting for a DE
+    num_assigned: int  # requests sent to a (PE, DE) pair since the start
+    # engine id -> cumulative bytes by "link.class" (e.g. "node0.snic.kv"), plus
+    # "store_read_bytes" (hit KV the engine read from the store); empty until it reports.
+    link_bytes: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.num_live_engines == self.num_expected_engines
+
+
 class LocalCluster:
     def __init__(
         self,
@@ -61,13 +99,18 @@ class LocalCluster:
         transport: str = "nixl",
         prefill_tokens_per_s: float = 2000.0,
         log_dir: Path | None = None,
+        spawn_engines: bool = True,
+        token: str | None = None,
     ) -> None:
+        """``spawn_engines=False`` starts no engine here (they join from elsewhere, with
+        ``token``); ``token=None`` makes a new cluster token."""
         self.cluster = cluster
         self.model_dir = Path(model_dir)
         self.store_config = store
         self.engine_config = engine or EngineConfig(num_threads=1)
         self.transport = transport
         self.log_dir = log_dir
+        self.spawn_engines = spawn_engines
         settings = cluster.settings
         model_config, self.identity = checkpoint_kv_identity(
             self.model_dir, self.engine_config.dtype, self.engine_config.block_size_tokens
@@ -96,7 +139,8 @@ class LocalCluster:
             host_memory_bandwidth_gbps=traffic.host_memory_bandwidth_gbps,
         ):
             logger.warning("%s", warning)  # SPEC §5: some link may congest at this P/D ratio
-        self.token = new_cluster_token()
+        self.model_config = model_config
+        self.token = token or new_cluster_token()
         self.coordinator = Coordinator(
             cluster,
             self.scheduler_config,
@@ -108,23 +152,47 @@ class LocalCluster:
         self.max_model_len = (
             self.engine_config.max_model_len or model_config.max_position_embeddings
         )
+        self.engine_id_to_role = {
+            engine_id: PREFILL if node.role.name == "PREFILL" else DECODE
+            for node in self.coordinator.topology.nodes
+            for engine_id in node.engine_ids
+        }
         self._processes: list[subprocess.Popen] = []
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the loop thread exits
+        self._closing = threading.Event()  # close() was called: start() gives up
+        self._spawn_lock = threading.Lock()  # close() waits for start() to finish spawning
+        self._is_closed = False
         self._loop_thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
-        self._lock = threading.Lock()
-        self._waiters: dict[int, list[RequestEvent]] = {}
+        # Guards _waiters, _listeners and _cancelled. Re-entrant: a listener may cancel.
+        self._lock = threading.RLock()
+        self._waiters: dict[int, list[RequestEvent]] = {}  # events for result()
+        self._listeners: dict[int, EventListener] = {}  # events for streaming submitters
+        self._cancelled: set[int] = set()  # cancelled, events may still be in flight
+        self._cancellations: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._arrivals: dict[int, float] = {}
+        self._snapshot = self._take_snapshot(time.monotonic())
 
     # --- lifecycle --------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
-        self._loop_thread.start()
-        for node in self.coordinator.topology.nodes:
-            role = PREFILL if node.role.name == "PREFILL" else DECODE
-            for engine_id in node.engine_ids:
-                self._processes.append(self._spawn(role, engine_id, node.node_id))
+        """Start the loop and the engines; return once every engine has joined.
+
+        ``TimeoutError`` after ``timeout_s``, ``RuntimeError`` if an engine exits first or
+        ``close`` is called meanwhile (from another thread); the cluster is closed then.
+        """
+        with self._spawn_lock:
+            if self._closing.is_set():
+                raise RuntimeError("cluster closed before it started")
+            self._loop_thread.start()
+            if self.spawn_engines:
+                for node in self.coordinator.topology.nodes:
+                    for engine_id in node.engine_ids:
+                        role = self.engine_id_to_role[engine_id]
+                        self._processes.append(self._spawn(role, engine_id, node.node_id))
         deadline = time.monotonic() + timeout_s
-        while not self.coordinator.is_ready():
+        while not self._snapshot.is_ready:
+            if self._closing.is_set():
+                raise RuntimeError("cluster closed during start-up")
             dead = [p for p in self._processes if p.poll() is not None]
             if dead:
                 self.close()
@@ -134,10 +202,10 @@ class LocalCluster:
                 )
             if time.monotonic() > deadline:
                 self.close()
+                snapshot = self._snapshot
                 raise TimeoutError(
-                    f"{self.coordinator.num_live_engines} of "
-                    f"{self.coordinator.num_expected_engines} engines joined in {timeout_s} s"
-                    + self._log_hint()
+                    f"{snapshot.num_live_engines} of {snapshot.num_expected_engines} engines "
+                    f"joined in {timeout_s} s" + self._log_hint()
                 )
             time.sleep(0.05)
         return self
@@ -173,6 +241,8 @@ class LocalCluster:
             argv.append("--no-kv-store")
         else:
             argv += ["--kv-store", str(store.root_dir)]
+            if store.capacity_bytes is not None:
+                argv += ["--kv-store-capacity-gb", repr(bytes_to_gb(store.capacity_bytes))]
         env = dict(os.environ, **{TOKEN_ENV: self.token})
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
         output = subprocess.DEVNULL
@@ -185,20 +255,67 @@ class LocalCluster:
         return f"; see logs in {self.log_dir}" if self.log_dir else "; pass log_dir for logs"
 
     def _loop(self) -> None:
+        next_snapshot_s = 0.0
         while not self._stop.is_set():
+            # Cancellations taken before run_once: their requests were submitted before they
+            # were cancelled, so run_once has handed them to the coordinator by now.
+            cancels = _drain(self._cancellations)
             self.coordinator.run_once(0.002)
-            events = self.coordinator.drain_events()
-            if events:
+            for request_id in cancels:
+                self.coordinator.cancel(request_id)
+            self._dispatch(self.coordinator.drain_events())
+            if cancels:  # no event of theirs can come any more
                 with self._lock:
-                    for event in events:
-                        self._waiters.setdefault(event.request_id, []).append(event)
+                    self._cancelled.difference_update(cancels)
+            now_s = time.monotonic()
+            if now_s >= next_snapshot_s:
+                self._snapshot = self._take_snapshot(now_s)
+                next_snapshot_s = now_s + SNAPSHOT_INTERVAL_S
+
+    def _dispatch(self, events: list[RequestEvent]) -> None:
+        if not events:
+            return
+        with self._lock:
+            for event in events:
+                request_id = event.request_id
+                if request_id in self._cancelled:
+                    continue
+                listener = self._listeners.get(request_id)
+                if listener is None:
+                    self._waiters.setdefault(request_id, []).append(event)
+                    continue
+                if event.finish_reason is not None:
+                    del self._listeners[request_id]
+                listener(event)
+
+    def _take_snapshot(self, now_s: float) -> ClusterSnapshot:
+        coordinator, policy = self.coordinator, self.coordinator.policy
+        return ClusterSnapshot(
+            time_s=now_s,
+            num_live_engines=coordinator.num_live_engines,
+            num_expected_engines=coordinator.num_expected_engines,
+            num_waiting_prefill=policy.num_waiting_prefill,
+            num_waiting_decode=policy.num_waiting_decode,
+            num_assigned=coordinator.num_assigned,
+            link_bytes=coordinator.link_bytes(),
+        )
 
     def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the engines (they flush their pending store writes first) and the loop.
+
+        Idempotent and callable from any thread, also while ``start`` waits. Streaming
+        requests still running get a final ``"error"`` event saying the cluster stopped.
+        """
+        self._closing.set()
+        with self._spawn_lock:  # start() spawns nothing more after this
+            if self._is_closed:
+                return
+            self._is_closed = True
         if self._loop_thread.is_alive():
-            self.coordinator.shutdown()
-            time.sleep(0.1)
             self._stop.set()
             self._loop_thread.join()
+        # The loop thread is gone: this thread may use the coordinator now.
+        self.coordinator.shutdown()
         deadline = time.monotonic() + timeout_s
         for process in self._processes:
             try:
@@ -212,6 +329,10 @@ class LocalCluster:
                 process.kill()
                 process.wait()
         self.coordinator.close()
+        with self._lock:
+            listeners, self._listeners = self._listeners, {}
+            for request_id, listener in listeners.items():
+                listener(RequestEvent(request_id, (), "error", 0, error="cluster stopped"))
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -225,15 +346,54 @@ class LocalCluster:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        on_event: EventListener | None = None,
+    ) -> int:
+        """Queue a request; returns its id. Thread-safe; ``ValueError`` for a bad request.
+
+        Without ``on_event`` its events are kept for ``result``. With it, every event of the
+        request is passed to ``on_event`` in order, on the scheduler loop thread, the last one
+        with ``finish_reason`` set; ``on_event`` must return quickly and must not block.
+        """
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context of {self.max_model_len} tokens"
             )
+        arrival_s = time.monotonic()
         request_id = self.coordinator.submit(prompt_token_ids, params)
-        self._arrivals[request_id] = time.monotonic()
+        if on_event is None:
+            self._arrivals[request_id] = arrival_s
+            return request_id
+        with self._lock:
+            # Events the loop handed out before the listener was in place come first.
+            early = self._waiters.pop(request_id, [])
+            if not (early and early[-1].finish_reason is not None):
+                self._listeners[request_id] = on_event
+            for event in early:
+                on_event(event)
         return request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request wherever it is; its engines free its buffers and KV. Thread-safe.
+
+        No event of the request is delivered after this returns, and it has no ``result``.
+        Cancelling a finished or unknown request does nothing.
+        """
+        with self._lock:
+            self._listeners.pop(request_id, None)
+            self._waiters.pop(request_id, None)
+            self._cancelled.add(request_id)
+        self._arrivals.pop(request_id, None)
+        self._cancellations.put(request_id)
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The latest state the loop thread published (at most ``SNAPSHOT_INTERVAL_S`` old)."""
+        return self._snapshot
 
     def result(self, request_id: int, timeout_s: float) -> ClusterOutput:
         """Block until the request finishes (or fails); ``TimeoutError`` after ``timeout_s``."""
@@ -264,3 +424,12 @@ class LocalCluster:
     ) -> list[ClusterOutput]:
         request_ids = [self.submit(p, params) for p in prompts]
         return [self.result(r, timeout_s) for r in request_ids]
+
+
+def _drain(items: queue.SimpleQueue[int]) -> list[int]:
+    drained = []
+    while True:
+        try:
+            drained.append(items.get_nowait())
+        except queue.Empty:
+            return drained

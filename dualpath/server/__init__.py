@@ -1,0 +1,22 @@
+"""dualpath.server: the OpenAI-compatible HTTP API in front of a PD-disaggregated cluster.
+
+    dualpath serve                      # embedded default: tiny model, 1P2D, 127.0.0.1:8000
+    curl localhost:8000/v1/completions -d '{"model": "tiny", "prompt": "def fib(n):"}'
+
+One process runs the scheduler (``LocalCluster``'s loop thread) and this API (FastAPI on
+uvicorn, one asyncio loop); every engine is its own process. Modules, outside in:
+
+    serve.py        run uvicorn, translate SIGINT/SIGTERM into a graceful stop
+    app.py          the FastAPI app: lifespan (starts and closes the cluster), /health, /metrics
+    middleware.py   request ids, arrival times, HTTP metrics; the request-size limit
+    routes.py       /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize
+    generation.py   one API call's engine requests: events in, text deltas out
+    responses.py    OpenAI's response bodies and stream chunks
+    protocol.py     request bodies (pydantic) and their mapping to ``SamplingParams``
+    chat.py         chat messages -> prompt text through the checkpoint's template
+    detokenizer.py  incremental text with stop strings and stop tokens handled
+    context.py      ``ServingContext``: what the routes share; the bounded waiting queue
+    metrics.py      Prometheus metrics, one registry per app
+    errors.py       OpenAI's error shape and the one place statuses are chosen
+    config.py       ``ServerConfig``; args.py: the ``serve`` flags and ``--config FILE``
+"""

@@ -1,0 +1,282 @@
+"""The ``dualpath serve`` flags, and ``--config FILE``: the same settings from YAML or JSON.
+
+Precedence: a flag on the command line, then the config file, then the flag's default. Keys
+are flag names with dashes or underscores (``kv-store`` or ``kv_store``); an unknown key, or
+a value the flag would refuse, is an error that names the file and the key. Paths in the file
+are taken as given (relative to the working directory, as on the command line).
+
+How: the ``serve`` parser's defaults are detached (``detach_defaults``), so that parsing
+leaves only what the command line gave in the namespace; ``resolve`` layers the rest under it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Flags that exclude each other: the command line giving one drops the file's other.
+_EXCLUSIVE_DESTS = (("kv_store", "no_kv_store"),)
+_NOT_IN_FILE = ("config", "help")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from exc
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def add_serve_arguments(p: argparse.ArgumentParser, positive_int: Any) -> None:
+    """Every ``serve`` flag except the engine ones ``cli._add_engine_args`` adds."""
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="YAML or JSON file of settings: keys are these flags' names (dashes or "
+        "underscores); flags on the command line win",
+    )
+    http = p.add_argument_group("HTTP API")
+    http.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1, loopback only; 0.0.0.0 for every interface)",
+    )
+    http.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
+    http.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients name in requests (default: the model directory's name)",
+    )
+    http.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        "(default: $DUALPATH_API_KEY if set, else no key)",
+    )
+    http.add_argument(
+        "--max-waiting-requests",
+        type=positive_int,
+        default=512,
+        help="generations admitted without a first token yet; beyond this, 429 (default 512)",
+    )
+    http.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=8 << 20,
+        help="largest request body; larger ones get 413 (default 8388608)",
+    )
+    http.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=None,
+        help="longest prompt in tokens (default: the context length minus one)",
+    )
+    http.add_argument(
+        "--shutdown-timeout-s",
+        type=positive_float,
+        default=10.0,
+        help="on SIGINT/SIGTERM, how long open connections may take to close (default 10)",
+    )
+    _add_cluster_arguments(p.add_argument_group("cluster"), positive_int)
+
+
+def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) -> None:
+    from dualpath.config import MODES
+
+    group.add_argument(
+        "--nodes",
+        default="1P2D",
+        help="cluster shape: prefill and decode nodes, e.g. 2P4D (default 1P2D)",
+    )
+    group.add_argument(
+        "--engines-per-node", type=positive_int, default=1, help="engines per node (default 1)"
+    )
+    group.add_argument(
+        "--nodes-per-group",
+        type=positive_int,
+        default=1,
+        help="nodes per engine group, which fetch work together (default 1)",
+    )
+    group.add_argument(
+        "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
+    )
+    group.add_argument(
+        "--snic-gbps",
+        type=non_negative_float,
+        default=0.0,
+        help="storage NIC cap per node, Gbps (default 0 = no cap)",
+    )
+    group.add_argument(
+        "--cnic-gbps",
+        type=non_negative_float,
+        default=0.0,
+        help="compute NIC cap per engine, Gbps (default 0 = no cap)",
+    )
+    group.add_argument(
+        "--host-memory-gbps",
+        type=non_negative_float,
+        default=0.0,
+        help="host memory bandwidth cap per engine, Gbps (default 0 = no cap)",
+    )
+    group.add_argument(
+        "--buffer-gb",
+        type=positive_float,
+        default=0.25,
+        help="host KV buffer per engine (PE and DE buffers), GB (default 0.25)",
+    )
+    group.add_argument(
+        "--kv-cache-gb",
+        type=positive_float,
+        default=1.0,
+        help="device KV cache per engine, GB (default 1)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=8192,
+        help="tokens per engine step (default 8192)",
+    )
+    group.add_argument(
+        "--transport",
+        choices=("nixl", "shm"),
+        default="nixl",
+        help="PE<->DE KV transport (default nixl)",
+    )
+    group.add_argument(
+        "--scheduler-endpoint",
+        default="tcp://127.0.0.1:0",
+        help="where engines reach the scheduler (default tcp://127.0.0.1:0: loopback, a free "
+        "port); e.g. tcp://0.0.0.0:5555 for engines on other hosts",
+    )
+    group.add_argument(
+        "--external-engines",
+        action="store_true",
+        help="start no engine here: wait for `dualpath engine --scheduler ...` processes to "
+        "join (needs $DUALPATH_CLUSTER_TOKEN, shared with them)",
+    )
+    group.add_argument(
+        "--engine-start-timeout-s",
+        type=positive_float,
+        default=300.0,
+        help="how long start-up waits for every engine to join (default 300)",
+    )
+    group.add_argument(
+        "--heartbeat-timeout-s",
+        type=positive_float,
+        # NOTE: longer than the runtime's 5 s: an engine does not report while it runs a
+        # batch, and a CPU engine prefills a full 8K-token batch for seconds.
+        default=30.0,
+        help="an engine silent this long is declared dead, and vice versa (default 30)",
+    )
+    group.add_argument(
+        "--engine-log-dir",
+        type=Path,
+        default=None,
+        help="engine processes' logs (default: $DUALPATH_HOME/logs)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class OptionTable:
+    """A parser's options by destination, and their defaults, detached from the parser."""
+
+    actions: dict[str, argparse.Action]
+    defaults: dict[str, Any]
+
+
+def detach_defaults(parser: argparse.ArgumentParser) -> OptionTable:
+    """Move every option's default out of ``parser`` (the namespace then holds only the
+    options the command line gave) into the returned table."""
+    actions, defaults = {}, {}
+    for action in parser._actions:  # argparse has no public list of a parser's actions
+        if not action.option_strings or action.dest == "help":
+            continue
+        actions[action.dest] = action
+        defaults[action.dest] = action.default
+        action.default = argparse.SUPPRESS
+    return OptionTable(actions, defaults)
+
+
+def resolve(args: argparse.Namespace, table: OptionTable) -> argparse.Namespace:
+    """Command line over config file over defaults; ``ValueError`` for a bad file."""
+    given = {dest: value for dest, value in vars(args).items() if dest in table.actions}
+    from_file = load_config_file(given["config"], table) if "config" in given else {}
+    for dests in _EXCLUSIVE_DESTS:
+        if any(dest in given for dest in dests):
+            for dest in dests:
+                from_file.pop(dest, None)
+    return argparse.Namespace(**{**table.defaults, **from_file, **given})
+
+
+def load_config_file(path: Path, table: OptionTable) -> dict[str, Any]:
+    """The file's settings by destination, converted and checked as their flags would be."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"config file {path}: cannot be read: {exc}") from exc
+    raw = _parse(path, text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path}: expected a mapping of flag names to values")
+    settings = {}
+    for key, value in raw.items():
+        dest = str(key).replace("-", "_")
+        if dest not in table.actions or dest in _NOT_IN_FILE:
+            known = ", ".join(sorted(d.replace("_", "-") for d in table.actions if d != "config"))
+            raise ValueError(f"config file {path}: unknown key {key!r}; known keys: {known}")
+        try:
+            settings[dest] = _convert(table.actions[dest], value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            raise ValueError(f"config file {path}: {key}: {exc}") from exc
+    return settings
+
+
+def _parse(path: Path, text: str) -> Any:
+    if Path(path).suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config file {path}: not valid JSON: {exc}") from exc
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path}: not valid YAML: {exc}") from exc
+
+
+def _convert(action: argparse.Action, value: Any) -> Any:
+    if action.nargs == 0:  # an on/off flag
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value if action.const is True else not value
+    if value is None or isinstance(value, (bool, list, dict)):
+        raise ValueError(f"expected a single value, got {value!r}")
+    converted = action.type(str(value)) if action.type is not None else str(value)
+    if action.choices is not None and converted not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return converted

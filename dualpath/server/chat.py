@@ -1,0 +1,105 @@
+"""Chat messages -> prompt text, through the checkpoint's chat template.
+
+The template comes from the checkpoint's ``tokenizer_config.json`` (``chat_template``), as in
+transformers; a checkpoint without one gets ``DEFAULT_CHAT_TEMPLATE``: ChatML, with assistant
+tool calls rendered as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` and tool
+results as a ``tool`` turn, so turn 2 of an agent's conversation renders turn 1 exactly as the
+model saw it (and its KV is found in the store).
+
+Templates are untrusted input (they ship with checkpoints): they run in Jinja's immutable
+sandbox with the globals transformers provides (``raise_exception``, ``strftime_now``) and
+its ``tojson`` filter, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from dualpath.model.presets import CHAT_TEMPLATE
+
+DEFAULT_CHAT_TEMPLATE = CHAT_TEMPLATE
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (e.g. an unsupported role order) or is broken."""
+
+
+class ChatRenderer:
+    """Renders a conversation with one compiled template. Thread-safe (templates are)."""
+
+    def __init__(self, template: str | None, special_tokens: dict[str, str] | None = None) -> None:
+        self.is_default = template is None
+        self.source = DEFAULT_CHAT_TEMPLATE if template is None else template
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        environment.filters["tojson"] = _tojson
+        environment.globals["raise_exception"] = _raise_exception
+        environment.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = environment.from_string(self.source)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+        self._special_tokens = dict(special_tokens or {})
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: Path) -> ChatRenderer:
+        """The checkpoint's template and special tokens (``tokenizer_config.json``), if any."""
+        path = Path(model_dir) / "tokenizer_config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            return cls(None)
+        if not isinstance(raw, dict):
+            return cls(None)
+        template = raw.get("chat_template")
+        if isinstance(template, list):  # several named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        special = {}
+        for name in _SPECIAL_TOKEN_NAMES:
+            value = raw.get(name)
+            if isinstance(value, dict):  # {"content": "<s>", ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                special[name] = value
+        return cls(template if isinstance(template, str) else None, special)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text; ``ChatTemplateError`` if the template refuses the conversation."""
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
+    # As transformers: no HTML escaping (the prompt is not HTML), unicode kept as is.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)

@@ -1,0 +1,52 @@
+"""``ServerConfig``: the HTTP side of ``dualpath serve`` (the cluster has its own configs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Where the API listens and what it admits. Frozen and inert; ``cli.py`` builds it."""
+
+    served_model_name: str  # the only id /v1/models lists and requests may name
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    # Bearer token required on /v1/*, /tokenize and /detokenize; None = open.
+    api_key: str | None = None
+    # Generations accepted but without a first token yet; one more is answered with 429.
+    # A generation is one prompt x one choice, so n=4 takes 4 places.
+    max_waiting_requests: int = 512
+    # Request bodies beyond this are refused with 413 before they are parsed.
+    max_request_bytes: int = 8 << 20
+    # Prompt tokens per prompt; None = the model's context minus one (room for a token).
+    max_prompt_tokens: int | None = None
+    # n (choices per prompt) x prompts per request.
+    max_num_generations_per_request: int = 64
+    # How long start-up may wait for every engine to join.
+    engine_start_timeout_s: float = 300.0
+    # On SIGINT/SIGTERM, open connections get this long to finish after their requests are
+    # cancelled, before uvicorn closes them.
+    shutdown_timeout_s: float = 10.0
+    # Link throughput and utilisation in /metrics are averaged over this window.
+    metrics_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be non-empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty (or None for no key)")
+        for name in (
+            "max_waiting_requests",
+            "max_request_bytes",
+            "max_num_generations_per_request",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:
+            raise ValueError(f"max_prompt_tokens must be > 0 or None, got {self.max_prompt_tokens}")
+        for name in ("engine_start_timeout_s", "shutdown_timeout_s", "metrics_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,0 +1,124 @@
+"""``ServingContext``: what every route needs, owned by one app (no module-level state).
+
+It lives on the event loop: only the loop's thread reads or changes it, except
+``cluster`` (thread-safe) and the events the scheduler thread hands in through
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dualpath.cluster.launcher import LocalCluster
+from dualpath.model.tokenizer import Tokenizer
+from dualpath.server.chat import ChatRenderer
+from dualpath.server.config import ServerConfig
+from dualpath.server.metrics import ServerMetrics, link_capacity_lookup
+
+if TYPE_CHECKING:
+    from dualpath.server.generation import Generation
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState(enum.Enum):
+    STARTING = "starting"  # HTTP is up, engines are joining: generation routes answer 503
+    READY = "ready"
+    FAILED = "failed"  # the cluster did not start; the server is exiting
+    STOPPING = "stopping"  # SIGINT/SIGTERM: in-flight requests cancelled, nothing new taken
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the API process knows of the served checkpoint (no weights here)."""
+
+    name: str  # served model name
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+class ServingContext:
+    def __init__(
+        self,
+        config: ServerConfig,
+        cluster: LocalCluster,
+        tokenizer: Tokenizer,
+        chat: ChatRenderer,
+    ) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.tokenizer = tokenizer
+        self.chat = chat
+        model_config = cluster.model_config
+        self.model = ModelInfo(
+            name=config.served_model_name,
+            max_model_len=cluster.max_model_len,
+            vocab_size=max(model_config.vocab_size, tokenizer.vocab_size),
+            eos_token_ids=model_config.eos_token_ids,
+        )
+        self.max_prompt_tokens = config.max_prompt_tokens or self.model.max_model_len - 1
+        traffic = cluster.cluster.traffic
+        store = cluster.coordinator.store
+        self.metrics = ServerMetrics(
+            cluster.snapshot,
+            engine_id_to_role=cluster.engine_id_to_role,
+            link_capacity_bytes_per_s=link_capacity_lookup(
+                traffic.snic_bandwidth_gbps,
+                traffic.cnic_bandwidth_gbps,
+                traffic.host_memory_bandwidth_gbps,
+            ),
+            store_stats=None if store is None else store.stats,
+            window_s=config.metrics_window_s,
+        )
+        self.state = ServerState.STARTING
+        self.created_unix_s = int(time.time())
+        self.generations: set[Generation] = set()  # in flight, for shutdown
+        self.num_waiting = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
+
+    # --- the bounded waiting queue ------------------------------------------------------------
+
+    def try_admit(self, num_generations: int) -> bool:
+        """Take ``num_generations`` waiting places, or none if they do not all fit."""
+        if self.num_waiting + num_generations > self.config.max_waiting_requests:
+            self.metrics.rejected.labels("queue_full").inc()
+            return False
+        self.num_waiting += num_generations
+        self.metrics.waiting.set(self.num_waiting)
+        return True
+
+    def release_waiting(self, num_generations: int) -> None:
+        """Give back places taken by ``try_admit`` (a first token came, or the request ended)."""
+        assert 0 <= num_generations <= self.num_waiting, (num_generations, self.num_waiting)
+        self.num_waiting -= num_generations
+        self.metrics.waiting.set(self.num_waiting)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why generation routes answer 503 now, or None when they serve."""
+        if self.state == ServerState.STARTING:
+            return "the server is starting: engines are joining the scheduler"
+        if self.state == ServerState.FAILED:
+            return "the cluster failed to start"
+        if self.state == ServerState.STOPPING:
+            return "the server is shutting down"
+        if self.cluster.snapshot().num_live_engines == 0:
+            return "no engine is alive"
+        return None
+
+    def stop_serving(self, reason: str) -> None:
+        """Refuse new requests and end every request in flight (their engines free them)."""
+        if self.state != ServerState.FAILED:
+            self.state = ServerState.STOPPING
+        in_flight = list(self.generations)
+        for generation in in_flight:
+            generation.abort(reason)
+        logger.info("stopped serving (%s); %d requests aborted", reason, len(in_flight))

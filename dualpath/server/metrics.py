@@ -1,0 +1,328 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in one process never
+share a time series).
+
+Request metrics are recorded here as requests finish; cluster metrics (links, queues,
+engines) are read from the scheduler's latest ``ClusterSnapshot`` when /metrics is scraped.
+Every name is prefixed ``dualpath_``; times are seconds and sizes bytes, per Prometheus'
+conventions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dualpath.cluster.launcher import ClusterSnapshot
+from dualpath.cluster.messages import DECODE, PREFILL
+from dualpath.kv.store import StoreStats
+from dualpath.units import gbps_to_bytes_per_s
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+_TPOT_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+STORE_READ_KEY = "store_read_bytes"  # EngineReport.link_bytes: hit KV an engine read
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationTimes:
+    """One finished generation's timings, seconds on the server's monotonic clock."""
+
+    arrival_s: float
+    first_token_s: float | None
+    second_token_s: float | None
+    finish_s: float
+    num_output_tokens: int
+
+
+class ServerMetrics:
+    """Everything /metrics shows. Not thread-safe for writers: call from the event loop."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], ClusterSnapshot],
+        *,
+        engine_id_to_role: dict[int, str],
+        link_capacity_bytes_per_s: Callable[[str], float],
+        store_stats: Callable[[], StoreStats | None],
+        window_s: float,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "dualpath_http_requests",
+            "HTTP requests answered, by route and status code (429s included).",
+            ["route", "status_code"],
+            registry=r,
+        )
+        self.generations = Counter(
+            "dualpath_generations",
+            "Generations (one prompt x one choice) ended, by finish reason; 'cancelled' when "
+            "the client went away or the server stopped.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "dualpath_requests_rejected",
+            "Requests refused before reaching the scheduler, by reason (queue_full = 429).",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "dualpath_time_to_first_token_seconds",
+            "Arrival at the server to the first generated token.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.time_to_second_token = Histogram(
+            "dualpath_time_to_second_token_seconds",
+            "First to second generated token: the prefill-to-decode handoff.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "dualpath_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per generation.",
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "dualpath_e2e_request_latency_seconds",
+            "Arrival at the server to the last token, per generation.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "dualpath_prompt_tokens", "Prompt tokens of finished generations.", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "dualpath_cached_prompt_tokens",
+            "Prompt tokens whose KV was loaded from the store (store hits, in tokens).",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "dualpath_generation_tokens", "Generated tokens.", registry=r
+        )
+        self.waiting = Gauge(
+            "dualpath_requests_waiting",
+            "Generations accepted by the server without a first token yet (bounded; 429 "
+            "beyond the bound).",
+            registry=r,
+        )
+        self.running = Gauge(
+            "dualpath_requests_running",
+            "Generations with a first token and no last one yet.",
+            registry=r,
+        )
+        self.links = LinkRateTracker(window_s)
+        r.register(
+            ClusterCollector(
+                snapshot,
+                self.links,
+                engine_id_to_role=engine_id_to_role,
+                link_capacity_bytes_per_s=link_capacity_bytes_per_s,
+                store_stats=store_stats,
+            )
+        )
+
+    def on_generation_finished(
+        self,
+        finish_reason: str,
+        times: GenerationTimes,
+        *,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+    ) -> None:
+        self.generations.labels(finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.cached_prompt_tokens.inc(num_cached_tokens)
+        self.generation_tokens.inc(times.num_output_tokens)
+        if times.first_token_s is None:
+            return
+        self.ttft.observe(times.first_token_s - times.arrival_s)
+        self.e2e.observe(times.finish_s - times.arrival_s)
+        if times.second_token_s is not None:
+            self.time_to_second_token.observe(times.second_token_s - times.first_token_s)
+        if times.num_output_tokens > 1:
+            self.tpot.observe(
+                (times.finish_s - times.first_token_s) / (times.num_output_tokens - 1)
+            )
+
+
+class LinkRateTracker:
+    """Bytes per second per (link, traffic class) over a sliding window of snapshots."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, dict[tuple[str, str], int]]] = deque()
+
+    def observe(self, time_s: float, totals: dict[tuple[str, str], int]) -> None:
+        """Add cumulative totals taken at ``time_s`` (non-decreasing across calls)."""
+        if self._samples and time_s <= self._samples[-1][0]:
+            return
+        self._samples.append((time_s, totals))
+        while len(self._samples) > 2 and time_s - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+
+    def rates_bytes_per_s(self) -> dict[tuple[str, str], float]:
+        if len(self._samples) < 2:
+            return {}
+        (first_s, first), (last_s, last) = self._samples[0], self._samples[-1]
+        span_s = last_s - first_s
+        # A counter that went down belongs to a restarted engine: no rate for it this window.
+        return {
+            key: (total - first.get(key, 0)) / span_s
+            for key, total in last.items()
+            if total >= first.get(key, 0)
+        }
+
+
+def link_totals(link_bytes: dict[int, dict[str, int]]) -> dict[tuple[str, str], int]:
+    """Cumulative bytes by (link, traffic class), summed over engines.
+
+    Link names are unique cluster-wide ("node0.snic" is the node's shared storage NIC,
+    "engine3.cnic" one engine's), so engines on one node add up to the node's SNIC.
+    """
+    totals: dict[tuple[str, str], int] = {}
+    for counters in link_bytes.values():
+        for key, value in counters.items():
+            link, _, traffic_class = key.rpartition(".")
+            if not link:  # not "link.class", e.g. store_read_bytes
+                continue
+            totals[(link, traffic_class)] = totals.get((link, traffic_class), 0) + value
+    return totals
+
+
+class ClusterCollector(Collector):
+    """Scheduler-side metrics, read from the latest snapshot at scrape time."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], ClusterSnapshot],
+        links: LinkRateTracker,
+        *,
+        engine_id_to_role: dict[int, str],
+        link_capacity_bytes_per_s: Callable[[str], float],
+        store_stats: Callable[[], StoreStats | None],
+    ) -> None:
+        self._snapshot = snapshot
+        self._links = links
+        self._engine_id_to_role = engine_id_to_role
+        self._capacity = link_capacity_bytes_per_s
+        self._store_stats = store_stats
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._snapshot()
+        yield _gauge("dualpath_engines_live", "Engines alive.", snapshot.num_live_engines)
+        yield _gauge(
+            "dualpath_engines_expected", "Engines in the topology.", snapshot.num_expected_engines
+        )
+        queues = GaugeMetricFamily(
+            "dualpath_scheduler_queue_requests",
+            "Requests queued in the scheduler: 'prefill' = not placed on a PE yet, 'decode' = "
+            "placed on a PE, waiting for a DE.",
+            labels=["queue"],
+        )
+        queues.add_metric(["prefill"], snapshot.num_waiting_prefill)
+        queues.add_metric(["decode"], snapshot.num_waiting_decode)
+        yield queues
+        yield CounterMetricFamily(
+            "dualpath_scheduler_assigned_requests",
+            "Requests sent to a (PE, DE) pair.",
+            value=snapshot.num_assigned,
+        )
+        yield from self._link_metrics(snapshot)
+        yield from self._store_metrics(snapshot)
+
+    def _link_metrics(self, snapshot: ClusterSnapshot) -> Iterator[Metric]:
+        totals = link_totals(snapshot.link_bytes)
+        self._links.observe(snapshot.time_s, totals)
+        moved = CounterMetricFamily(
+            "dualpath_link_bytes",
+            "Bytes moved per link and traffic class (inference or kv), as engines report.",
+            labels=["link", "traffic_class"],
+        )
+        for (link, traffic_class), value in sorted(totals.items()):
+            moved.add_metric([link, traffic_class], value)
+        yield moved
+        rate = GaugeMetricFamily(
+            "dualpath_link_throughput_bytes_per_second",
+            f"Bytes per second per link and traffic class over the last {self._links.window_s:g} s.",
+            labels=["link", "traffic_class"],
+        )
+        utilisation = GaugeMetricFamily(
+            "dualpath_link_utilisation_ratio",
+            "Throughput over the link's bandwidth cap, per traffic class (capped links only).",
+            labels=["link", "traffic_class"],
+        )
+        for (link, traffic_class), bytes_per_s in sorted(self._links.rates_bytes_per_s().items()):
+            rate.add_metric([link, traffic_class], bytes_per_s)
+            capacity = self._capacity(link)
+            if capacity > 0:
+                utilisation.add_metric([link, traffic_class], bytes_per_s / capacity)
+        yield rate
+        yield utilisation
+
+    def _store_metrics(self, snapshot: ClusterSnapshot) -> Iterator[Metric]:
+        read_path = CounterMetricFamily(
+            "dualpath_read_path_bytes",
+            "Hit KV read from the store, by the side that read it (the read-path decisions' "
+            "outcome: 'prefill' = PE read path, 'decode' = DE read path).",
+            labels=["side"],
+        )
+        by_role = {PREFILL: 0, DECODE: 0}
+        for engine_id, counters in snapshot.link_bytes.items():
+            role = self._engine_id_to_role.get(engine_id)
+            if role in by_role:
+                by_role[role] += counters.get(STORE_READ_KEY, 0)
+        for role, value in by_role.items():
+            read_path.add_metric([role], value)
+        yield read_path
+        stats = self._store_stats()
+        if stats is None:
+            return
+        # The scheduler's own store: its lookups are the cluster's hit/miss decisions.
+        for name, value, help_text in (
+            ("store_hit_blocks", stats.hit_blocks, "Full Blocks the scheduler's lookups found."),
+            (
+                "store_miss_blocks",
+                stats.miss_blocks,
+                "Full Blocks the scheduler's lookups asked for past the first miss.",
+            ),
+            ("store_evictions", stats.evictions, "Blocks evicted by this process's store."),
+            (
+                "store_corrupt_blocks",
+                stats.corrupt_blocks,
+                "Damaged blocks found (and deleted) by this process's store.",
+            ),
+        ):
+            yield CounterMetricFamily(f"dualpath_{name}", help_text, value=value)
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
+
+
+def link_capacity_lookup(
+    snic_bandwidth_gbps: float, cnic_bandwidth_gbps: float, host_memory_bandwidth_gbps: float
+) -> Callable[[str], float]:
+    """Bandwidth cap in bytes/s of a link by name ("node0.snic", "engine2.cnic", ...); 0 =
+    uncapped. Names as ``dualpath.transfer.links.engine_link_specs`` gives them."""
+    by_kind = {
+        "snic": gbps_to_bytes_per_s(snic_bandwidth_gbps),
+        "cnic": gbps_to_bytes_per_s(cnic_bandwidth_gbps),
+        "host_memory": gbps_to_bytes_per_s(host_memory_bandwidth_gbps),
+    }
+
+    def capacity(link: str) -> float:
+        return by_kind.get(link.rpartition(".")[2], 0.0)
+
+    return capacity

@@ -1,0 +1,80 @@
+"""`dualpath serve` settings: flags, a YAML or JSON config file under them, and refusals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from dualpath.cli import build_parser
+from dualpath.server.args import resolve
+
+
+def serve_settings(*argv: str) -> argparse.Namespace:
+    args = build_parser().parse_args(["serve", *argv])
+    return resolve(args, args.serve_options)
+
+
+def test_defaults_are_the_embedded_default() -> None:
+    s = serve_settings()
+    assert (s.host, s.port, s.nodes, s.threads) == ("127.0.0.1", 8000, "1P2D", 1)
+    assert (s.model, s.kv_store, s.no_kv_store, s.api_key) == (None, None, False, None)
+    assert s.max_waiting_requests >= 512
+    assert (s.snic_gbps, s.cnic_gbps) == (0.0, 0.0)
+
+
+def test_config_file_sets_values_and_flags_win(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 9001\nkv-store: /data/kv\nmax_waiting_requests: 1024\nnodes: 2P4D\n")
+    s = serve_settings("--config", str(config), "--port", "9002")
+    assert s.port == 9002  # the flag wins
+    assert s.kv_store == Path("/data/kv") and s.max_waiting_requests == 1024
+    assert s.nodes == "2P4D"
+
+
+def test_json_config_and_on_off_flags(tmp_path: Path) -> None:
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"no-kv-store": True, "external_engines": True}))
+    s = serve_settings("--config", str(config))
+    assert s.no_kv_store and s.external_engines
+    # A store given on the command line beats the file's "no store".
+    s = serve_settings("--config", str(config), "--kv-store", "/x")
+    assert s.kv_store == Path("/x") and not s.no_kv_store
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("prot: 9000\n", "unknown key 'prot'"),
+        ("port: 70000\n", "port: must be in"),
+        ("port: [1, 2]\n", "expected a single value"),
+        ("max-waiting-requests: 0\n", "must be > 0"),
+        ("mode: fastest\n", "expected one of"),
+        ("no-kv-store: 1\n", "expected true or false"),
+        ("- port\n", "expected a mapping"),
+        ("config: other.yaml\n", "unknown key 'config'"),
+        ("port: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_config_files_are_refused_naming_file_and_key(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match="serve.yaml") as info:
+        serve_settings("--config", str(config))
+    assert message in str(info.value)
+
+
+def test_every_flag_is_documented_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    args = parser.parse_args(["serve"])
+    for action in args.serve_options.actions.values():
+        assert action.help, f"{action.option_strings} has no help"
+        for option in action.option_strings:
+            assert option in text

@@ -1,0 +1,115 @@
+"""Server metrics without a server: exact values through Prometheus' own text parser."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dualpath.cluster.launcher import ClusterSnapshot
+from dualpath.kv.store import StoreStats
+from dualpath.server.metrics import (
+    GenerationTimes,
+    LinkRateTracker,
+    ServerMetrics,
+    link_capacity_lookup,
+    link_totals,
+)
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def make_metrics(snapshots: list[ClusterSnapshot]) -> ServerMetrics:
+    return ServerMetrics(
+        lambda: snapshots[-1],
+        engine_id_to_role={0: "prefill", 1: "decode"},
+        link_capacity_bytes_per_s=link_capacity_lookup(8.0, 0.0, 0.0),  # SNIC 1 GB/s
+        store_stats=lambda: StoreStats(hit_blocks=5, miss_blocks=2, corrupt_blocks=1),
+        window_s=10.0,
+    )
+
+
+def snapshot(time_s: float, snic_kv_bytes: int, store_read_bytes: int) -> ClusterSnapshot:
+    return ClusterSnapshot(
+        time_s=time_s,
+        num_live_engines=2,
+        num_expected_engines=2,
+        num_waiting_prefill=3,
+        num_waiting_decode=1,
+        num_assigned=7,
+        link_bytes={
+            0: {"node0.snic.kv": snic_kv_bytes, "engine0.cnic.kv": 10, "store_read_bytes": 0},
+            1: {"node1.snic.kv": 0, "store_read_bytes": store_read_bytes},
+        },
+    )
+
+
+def test_cluster_metrics_come_from_the_snapshot() -> None:
+    snapshots = [snapshot(100.0, 0, 0)]
+    metrics = make_metrics(snapshots)
+    samples(metrics)  # first scrape: one sample, no rate yet
+    snapshots.append(snapshot(102.0, 1_000_000_000, 4096))
+    values = samples(metrics)
+    assert values[("dualpath_engines_live", ())] == 2
+    assert values[("dualpath_scheduler_queue_requests", (("queue", "prefill"),))] == 3
+    assert values[("dualpath_scheduler_queue_requests", (("queue", "decode"),))] == 1
+    snic = (("link", "node0.snic"), ("traffic_class", "kv"))
+    assert values[("dualpath_link_bytes_total", snic)] == 1_000_000_000
+    assert values[("dualpath_link_throughput_bytes_per_second", snic)] == 5e8
+    assert values[("dualpath_link_utilisation_ratio", snic)] == pytest.approx(0.5)
+    # Uncapped links have a throughput but no utilisation.
+    cnic = (("link", "engine0.cnic"), ("traffic_class", "kv"))
+    assert ("dualpath_link_utilisation_ratio", cnic) not in values
+    assert values[("dualpath_read_path_bytes_total", (("side", "decode"),))] == 4096
+    assert values[("dualpath_read_path_bytes_total", (("side", "prefill"),))] == 0
+    assert values[("dualpath_store_hit_blocks_total", ())] == 5
+    assert values[("dualpath_store_corrupt_blocks_total", ())] == 1
+
+
+def test_request_metrics() -> None:
+    metrics = make_metrics([snapshot(0.0, 0, 0)])
+    metrics.on_generation_finished(
+        "length",
+        GenerationTimes(10.0, 10.5, 10.75, 12.5, num_output_tokens=9),
+        num_prompt_tokens=100,
+        num_cached_tokens=64,
+    )
+    metrics.http_requests.labels("/v1/completions", "429").inc()
+    values = samples(metrics)
+    assert values[("dualpath_generations_total", (("finish_reason", "length"),))] == 1
+    assert values[("dualpath_time_to_first_token_seconds_sum", ())] == 0.5
+    assert values[("dualpath_time_to_second_token_seconds_sum", ())] == 0.25
+    assert values[("dualpath_time_per_output_token_seconds_sum", ())] == 0.25  # 2 s / 8
+    assert values[("dualpath_e2e_request_latency_seconds_sum", ())] == 2.5
+    assert values[("dualpath_cached_prompt_tokens_total", ())] == 64
+    assert values[("dualpath_generation_tokens_total", ())] == 9
+    key = (("route", "/v1/completions"), ("status_code", "429"))
+    assert values[("dualpath_http_requests_total", key)] == 1
+
+
+def test_two_servers_in_one_process_do_not_share_metrics() -> None:
+    first, second = make_metrics([snapshot(0, 0, 0)]), make_metrics([snapshot(0, 0, 0)])
+    first.generation_tokens.inc(5)
+    assert samples(second)[("dualpath_generation_tokens_total", ())] == 0
+
+
+def test_link_rates_use_the_window_and_skip_restarted_counters() -> None:
+    tracker = LinkRateTracker(window_s=2.0)
+    key = ("node0.snic", "kv")
+    for time_s, total in ((0.0, 0), (1.0, 100), (2.0, 200), (3.0, 600)):
+        tracker.observe(time_s, {key: total})
+    assert tracker.rates_bytes_per_s()[key] == 250.0  # (600 - 100) / (3 - 1)
+    tracker.observe(4.0, {key: 10})  # the engine restarted: its counter began again
+    assert key not in tracker.rates_bytes_per_s()
+
+
+def test_link_totals_add_up_engines_sharing_a_nodes_snic() -> None:
+    totals = link_totals({3: {"node1.snic.kv": 5, "store_read_bytes": 9}, 4: {"node1.snic.kv": 7}})
+    assert totals == {("node1.snic", "kv"): 12}
