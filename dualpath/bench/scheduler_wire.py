@@ -5,7 +5,7 @@ Run: ``dualpath bench scheduler --wire [--duration-s 10] [--requests-per-s 2350]
 
 What runs where::
 
-    this process                               driver process (spawned)
+    this process                               driver process (spawned, bench.wire_leaders)
     main thread: Poisson arrivals into         144 simulated group leaders (48P96D, one node
       Coordinator.submit            <--ZMQ-->    per group), one ControlClient each: hello with
     loop thread: Coordinator.run_once  TCP       the cluster token, GroupInfo, then every fetch
@@ -21,6 +21,18 @@ and ``cpu_s_per_placement``: the CPU time of the loop thread alone (``pthread_ge
 over the placements. That CPU time covers everything the loop does, reports included, so
 ``cores_at_2350_rps`` = 2,350 x ``cpu_s_per_placement`` is the scheduler's load only when the run
 placed about 2,350 requests/s (compare ``placements_per_s``); ``loop_cores`` is the load it had.
+It is also the load at the report rate the driver managed, which on a small machine falls short
+of the target (``group_reports_per_s``). So before the window the loop runs
+``REPORTS_ONLY_S`` with nothing submitted: its CPU over the reports it took in is
+``cpu_s_per_report``; the window's CPU beyond its reports at that price, over its placements,
+is ``cpu_s_per_placement_beyond_reports``; and ``projected_cores_at_2350_rps`` prices every
+leader on schedule (``group_reports_per_s_target``) plus 2,350 placements/s with the two. An
+estimate, and a rough one: a report's price depends on how many a turn takes in. It carries
+its share of the turn (one poll each ``loop_turn_s``: dear in a small cluster), and ZeroMQ
+hands over a backlog much more cheaply a message than a trickle, so a window in which the
+loop fell behind (``loop_turns_per_s`` far below 1 / ``loop_turn_s``) spends less a report
+than the reports-only stretch, where it kept up (the figure beyond reports is then 0).
+
 The driver's CPU is another process's and never counted; the submitting thread's (copying the
 token ids and hashing the prompt's blocks in ``submit``) is ``submit_cpu_s_per_request``.
 
@@ -39,17 +51,15 @@ then falls short of the target) rather than piling up messages.
 
 Read the figures with the machine: the driver needs about a core of its own to send 14,400
 reports/s (``group_reports_per_s`` says what it managed), and on a 2-CPU machine it competes
-with the loop. NOTE(wire bench): ``ControlServer.poll`` takes in every queued message before it
-returns, so when reports arrive as fast as the loop handles them, ``run_once`` does not return
-and submissions wait (``loop_turns_per_s`` near 0 shows it).
+with the loop. The loop's CPU covers the reports it was sent, so a run whose driver fell short
+of the target rate understates the scheduler's load at it. ``--profile`` profiles the loop
+thread over the timed window only (not the join).
 """
 
 from __future__ import annotations
 
 import argparse
-import array
 import cProfile
-import heapq
 import json
 import logging
 import multiprocessing as mp
@@ -64,23 +74,21 @@ import numpy as np
 
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.scheduler_bench import (
-    DECODE_KV_CAPACITY_BLOCKS,
     KV_BYTES_PER_TOKEN,
     PAPER_REQUESTS_PER_S,
     SNIC_BANDWIDTH_GBPS,
 )
-from dualpath.cluster.coordinator import Coordinator
-from dualpath.cluster.messages import (
-    DECODE,
-    PREFILL,
-    Assignment,
-    EngineInfo,
-    GroupInfo,
-    GroupReport,
+from dualpath.bench.wire_leaders import (
+    BLOCK_SIZE_TOKENS,
+    PREFILL_TOKENS_PER_S,
+    DriverConfig,
+    LeaderPlan,
+    run_driver,
 )
+from dualpath.cluster.coordinator import Coordinator
+from dualpath.cluster.messages import DECODE, PREFILL
 from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.control.channel import ControlClient, new_cluster_token
-from dualpath.control.codec import encode
+from dualpath.control.channel import new_cluster_token
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore, StoreStats
 from dualpath.model.identity import KVIdentity
@@ -89,45 +97,16 @@ from dualpath.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-BLOCK_SIZE_TOKENS = 64
 # SPEC §7, 64K workload: mean context (prompt) per turn, appended and generated tokens per turn.
 MEAN_CONTEXT_TOKENS = 32_721
 MEAN_APPEND_TOKENS = 429
 MEAN_GEN_TOKENS = 176
-# Simulated speeds. A PE prefills 1.25x what 2,350 requests/s of 32.7K tokens need from 384 PEs
-# (~200K tokens/s), so the cluster keeps up and the FIFO stays short; a DE emits one token per
-# request every TPOT_S (the SLO is 50 ms).
-PREFILL_TOKENS_PER_S = 250_000.0
-TPOT_S = 0.040
 WARMUP_S = 1.0  # after the driver settled: timing starts with every leader on its schedule
-SETTLE_ROUNDS = 3  # the driver has settled once every leader fetched this often (PeerTables in)
+REPORTS_ONLY_S = 2.0  # then the loop with reports alone, to price a report (see above)
 # Requests submitted whose Assignment has not reached both leaders yet. Submissions pause at this
 # many, so a scheduler or driver that falls behind slows the run down instead of queueing
 # without bound (ZeroMQ drops what is over its queues' limits); --requests-per-s 0 keeps it full.
 MAX_REQUESTS_IN_FLIGHT = 2_000
-BYTES_SAMPLE_EVERY = 64  # one GroupReport / Assignment in this many is encoded again and measured
-# A real engine's counters: cumulative bytes per link ("<link>.<class>") and store reads.
-_LINK_CLASSES = ("inference", "kv")
-
-
-@dataclass(frozen=True, slots=True)
-class _LeaderPlan:
-    """One group as its leader sees it; engines in topology order, the leader first."""
-
-    group_id: int
-    role: str  # PREFILL or DECODE
-    engine_ids: tuple[int, ...]
-    node_ids: tuple[int, ...]  # per engine
-
-
-@dataclass(frozen=True, slots=True)
-class _DriverConfig:
-    endpoint: str
-    token: str
-    leaders: tuple[_LeaderPlan, ...]
-    fetch_interval_s: float
-    link_bytes_interval_s: float
-    engine_read_tokens_per_s: float  # a node's storage read rate shared by its engines
 
 
 class _DrawnHitStore(KVStore):
@@ -216,6 +195,7 @@ class _CoordinatorLoop:
         self._profile_path = profile_path
         self._stop = threading.Event()
         self._started = threading.Event()
+        self._is_profiling = threading.Event()
         self._clock_id = 0
         self.num_turns = 0
         self._thread = threading.Thread(target=self._run, name="coordinator-loop", daemon=True)
@@ -229,17 +209,30 @@ class _CoordinatorLoop:
         self._started.set()
         # This thread's CPU time, not wall time: waiting in poll costs nothing.
         profiler = None if self._profile_path is None else cProfile.Profile(time.thread_time)
-        if profiler is not None:
-            profiler.enable()  # this thread only
+        is_profiling = False
         while not self._stop.is_set():
+            if profiler is not None and self._is_profiling.is_set() != is_profiling:
+                is_profiling = not is_profiling  # a profiler covers the thread that enables it
+                if is_profiling:
+                    profiler.enable()
+                else:
+                    profiler.disable()
             turn_start_s = time.monotonic()
             self._coordinator.run_once(0.0 if self._turn_s else 0.001)
             self.num_turns += 1
             if self._turn_s:
                 time.sleep(max(0.0, turn_start_s + self._turn_s - time.monotonic()))
         if profiler is not None:
-            profiler.disable()
+            if is_profiling:
+                profiler.disable()
             profiler.dump_stats(self._profile_path)
+
+    def set_profiling(self, is_on: bool) -> None:
+        """Profile the loop from its next turn on (``is_on``) or stop (with ``profile_path``)."""
+        if is_on:
+            self._is_profiling.set()
+        else:
+            self._is_profiling.clear()
 
     def cpu_s(self) -> float:
         return time.clock_gettime(self._clock_id)
@@ -247,6 +240,21 @@ class _CoordinatorLoop:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+@dataclass(frozen=True, slots=True)
+class _ReportsOnly:
+    """A stretch before the window with nothing submitted: the loop's CPU goes to reports."""
+
+    start_s: float  # time.monotonic(), like the driver's report times
+    end_s: float
+    loop_cpu_s: float
+
+    @classmethod
+    def measure(cls, loop: _CoordinatorLoop, duration_s: float) -> _ReportsOnly:
+        start_s, start_cpu_s = time.monotonic(), loop.cpu_s()
+        time.sleep(duration_s)
+        return cls(start_s, time.monotonic(), loop.cpu_s() - start_cpu_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +331,7 @@ def run_wire_bench(
     loop = _CoordinatorLoop(coordinator, loop_turn_s, profile_path)
     loop.start()
     driver = context.Process(
-        target=_run_driver,
+        target=run_driver,
         args=(driver_config, stop, is_settled, num_taken_in, results),
         name="leaders",
     )
@@ -332,6 +340,7 @@ def run_wire_bench(
         _wait_until(coordinator.is_ready, timeout_s=120.0, what="every engine to join")
         _wait_until(is_settled.is_set, timeout_s=120.0, what="the leaders to settle")
         time.sleep(WARMUP_S)
+        reports_only = _ReportsOnly.measure(loop, REPORTS_ONLY_S)
 
         def num_in_flight() -> int:
             return workload.num_submitted - num_taken_in.value // 2
@@ -344,6 +353,15 @@ def run_wire_bench(
             timeout_s=60.0,
             what="every submitted request to be placed",
         )
+        # Then for the leaders to take every Assignment in (both sides), so that a driver
+        # slowed down by a busy machine is not stopped with some still on the way. One that
+        # never arrives shows as is_consistent False after the timeout.
+        _wait_until(
+            lambda: num_taken_in.value >= 2 * workload.num_submitted,
+            timeout_s=30.0,
+            what="the leaders to take in every Assignment",
+            is_required=False,
+        )
         stop.set()
         driver_stats = results.get(timeout=120.0)
         driver.join(timeout=30.0)
@@ -353,7 +371,7 @@ def run_wire_bench(
             driver.kill()
         loop.stop()
         coordinator.close()
-    result = _result(window, workload, driver_stats, coordinator, cluster)
+    result = _result(window, reports_only, workload, driver_stats, coordinator, cluster)
     result.update(
         requests_per_s_target=requests_per_s,
         fetch_interval_s=fetch_interval_s,
@@ -369,7 +387,7 @@ def run_wire_bench(
 
 def _make_cluster(
     cluster: ClusterConfig, scheduler_config: SchedulerConfig, link_bytes_interval_s: float
-) -> tuple[Coordinator, _DrawnHitStore, _DriverConfig]:
+) -> tuple[Coordinator, _DrawnHitStore, DriverConfig]:
     """The scheduler process's Coordinator, its store and what the driver needs to join it."""
     layout = KVLayout(61, BLOCK_SIZE_TOKENS, KV_BYTES_PER_TOKEN // 61)  # DeepSeek-V3.2 (SPEC §7)
     identity = KVIdentity("0" * 32, layout, "float8")
@@ -386,7 +404,7 @@ def _make_cluster(
     )
     engine_id_to_node = {e: n.node_id for n in coordinator.topology.nodes for e in n.engine_ids}
     leaders = tuple(
-        _LeaderPlan(
+        LeaderPlan(
             group.group_id,
             PREFILL if group.role == EngineRole.PREFILL else DECODE,
             group.engine_ids,
@@ -394,7 +412,7 @@ def _make_cluster(
         )
         for group in coordinator.topology.groups
     )
-    driver_config = _DriverConfig(
+    driver_config = DriverConfig(
         coordinator.endpoint,
         token,
         leaders,
@@ -419,6 +437,7 @@ def _submit_for(
     start_s, start_cpu_s, start_turns = time.monotonic(), loop.cpu_s(), loop.num_turns
     start_placed = coordinator.num_assigned
     next_arrival_s = start_s
+    loop.set_profiling(True)
     while (now_s := time.monotonic()) < start_s + duration_s:
         if requests_per_s > 0:
             num_due = 0
@@ -435,6 +454,7 @@ def _submit_for(
         wake_s = min(next_arrival_s, start_s + duration_s) if requests_per_s > 0 else 0.0
         time.sleep(max(0.001, wake_s - time.monotonic()))
     end_s = time.monotonic()
+    loop.set_profiling(False)
     return _Window(
         start_s,
         end_s,
@@ -446,16 +466,24 @@ def _submit_for(
     )
 
 
-def _wait_until(condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+def _wait_until(
+    condition: Callable[[], bool], *, timeout_s: float, what: str, is_required: bool = True
+) -> None:
+    """Wait for ``condition``; after ``timeout_s``, ``RuntimeError`` (or a warning when the
+    run can go on without it)."""
     deadline_s = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline_s:
+            if not is_required:
+                logger.warning("wire bench: gave up waiting %s s for %s", timeout_s, what)
+                return
             raise RuntimeError(f"wire bench: gave up waiting {timeout_s} s for {what}")
         time.sleep(0.01)
 
 
 def _result(
     window: _Window,
+    reports_only: _ReportsOnly,
     workload: _Workload,
     driver: dict[str, Any],
     coordinator: Coordinator,
@@ -466,8 +494,22 @@ def _result(
     cpu_s_per_placement = window.loop_cpu_s / max(1, window.num_placed)
     prefill_views, decode_views = driver["prefill_assignments"], driver["decode_assignments"]
     report_times_s = np.frombuffer(driver["report_times_s"], dtype=np.float64)
-    num_reports = int(((report_times_s >= window.start_s) & (report_times_s < window.end_s)).sum())
+
+    def num_reports_between(start_s: float, end_s: float) -> int:
+        return int(((report_times_s >= start_s) & (report_times_s < end_s)).sum())
+
+    num_reports = num_reports_between(window.start_s, window.end_s)
     num_groups = len(coordinator.topology.groups)
+    cpu_s_per_report = reports_only.loop_cpu_s / max(
+        1, num_reports_between(reports_only.start_s, reports_only.end_s)
+    )
+    cpu_s_per_placement_beyond_reports = max(
+        0.0, window.loop_cpu_s - num_reports * cpu_s_per_report
+    ) / max(1, window.num_placed)
+    projected_cores = (
+        num_groups / driver["fetch_interval_s"] * cpu_s_per_report
+        + PAPER_REQUESTS_PER_S * cpu_s_per_placement_beyond_reports
+    )
     return {
         "placement": (
             "one request through submit, a PE and a DE group fetch (each one a leader's "
@@ -477,6 +519,10 @@ def _result(
         "cpu_s_per_placement": cpu_s_per_placement,
         "placements_per_cpu_s": window.num_placed / window.loop_cpu_s,
         "cores_at_2350_rps": PAPER_REQUESTS_PER_S * cpu_s_per_placement,
+        # Every leader on schedule and 2,350 placements/s, priced from the two figures below.
+        "projected_cores_at_2350_rps": projected_cores,
+        "cpu_s_per_report": cpu_s_per_report,  # with nothing submitted (REPORTS_ONLY_S)
+        "cpu_s_per_placement_beyond_reports": cpu_s_per_placement_beyond_reports,
         "loop_cores": window.loop_cpu_s / wall_s,
         # run_once calls: each polls once and takes in every message queued by then.
         "loop_turns_per_s": window.num_loop_turns / wall_s,
@@ -509,223 +555,6 @@ def _result(
         "engines_per_node": cluster.engines_per_node,
         "nodes_per_group": cluster.nodes_per_group,
     }
-
-
-# --- the driver process: simulated group leaders ------------------------------------------------
-
-
-def _run_driver(
-    config: _DriverConfig, stop: Any, is_settled: Any, num_taken_in: Any, results: Any
-) -> None:
-    """The spawned driver: join every leader, then fetch on schedule until ``stop``."""
-    leaders = [_SimulatedLeader(plan, config, num_taken_in) for plan in config.leaders]
-    for leader in leaders:
-        leader.client.connect(timeout_s=30.0)
-    for leader in leaders:  # all at once, so the scheduler announces the membership rarely
-        leader.join()
-    interval_s = config.fetch_interval_s
-    start_s = time.monotonic()
-    due = [(start_s + i * interval_s / len(leaders), i) for i in range(len(leaders))]
-    report_times_s = array.array("d")
-    num_late = 0
-    while not stop.is_set():
-        due_s, index = due[0]
-        now_s = time.monotonic()
-        if due_s > now_s:
-            time.sleep(due_s - now_s)
-            continue
-        num_late += now_s - due_s > interval_s
-        leaders[index].fetch(now_s)
-        report_times_s.append(now_s)
-        if len(report_times_s) == SETTLE_ROUNDS * len(leaders):
-            is_settled.set()
-        heapq.heapreplace(due, (max(due_s + interval_s, now_s), index))
-    last_message_s = time.monotonic()  # take in the last Assignments, until all is quiet
-    while time.monotonic() - last_message_s < 0.5:
-        if any([leader.receive(time.monotonic()) for leader in leaders]):
-            last_message_s = time.monotonic()
-        time.sleep(0.01)
-    results.put(_driver_stats(leaders, config, report_times_s, num_late))
-    for leader in leaders:
-        leader.client.close()
-
-
-def _driver_stats(
-    leaders: list[_SimulatedLeader],
-    config: _DriverConfig,
-    report_times_s: array.array,
-    num_late: int,
-) -> dict[str, Any]:
-    messages: dict[str, dict[str, float]] = {}
-    for leader in leaders:
-        for kind, (count, sampled_bytes, num_sampled) in leader.messages.items():
-            total = messages.setdefault(kind, {"count": 0, "bytes": 0, "num_sampled": 0})
-            total["count"] += count
-            total["bytes"] += sampled_bytes
-            total["num_sampled"] += num_sampled
-    return {
-        "prefill_assignments": [a for x in leaders if x.is_prefill for a in x.assignments],
-        "decode_assignments": [a for x in leaders if not x.is_prefill for a in x.assignments],
-        "num_misrouted": sum(leader.num_misrouted for leader in leaders),
-        "report_times_s": report_times_s.tobytes(),
-        "num_late_reports": num_late,
-        "fetch_interval_s": config.fetch_interval_s,
-        "messages": {
-            kind: {
-                "count": total["count"],
-                "mean_bytes": total["bytes"] / total["num_sampled"]
-                if total["num_sampled"]
-                else None,
-            }
-            for kind, total in sorted(messages.items())
-        },
-    }
-
-
-class _SimulatedLeader:
-    """A group leader speaking for its simulated engines over a real ControlClient.
-
-    Each engine's state is what SPEC §6 reports: seq_e and tok_e (a PE counts whole prompts, a
-    DE prompt + max output, as the policy does), free KV blocks (DE) and read_q. An Assignment
-    adds to them; a request leaves a PE once prefilled (FIFO at ``PREFILL_TOKENS_PER_S``) and a
-    DE after its prefill and ``max_tokens`` x ``TPOT_S``. read_q drains at the node's storage
-    rate shared by its engines. Link counters grow with the KV each side reads and moves.
-    """
-
-    def __init__(self, plan: _LeaderPlan, config: _DriverConfig, num_taken_in: Any) -> None:
-        self.plan = plan
-        self.is_prefill = plan.role == PREFILL
-        self.client = ControlClient(config.endpoint, f"engine-{plan.engine_ids[0]}", config.token)
-        self._num_taken_in = num_taken_in
-        self._read_tokens_per_s = config.engine_read_tokens_per_s
-        self._link_bytes_interval_s = config.link_bytes_interval_s
-        num_engines = len(plan.engine_ids)
-        self._position = {engine_id: i for i, engine_id in enumerate(plan.engine_ids)}
-        self._num_seqs = [0] * num_engines
-        self._num_tokens = [0] * num_engines
-        self._num_free_blocks = [0 if self.is_prefill else DECODE_KV_CAPACITY_BLOCKS] * num_engines
-        self._read_queue_tokens = [0.0] * num_engines
-        self._busy_until_s = [0.0] * num_engines  # a PE prefills its requests one after another
-        self._finishes: list[tuple[float, int, int, int]] = []  # (time, position, tokens, blocks)
-        self._link_bytes = [
-            {
-                f"{link}.{kind}": 0
-                for link in (f"node{node_id}.snic", f"engine{e}.cnic", f"engine{e}.host_memory")
-                for kind in _LINK_CLASSES
-            }
-            | {"store_read_bytes": 0}
-            for e, node_id in zip(plan.engine_ids, plan.node_ids, strict=True)
-        ]
-        self._last_fetch_s = self._last_link_bytes_s = time.monotonic()
-        self.assignments: list[tuple[int, int, int]] = []  # (request_id, PE, DE) as received
-        self.num_misrouted = 0
-        # Per message kind: (count, sampled encoded bytes, number sampled).
-        self.messages: dict[str, tuple[int, int, int]] = {}
-
-    def join(self) -> None:
-        infos = tuple(
-            EngineInfo(
-                e, self.plan.role, node_id, "simulated", b"", b"", 64, DECODE_KV_CAPACITY_BLOCKS
-            )
-            for e, node_id in zip(self.plan.engine_ids, self.plan.node_ids, strict=True)
-        )
-        self._send(GroupInfo(infos))
-
-    def fetch(self, now_s: float) -> None:
-        """One fetch: take in what arrived, let time pass, report the whole group."""
-        self.receive(now_s)
-        self._advance(now_s)
-        link_bytes: tuple[dict[str, int], ...] = ()
-        if now_s - self._last_link_bytes_s >= self._link_bytes_interval_s:
-            self._last_link_bytes_s = now_s
-            link_bytes = tuple(self._link_bytes)  # encoded right away: no copy needed
-        self._send(
-            GroupReport(
-                self.plan.group_id,
-                self.plan.engine_ids,
-                tuple(self._num_seqs),
-                tuple(self._num_tokens),
-                tuple(self._num_free_blocks),
-                tuple(map(int, self._read_queue_tokens)),
-                link_bytes,
-                (0,) * len(self.plan.engine_ids),
-            )
-        )
-
-    def receive(self, now_s: float) -> bool:
-        messages = self.client.poll(0.0)
-        for msg in messages:
-            self._count(msg)
-            if isinstance(msg, Assignment):
-                self._num_taken_in.value += 1
-                self._on_assignment(msg, now_s)
-        return bool(messages)
-
-    def _on_assignment(self, assignment: Assignment, now_s: float) -> None:
-        self.assignments.append(
-            (assignment.request_id, assignment.prefill_engine_id, assignment.decode_engine_id)
-        )
-        if self.is_prefill:
-            engine_id, num_side_blocks = (
-                assignment.prefill_engine_id,
-                assignment.num_prefill_side_blocks,
-            )
-        else:
-            engine_id, num_side_blocks = (
-                assignment.decode_engine_id,
-                assignment.num_decode_side_blocks,
-            )
-        position = self._position.get(engine_id)
-        if position is None:
-            self.num_misrouted += 1
-            return
-        num_prompt_tokens = len(assignment.prompt_token_ids)
-        read_bytes = num_side_blocks * BLOCK_SIZE_TOKENS * KV_BYTES_PER_TOKEN
-        counters = self._link_bytes[position]
-        counters[f"node{self.plan.node_ids[position]}.snic.kv"] += read_bytes
-        counters["store_read_bytes"] += read_bytes
-        counters[f"engine{engine_id}.host_memory.kv"] += read_bytes
-        counters[f"engine{engine_id}.cnic.kv"] += num_prompt_tokens * KV_BYTES_PER_TOKEN
-        counters[f"engine{engine_id}.cnic.inference"] += 1024  # control and token traffic
-        self._read_queue_tokens[position] += num_side_blocks * BLOCK_SIZE_TOKENS
-        prefill_s = num_prompt_tokens / PREFILL_TOKENS_PER_S
-        if self.is_prefill:
-            num_tokens, num_blocks = num_prompt_tokens, 0
-            self._busy_until_s[position] = max(now_s, self._busy_until_s[position]) + prefill_s
-            finish_s = self._busy_until_s[position]
-        else:
-            max_tokens = assignment.sampling["max_tokens"]
-            num_tokens = num_prompt_tokens + max_tokens
-            num_blocks = -(-num_tokens // BLOCK_SIZE_TOKENS)
-            finish_s = now_s + prefill_s + max_tokens * TPOT_S
-        self._num_seqs[position] += 1
-        self._num_tokens[position] += num_tokens
-        self._num_free_blocks[position] -= num_blocks
-        heapq.heappush(self._finishes, (finish_s, position, num_tokens, num_blocks))
-
-    def _advance(self, now_s: float) -> None:
-        """Finish what is due and drain the read queues up to ``now_s``."""
-        while self._finishes and self._finishes[0][0] <= now_s:
-            _, position, num_tokens, num_blocks = heapq.heappop(self._finishes)
-            self._num_seqs[position] -= 1
-            self._num_tokens[position] -= num_tokens
-            self._num_free_blocks[position] += num_blocks
-        num_read_tokens = self._read_tokens_per_s * (now_s - self._last_fetch_s)
-        self._last_fetch_s = now_s
-        self._read_queue_tokens = [max(0.0, q - num_read_tokens) for q in self._read_queue_tokens]
-
-    def _send(self, msg: object) -> None:
-        self._count(msg)
-        self.client.send(msg)
-
-    def _count(self, msg: object) -> None:
-        """Count every message; measure one GroupReport / Assignment in BYTES_SAMPLE_EVERY."""
-        kind = type(msg).__name__
-        count, sampled_bytes, num_sampled = self.messages.get(kind, (0, 0, 0))
-        if isinstance(msg, GroupReport | Assignment) and count % BYTES_SAMPLE_EVERY == 0:
-            sampled_bytes += len(encode(msg))
-            num_sampled += 1
-        self.messages[kind] = (count + 1, sampled_bytes, num_sampled)
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -805,6 +634,15 @@ def main(
         f"({result['placements_per_cpu_s']:,.0f} placements per CPU-second): "
         f"{result['cores_at_2350_rps']:.3f} cores at 2,350 requests/s "
         f"(loop thread measured at {result['loop_cores']:.3f} cores)"
+    )
+    projected_cores = result["projected_cores_at_2350_rps"]
+    print(
+        f"priced per report ({result['cpu_s_per_report'] * 1e6:,.1f} CPU us, nothing submitted) "
+        f"and per placement beyond its reports "
+        f"({result['cpu_s_per_placement_beyond_reports'] * 1e6:,.1f} CPU us): "
+        f"{projected_cores:.3f} cores at {result['group_reports_per_s_target']:,.0f} reports/s "
+        f"and 2,350 placements/s ({PAPER_REQUESTS_PER_S / projected_cores:,.0f} placements per "
+        f"CPU-second)"
     )
     print(
         f"group reports {result['group_reports_per_s']:,.0f}/s (target "

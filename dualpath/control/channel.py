@@ -15,6 +15,7 @@ import hmac
 import ipaddress
 import logging
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -24,6 +25,8 @@ from dualpath.control.codec import PROTOCOL_VERSION, decode, encode, message
 from dualpath.errors import PeerUnavailable, TransferTimeout
 
 logger = logging.getLogger(__name__)
+
+_ZERO_COPY_MIN_BYTES = 1 << 16  # pyzmq's own threshold: below it, copying is cheaper
 
 
 @message("hello")
@@ -88,32 +91,50 @@ class ControlServer:
             self.endpoint = endpoint
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
-        self._welcomed: dict[bytes, str] = {}
+        self._welcomed: dict[bytes, str] = {}  # socket identity -> client id
+        # Where to send to each client: a dict, not a scan of ``_welcomed`` per message.
+        self._client_id_to_identity: dict[str, bytes] = {}
         self.num_rejected = 0
         self.num_malformed = 0
 
     @property
     def client_ids(self) -> list[str]:
-        return list(self._welcomed.values())
+        return list(self._client_id_to_identity)
 
     def poll(self, timeout_s: float, max_messages: int = 1024) -> list[tuple[str, object]]:
-        """Messages that arrived within ``timeout_s``: what is queued, up to ``max_messages``
-        frames, so a caller's loop gets control back even while messages keep arriving."""
-        received: list[tuple[str, object]] = []
+        """Messages that arrived within ``timeout_s``: what is queued, up to ``max_messages``,
+        so a caller's loop gets control back even while messages keep arriving."""
+        return list(self.receive(timeout_s, max_messages))
+
+    def receive(self, timeout_s: float, max_messages: int = 1024) -> Iterator[tuple[str, object]]:
+        """``poll``, one message at a time: each is decoded when the caller asks for it.
+
+        A loop that handles each message before taking the next keeps a turn's messages from
+        all being alive at once. Held in a list, a backlog of a thousand decoded reports sets
+        off the garbage collector, older generations included: 144 clients sending to a
+        process holding 150K objects took 17 us a message that way, 10 us one at a time.
+        """
         if not self._poller.poll(max(0, int(timeout_s * 1000))):
-            return received
+            return
+        # Frame by frame, not recv_multipart: that asks the socket after every frame whether
+        # more follow, about 2 us a time, and reports arrive at 14,400/s at 48P96D. The ROUTER
+        # puts the sender's identity in front of what it sent, so a message of ours is two
+        # frames and only the second needs asking.
+        recv = self._socket.recv
         for _ in range(max_messages):
             try:
-                identity, data = self._socket.recv_multipart(zmq.NOBLOCK)
+                identity = recv(zmq.NOBLOCK)
             except zmq.Again:
-                return received
-            except ValueError:  # wrong number of frames: not one of ours
+                return
+            frame = recv(zmq.NOBLOCK, copy=False)  # the rest of a message is already here
+            if frame.more:  # more than one frame: not one of ours
                 self.num_malformed += 1
+                while recv(zmq.NOBLOCK, copy=False).more:
+                    pass
                 continue
-            item = self._accept(identity, data)
+            item = self._accept(identity, frame.bytes)
             if item is not None:
-                received.append(item)
-        return received
+                yield item
 
     def _accept(self, identity: bytes, data: bytes) -> tuple[str, object] | None:
         try:
@@ -146,22 +167,36 @@ class ControlServer:
             )
             return
         self._welcomed[identity] = hello.client_id
+        # A client id that says hello again from a new socket (a restarted engine) is sent to
+        # there from now on; the old socket is still heard until the id is forgotten.
+        self._client_id_to_identity[hello.client_id] = identity
         self._send_raw(identity, Welcome(hello.client_id))
 
     def send(self, client_id: str, msg: object) -> None:
         """Send to a welcomed client; ``PeerUnavailable`` if it never said hello."""
-        for identity, welcomed_id in self._welcomed.items():
-            if welcomed_id == client_id:
-                self._send_raw(identity, msg)
-                return
-        raise PeerUnavailable(f"control client {client_id!r} is not connected")
+        self.send_encoded(client_id, encode(msg))
+
+    def send_encoded(self, client_id: str, data: bytes) -> None:
+        """Send a message already encoded (``codec.encode``): one message to several clients
+        is encoded once. ``PeerUnavailable`` if the client never said hello."""
+        identity = self._client_id_to_identity.get(client_id)
+        if identity is None:
+            raise PeerUnavailable(f"control client {client_id!r} is not connected")
+        self._send_frames(identity, data)
 
     def forget(self, client_id: str) -> None:
         """Drop a client (declared dead); it must say hello again to be heard."""
+        self._client_id_to_identity.pop(client_id, None)
         self._welcomed = {i: c for i, c in self._welcomed.items() if c != client_id}
 
     def _send_raw(self, identity: bytes, msg: object) -> None:
-        self._socket.send_multipart([identity, encode(msg)])
+        self._send_frames(identity, encode(msg))
+
+    def _send_frames(self, identity: bytes, data: bytes) -> None:
+        # Two sends, not send_multipart (which checks every part in Python first). Past
+        # 64 KiB, ZeroMQ takes the bytes without a copy (an Assignment of a long prompt).
+        self._socket.send(identity, zmq.SNDMORE)
+        self._socket.send(data, copy=len(data) < _ZERO_COPY_MIN_BYTES)
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -3,8 +3,10 @@
 Every message type registers under a short tag; the wire form is ``[tag, field values...]`` in
 field order (no field names on the wire: the two ends run the same code, and a hello carries
 the protocol version). Nested registered dataclasses, tuples, lists, dicts, bytes, ints,
-floats, strings, bools and None round-trip; tuples come back as tuples where the field's
-annotation says so.
+floats, strings, bools and None round-trip, except that every sequence comes back as a tuple
+(messages are frozen). Token ids travel packed: an ``array.array("I")`` goes as one bytes
+blob of little-endian uint32 (4 bytes an id, against up to 5 as msgpack ints, and one copy
+rather than a Python int per id) and comes back as an ``array.array("I")``.
 
     @message("fetch")
     @dataclass(frozen=True, slots=True)
@@ -15,21 +17,29 @@ annotation says so.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import sys
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+# 2: token ids as packed uint32 arrays; sequences decode as tuples.
+PROTOCOL_VERSION = 2
 
 T = TypeVar("T")
 
 _tag_to_type: dict[str, type] = {}
 _type_to_tag: dict[type, str] = {}
-# Per type: (field names, which fields are tuples), computed once at registration.
-_type_to_fields: dict[type, tuple[tuple[str, ...], tuple[bool, ...]]] = {}
+# Per type: its field values in field order as a tuple, and how many there are; built once at
+# registration (an attrgetter reads them all in one C call).
+_type_to_fields: dict[type, tuple[Callable[[Any], tuple], int]] = {}
 _EXT_MESSAGE = 1  # msgpack ext type code for a nested registered dataclass
+_EXT_UINT32_ARRAY = 2  # msgpack ext type code for an array("I"): little-endian uint32 bytes
+_IS_BIG_ENDIAN = sys.byteorder == "big"
+assert array.array("I").itemsize == 4, "packed token ids assume a 4-byte C unsigned int"
 
 
 def message(tag: str) -> Callable[[type[T]], type[T]]:
@@ -40,56 +50,76 @@ def message(tag: str) -> Callable[[type[T]], type[T]]:
             raise RuntimeError(f"caller bug: {cls.__name__} is not a dataclass")
         if tag in _tag_to_type:
             raise RuntimeError(f"caller bug: message tag {tag!r} registered twice")
-        fields = dataclasses.fields(cls)
+        names = tuple(f.name for f in dataclasses.fields(cls))
         _tag_to_type[tag] = cls
         _type_to_tag[cls] = tag
-        _type_to_fields[cls] = (
-            tuple(f.name for f in fields),
-            tuple(str(f.type).startswith("tuple") for f in fields),
-        )
+        _type_to_fields[cls] = (_values_getter(names), len(names))
         return cls
 
     return register
 
 
+def _values_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    if len(names) > 1:
+        return attrgetter(*names)
+    if len(names) == 1:
+        name = names[0]
+        return lambda obj: (getattr(obj, name),)
+    return lambda obj: ()
+
+
 def _default(obj: object) -> object:
+    if type(obj) is array.array:
+        return msgpack.ExtType(_EXT_UINT32_ARRAY, _uint32_bytes(obj))
     tag = _type_to_tag.get(type(obj))
     if tag is None:
         raise TypeError(f"cannot encode {type(obj).__name__} on the control channel")
     return msgpack.ExtType(_EXT_MESSAGE, _pack(obj, tag))
 
 
+def _uint32_bytes(ids: array.array) -> bytes:
+    if ids.typecode != "I":
+        raise TypeError(f"only array('I') goes on the control channel, got array({ids.typecode!r})")
+    if _IS_BIG_ENDIAN:
+        ids = array.array("I", ids)
+        ids.byteswap()
+    return ids.tobytes()
+
+
 def _pack(obj: object, tag: str) -> bytes:
-    names, _ = _type_to_fields[type(obj)]
-    values = [tag, *(getattr(obj, name) for name in names)]
-    return msgpack.packb(values, default=_default, use_bin_type=True)
+    values, _ = _type_to_fields[type(obj)]
+    return msgpack.packb((tag, *values(obj)), default=_default, use_bin_type=True)
 
 
 def _ext_hook(code: int, data: bytes) -> object:
+    if code == _EXT_UINT32_ARRAY:
+        if len(data) % 4:
+            raise ValueError(f"packed uint32 array of {len(data)} bytes")
+        ids = array.array("I", data)  # bytes initialise an array as frombytes does
+        if _IS_BIG_ENDIAN:
+            ids.byteswap()
+        return ids
     if code != _EXT_MESSAGE:
         raise ValueError(f"unknown msgpack extension type {code}")
     return _unpack(data)
 
 
 def _unpack(data: bytes) -> Any:
-    values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
-    if not isinstance(values, list) or not values or not isinstance(values[0], str):
+    values = msgpack.unpackb(
+        data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=False
+    )
+    if not isinstance(values, tuple) or not values or not isinstance(values[0], str):
         raise ValueError("control message must be [tag, fields...]")
-    tag, *fields = values
-    cls = _tag_to_type.get(tag)
+    cls = _tag_to_type.get(values[0])
     if cls is None:
-        raise ValueError(f"unknown control message type {tag!r}")
-    names, is_tuple = _type_to_fields[cls]
-    if len(fields) != len(names):
-        raise ValueError(f"{tag}: expected {len(names)} fields, got {len(fields)}")
-    kwargs = {
-        name: tuple(value) if tuple_field and isinstance(value, list) else value
-        for name, value, tuple_field in zip(names, fields, is_tuple, strict=True)
-    }
+        raise ValueError(f"unknown control message type {values[0]!r}")
+    _, num_fields = _type_to_fields[cls]
+    if len(values) != num_fields + 1:
+        raise ValueError(f"{values[0]}: expected {num_fields} fields, got {len(values) - 1}")
     try:
-        return cls(**kwargs)
+        return cls(*values[1:])
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{tag}: invalid fields: {exc}") from exc
+        raise ValueError(f"{values[0]}: invalid fields: {exc}") from exc
 
 
 def encode(msg: object) -> bytes:

@@ -13,6 +13,9 @@ EXPECTED_KEYS = {
     "cpu_s_per_placement",
     "placements_per_cpu_s",
     "cores_at_2350_rps",
+    "projected_cores_at_2350_rps",
+    "cpu_s_per_report",
+    "cpu_s_per_placement_beyond_reports",
     "loop_cores",
     "loop_turns_per_s",
     "submit_cpu_s_per_request",
@@ -73,3 +76,4 @@ def test_every_request_reaches_one_prefill_and_one_decode_leader_once(tmp_path: 
     assert messages["Assignment"]["count"] == 2 * result["num_submitted"]
     assert messages["GroupReport"]["count"] > 0
     assert result["cpu_s_per_placement"] > 0 and result["placements_per_cpu_s"] > 0
+    assert result["cpu_s_per_report"] > 0 and result["projected_cores_at_2350_rps"] > 0

@@ -109,7 +109,7 @@ def test_request_is_placed_relayed_and_finished(cluster) -> None:
     assert pe_view == de_view
     assert (pe_view.prefill_engine_id, pe_view.decode_engine_id) == (0, 2)
     assert pe_view.num_hit_blocks == 2  # cached prefix: 8 tokens
-    assert pe_view.prompt_token_ids == tuple(prompt)
+    assert pe_view.prompt_token_ids.tolist() == prompt
 
     engines[2].client.send(DecodeReady(request_id, (5, 6, 7, 8), 2))
     spin(coordinator, 5)

@@ -167,6 +167,41 @@ def test_leaders_join_their_groups_and_place_from_group_reports(cluster) -> None
     assert prefill.receive(DecodeReady) == [DecodeReady(request_id, (5, 6, 7, 8), 2)]
 
 
+def test_every_report_reaches_the_policy_even_when_most_loads_repeat(cluster) -> None:
+    # The coordinator reuses an engine's snapshot while its load is unchanged; a change in
+    # one engine's seq_e must still be seen. Phase 2 picks the DE with the fewest sequences.
+    coordinator, (prefill, decode_1, decode_2), _, _ = cluster
+    for num_seqs, expected_decode_engine_id in [((1, 0), 3), ((1, 0), 3), ((1, 2), 2)]:
+        coordinator.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+        spin(coordinator, 2)
+        prefill.report()
+        spin(coordinator, 5)
+        decode_2.report(num_seqs=(5, 5), num_tokens=(9000, 9000))
+        decode_1.report(num_seqs=num_seqs, num_tokens=(1000, 1000))
+        spin(coordinator, 5)
+        (assignment,) = decode_1.receive(Assignment)
+        assert assignment.decode_engine_id == expected_decode_engine_id
+
+
+def test_an_assignment_carries_its_prompt_packed() -> None:
+    # Ids above 2**16 and the extremes survive the packed (uint32) form, both ways.
+    prompt = [0, 1, 65_535, 65_536, 151_935, 2**31, 2**32 - 1]
+    assignment = Assignment(7, prompt, {"max_tokens": 3}, 1, 2, 0, 4)
+    assert assignment.prompt_token_ids.typecode == "I"
+    assert assignment.prompt_token_ids.tolist() == prompt
+    data = encode(assignment)
+    assert decode(data) == assignment
+    assert decode(data).prompt_token_ids.tolist() == prompt
+    # 4 bytes an id on the wire (msgpack would take 5 for each of these), and a longer
+    # length field in the header.
+    long_prompt = list(range(100_000, 104_096))
+    long_data = encode(Assignment(7, long_prompt, {"max_tokens": 3}, 1, 2, 0, 4))
+    assert len(long_data) - len(data) == 4 * (len(long_prompt) - len(prompt)) + 1
+    for bad in ([-1], [2**32], b"\x01\x00\x00\x00"):
+        with pytest.raises(ValueError, match="token ids must be"):
+            Assignment(7, bad, {}, 0, 0, 0, 4)
+
+
 def test_a_group_report_keeps_all_its_engines_alive(cluster) -> None:
     coordinator, (prefill, decode_1, decode_2), clock, _ = cluster
     prefill.receive(PeerTable)

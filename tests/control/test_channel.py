@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
+import msgpack
 import pytest
 import zmq
 
@@ -36,6 +38,32 @@ class Batch:
 def test_codec_round_trips_nested_messages() -> None:
     msg = Batch((Ping(1, b"\x00\xff", (3, 4)), Ping(2, b"", ())), note="x")
     assert decode(encode(msg)) == msg
+
+
+@message("test-tokens")
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    token_ids: array.array
+    nested: tuple[array.array, ...] = ()
+
+
+def test_codec_packs_uint32_arrays_and_returns_sequences_as_tuples() -> None:
+    ids = array.array("I", [0, 7, 65_536, 2**32 - 1])
+    data = encode(Tokens(ids, (array.array("I"),)))
+    # The four ids go as 16 contiguous little-endian bytes, not as msgpack ints.
+    assert b"\x00\x00\x00\x00\x07\x00\x00\x00\x00\x00\x01\x00\xff\xff\xff\xff" in data
+    decoded = decode(data)
+    assert decoded == Tokens(ids, (array.array("I"),))
+    assert type(decoded.token_ids) is array.array and decoded.token_ids.typecode == "I"
+    assert type(decode(encode(Ping(1, b"", [3, 4]))).engine_ids) is tuple  # a list goes out
+
+
+def test_codec_refuses_other_arrays_and_torn_packed_ids() -> None:
+    with pytest.raises(TypeError, match="array\\('I'\\)"):
+        encode(Tokens(array.array("q", [1])))
+    torn = msgpack.packb(("test-tokens", msgpack.ExtType(2, bytes(7)), ()))
+    with pytest.raises(ValueError, match="packed uint32 array of 7 bytes"):
+        decode(torn)
 
 
 @pytest.mark.parametrize(
@@ -97,6 +125,33 @@ def _handshake(srv: ControlServer, client: ControlClient) -> None:
     finally:
         stop.set()
         thread.join()
+
+
+def test_one_encoding_goes_to_several_clients_and_a_restarted_client_is_sent_to(
+    server,
+) -> None:
+    srv, token = server
+    first = ControlClient(srv.endpoint, "engine-0", token)
+    other = ControlClient(srv.endpoint, "engine-1", token)
+    _handshake(srv, first)
+    _handshake(srv, other)
+    data = encode(Ping(9, b"x", (1,)))
+    srv.send_encoded("engine-0", data)
+    srv.send_encoded("engine-1", data)
+    assert first.poll(1.0) == [Ping(9, b"x", (1,))]
+    assert other.poll(1.0) == [Ping(9, b"x", (1,))]
+    # The same client id says hello again from a new socket: sends go there now.
+    restarted = ControlClient(srv.endpoint, "engine-0", token)
+    _handshake(srv, restarted)
+    srv.send("engine-0", Ping(10, b"", ()))
+    assert restarted.poll(1.0) == [Ping(10, b"", ())]
+    assert first.poll(0.2) == []
+    assert sorted(srv.client_ids) == ["engine-0", "engine-1"]
+    srv.forget("engine-0")
+    with pytest.raises(PeerUnavailable):
+        srv.send_encoded("engine-0", data)
+    for client in (first, other, restarted):
+        client.close()
 
 
 def test_wrong_token_is_rejected_and_not_heard(server) -> None:
