@@ -26,15 +26,48 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from nixl_cu12 import _api as nixl_api
 from nixl_cu12 import _bindings as nixl_bindings
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
 from dualpath.errors import PeerUnavailable, TransferError
 from dualpath.transfer.transport import BufferDescriptor, TransferHandle, TransferOp, Transport
+
+# The progress thread's poll() timeout when idle (see NixlTransport); 1 ms costs ~2% of a core.
+PROGRESS_WAIT_US = 1000
+_config_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _progress_wait(wait_us: int) -> Iterator[None]:
+    """While ``nixl_agent`` is built, its agent config keeps ``wait_us`` as the progress
+    thread's delay whatever the wrapper writes there (it writes 0: busy polling)."""
+    if wait_us < 0:
+        raise ValueError(f"progress_wait_us must be >= 0, got {wait_us}")
+    base = nixl_bindings.nixlAgentConfig
+    delay = base.pthrDelay  # pybind11's field descriptor
+
+    class _Config(base):
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 -- NIXL's field name
+            return delay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            delay.__set__(self, wait_us)
+
+    with _config_lock:
+        nixl_api.nixlBind.nixlAgentConfig = _Config
+        try:
+            yield
+        finally:
+            nixl_api.nixlBind.nixlAgentConfig = base
+
 
 if TYPE_CHECKING:
     from dualpath.transfer.transport import Buffer
@@ -68,11 +101,19 @@ def _nixl_errors(what: str) -> Iterator[None]:
 class NixlTransport(Transport):
     """A NIXL agent with the UCX backend; see ``Transport`` for the contract."""
 
-    def __init__(self, name: str, *, num_threads: int = 0) -> None:
-        """``num_threads``: UCX worker threads; 0 lets NIXL choose (one)."""
+    def __init__(
+        self, name: str, *, num_threads: int = 0, progress_wait_us: int = PROGRESS_WAIT_US
+    ) -> None:
+        """``num_threads``: UCX worker threads; 0 lets NIXL choose (one).
+
+        ``progress_wait_us``: how long NIXL's UCX progress thread sleeps in ``poll()`` when no
+        event wakes it. The thread must run -- the target side of a transfer progresses
+        only there -- but ``nixl_agent`` sets this to 0, which makes the thread spin a whole
+        core per agent even when idle; events still wake it at once.
+        """
         super().__init__(name)
         config = nixl_agent_config(backends=["UCX"], num_threads=num_threads)
-        with _nixl_errors(f"creating NIXL agent {name!r}"):
+        with _nixl_errors(f"creating NIXL agent {name!r}"), _progress_wait(progress_wait_us):
             self._agent = nixl_agent(name, config)
         if "UCX" not in self._agent.backends:
             raise TransferError(f"NIXL agent {name!r} has no UCX backend (plugin missing)")
