@@ -50,6 +50,10 @@ def _progress_wait(wait_us: int) -> Iterator[None]:
     if wait_us < 0:
         raise ValueError(f"progress_wait_us must be >= 0, got {wait_us}")
     base = nixl_bindings.nixlAgentConfig
+    if getattr(nixl_api, "nixlBind", None) is not nixl_bindings or not hasattr(base, "pthrDelay"):
+        logger.warning("this NIXL builds its agent differently: progress thread delay left as is")
+        yield
+        return
     delay = base.pthrDelay  # pybind11's field descriptor
 
     class _Config(base):

@@ -451,3 +451,14 @@ def test_killed_peer_fails_fast_and_a_restarted_one_reconnects(kind: str) -> Non
             np.testing.assert_array_equal(full_blocks(restarted.get()), expected)
         finally:
             restarted.stop()
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl-cu12 missing")
+def test_an_idle_nixl_agent_does_not_spin() -> None:
+    # NIXL's Python wrapper sets its progress thread's poll() timeout to 0: one core busy per
+    # idle agent. Ours sleeps until an event or 1 ms: ~2% of a core. Process CPU time, not
+    # wall time, so other load on the machine does not matter.
+    with create_transport("nixl", "idle"):
+        start_cpu_s = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - start_cpu_s < 0.3
