@@ -152,16 +152,19 @@ class DecodeEngine:
         """Adopt prefilled prompts, run one decode step, and return the token updates."""
         self._adopt_prefilled()
         finished = {int(out.request_id): out for out in self.engine.step()}
+        logprobs = self.engine.pop_new_logprobs()
         updates = []
         for request_key, token_ids in self.engine.pop_new_tokens().items():
             request_id = int(request_key)
             out = finished.pop(request_id, None)
-            updates.append(self._update(request_id, token_ids, out))
+            updates.append(self._update(request_id, token_ids, out, logprobs.get(request_key)))
         for request_id, out in finished.items():  # finished without a new token this step
-            updates.append(self._update(request_id, [], out))
+            updates.append(self._update(request_id, [], out, None))
         return updates
 
-    def _update(self, request_id: int, token_ids: list[int], out) -> TokenUpdate:
+    def _update(
+        self, request_id: int, token_ids: list[int], out, logprobs: list[TokenLogprob] | None
+    ) -> TokenUpdate:
         num_cached = self._num_cached_tokens.get(request_id, 0)
         if out is not None:
             self._num_cached_tokens.pop(request_id, None)
@@ -170,6 +173,7 @@ class DecodeEngine:
             tuple(token_ids),
             None if out is None else out.finish_reason,
             num_cached,
+            None if logprobs is None else tuple((lp.logprob, lp.top) for lp in logprobs),
         )
 
     def cancel(self, request_id: int) -> None:

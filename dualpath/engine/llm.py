@@ -128,6 +128,7 @@ class LLMEngine:
         self.eos_token_ids = model_config.eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self._new_tokens: dict[str, list[int]] = {}
+        self._new_logprobs: dict[str, list[TokenLogprob]] = {}
         self._finished_outside_step: list[RequestOutput] = []
         self.running: list[Sequence] = []
         self._request_ids = itertools.count()
@@ -190,6 +191,8 @@ class LLMEngine:
                     self._release(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
+                    self._new_tokens.pop(request_id, None)
+                    self._new_logprobs.pop(request_id, None)
                     return True
         return False
 
@@ -307,6 +310,7 @@ class LLMEngine:
         self._new_tokens.setdefault(seq.request_id, []).append(token_id)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
+            self._new_logprobs.setdefault(seq.request_id, []).append(logprob)
         if seq.first_token_s is None:
             seq.first_token_s = now_s
         seq.finish_reason = self._finish_reason(seq, token_id)
@@ -322,6 +326,12 @@ class LLMEngine:
         """Tokens sampled since the last call, by request (for streaming)."""
         new_tokens, self._new_tokens = self._new_tokens, {}
         return new_tokens
+
+    def pop_new_logprobs(self) -> dict[str, list[TokenLogprob]]:
+        """Log-probabilities of the tokens sampled since the last call, by request, aligned
+        with ``pop_new_tokens`` (only requests that asked for them)."""
+        new_logprobs, self._new_logprobs = self._new_logprobs, {}
+        return new_logprobs
 
     def add_prefilled(
         self,
@@ -368,6 +378,7 @@ class LLMEngine:
         self._persist_full_blocks(seq)
         output = self._append_token(seq, first_token_id, first_logprob, self.clock())
         self._new_tokens.pop(request_id, None)  # the prefill side streamed the first token
+        self._new_logprobs.pop(request_id, None)
         if output is not None:
             self._finished_outside_step.append(output)
         return True

@@ -228,11 +228,6 @@ def test_logprobs_of_the_first_token(server: Server) -> None:
     assert len(out.choices[0].logprobs.top_logprobs[0]) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode engines do not put log-probabilities in TokenUpdate yet (engine/decode.py); "
-    "the server refuses to return a gap (500)",
-)
 def test_logprobs_of_every_token(server: Server) -> None:
     out = server.client.completions.create(
         model=MODEL, prompt="hi", max_tokens=4, temperature=0, logprobs=1,
