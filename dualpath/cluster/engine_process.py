@@ -38,6 +38,7 @@ from dualpath.cluster.messages import (
 )
 from dualpath.config import ClusterConfig, EngineConfig, KVStoreConfig, TrafficConfig
 from dualpath.control.channel import ControlClient
+from dualpath.control.codec import encode
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.decode import DecodeEngine
 from dualpath.engine.llm import LLMEngine
@@ -45,7 +46,7 @@ from dualpath.engine.prefill import PrefillEngine
 from dualpath.engine.profile import profile_layer_time
 from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
 from dualpath.errors import DualPathError
-from dualpath.kv.store import FileKVStore
+from dualpath.kv.store import FileKVStore, KVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
 from dualpath.scheduler.batching import PrefillBatcher
@@ -58,6 +59,17 @@ from dualpath.transfer.transport import BufferDescriptor, create_transport
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# The engine's store counters in its reports, as "store_<name>" (the metrics' source).
+_REPORTED_STORE_STATS = (
+    "reads",
+    "read_bytes",
+    "writes",
+    "write_bytes",
+    "evictions",
+    "corrupt_blocks",
+    "missing_on_read",
+    "write_errors",
+)
 # Longest context the start-up profile times (~0.4 s for the tiny model on one CPU thread);
 # the fitted quadratic term extrapolates beyond it.
 _MAX_PROFILED_CONTEXT_TOKENS = 2048
@@ -187,6 +199,19 @@ class _EngineProcess:
         )
         self.last_heard_s = time.monotonic()
         self.last_report_s = 0.0
+        self.busy_s = 0.0  # wall time spent in prefill batches or decode steps
+
+    def _send(self, msg: object) -> None:
+        """A control message to the scheduler: ``inference`` traffic on this engine's CNIC
+        (reports, token streaming), ahead of KV by the arbiter's weights (SPEC §4)."""
+        data = encode(msg)
+        self.traffic.move(
+            self._link_names["cnic"],
+            TrafficClass.INFERENCE,
+            len(data),
+            lambda: self.client.send_encoded(data),
+            timeout_s=self.config.peer_timeout_s,
+        )
 
     def _move(self, link: str, num_bytes: int, do_move):
         return self.traffic.move(
@@ -203,7 +228,7 @@ class _EngineProcess:
         config = self.config
         self.client.connect(timeout_s=config.peer_timeout_s)
         num_kv_blocks = 0 if self.decode is None else self.decode.engine.pool.num_blocks
-        self.client.send(
+        self._send(
             EngineInfo(
                 config.engine_id,
                 config.role,
@@ -218,7 +243,10 @@ class _EngineProcess:
         self.last_heard_s = time.monotonic()
         try:
             while True:
+                start_s = time.perf_counter()
                 is_busy = self._work()
+                if is_busy:
+                    self.busy_s += time.perf_counter() - start_s
                 for msg in self.client.poll(0.0 if is_busy else config.fetch_interval_s):
                     self._handle(msg)
                 now_s = time.monotonic()
@@ -256,7 +284,7 @@ class _EngineProcess:
             else:
                 self.decode.add(assignment)
         except ValueError as exc:
-            self.client.send(RequestFailed(assignment.request_id, str(exc)))
+            self._send(RequestFailed(assignment.request_id, str(exc)))
 
     def _connect_peers(self, table: PeerTable) -> None:
         if self.prefill is None:
@@ -285,17 +313,17 @@ class _EngineProcess:
             except DualPathError as exc:  # a DE died or timed out mid-transfer
                 logger.error("prefill batch failed: %s", exc)  # its requests are cancelled
                 for request, _ in batch:
-                    self.client.send(RequestFailed(request.request_id, f"prefill failed: {exc}"))
+                    self._send(RequestFailed(request.request_id, f"prefill failed: {exc}"))
                 return True
             for done in finished:
-                self.client.send(done)
+                self._send(done)
             return True
         assert self.decode is not None
         for ready in self.decode.poll_ready():
-            self.client.send(ready)
+            self._send(ready)
         updates = self.decode.step()
         for update in updates:
-            self.client.send(update)
+            self._send(update)
         return bool(updates) or self.decode.engine.has_unfinished_requests()
 
     def _report(self) -> None:
@@ -305,7 +333,7 @@ class _EngineProcess:
             num_free = self.decode.engine.pool.num_free_blocks
         else:
             num_seqs, num_tokens, num_free = len(self.prefill.requests), self.prefill.num_tokens, 0
-        self.client.send(
+        self._send(
             EngineReport(
                 self.config.engine_id,
                 num_seqs,
@@ -324,7 +352,19 @@ class _EngineProcess:
                 counters[f"{link.name}.{TrafficClass(traffic_class).name.lower()}"] = int(moved)
         engine = self.prefill or self.decode
         counters["store_read_bytes"] = engine.num_read_bytes
+        counters["busy_us"] = int(self.busy_s * 1e6)
+        store = self._store()
+        if store is not None:
+            stats = store.stats()
+            for name in _REPORTED_STORE_STATS:
+                counters[f"store_{name}"] = getattr(stats, name)
         return counters
+
+    def _store(self) -> KVStore | None:
+        if self.prefill is not None:
+            return self.prefill.store
+        store_io = self.decode.engine.store_io
+        return None if store_io is None else store_io.store
 
     def close(self) -> None:
         for part in (self.prefill, self.decode):

@@ -73,7 +73,9 @@ class EngineReport:
     num_free_kv_blocks: int
     # Tokens this engine has queued for storage reads; a node's read_q sums its engines'.
     read_queue_tokens: int
-    # Cumulative bytes by "link.class.direction", for metrics and benchmarks.
+    # Cumulative counters for metrics and benchmarks: bytes by "link.class" (e.g.
+    # "node0.snic.kv"), and "store_read_bytes" (hit KV this engine read), "busy_us" (time in
+    # prefill batches or decode steps), "store_<stat>" (its store's StoreStats).
     link_bytes: dict[str, int]
     num_buffer_slots_used: int
 

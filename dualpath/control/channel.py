@@ -236,6 +236,10 @@ class ControlClient:
     def send(self, msg: object) -> None:
         self._socket.send(encode(msg))
 
+    def send_encoded(self, data: bytes) -> None:
+        """Send a message already encoded with ``codec.encode`` (to size or reuse it)."""
+        self._socket.send(data)
+
     def poll(self, timeout_s: float) -> list[object]:
         """Messages that arrived within ``timeout_s``; malformed ones are logged and dropped."""
         received: list[object] = []

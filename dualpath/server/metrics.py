@@ -286,25 +286,44 @@ class ClusterCollector(Collector):
         for role, value in by_role.items():
             read_path.add_metric([role], value)
         yield read_path
+        busy = CounterMetricFamily(
+            "dualpath_engine_busy_seconds",
+            "Time each engine spent in prefill batches (PE) or decode steps (DE).",
+            labels=["engine", "role"],
+        )
+        for engine_id, counters in sorted(snapshot.link_bytes.items()):
+            role = self._engine_id_to_role.get(engine_id, "unknown")
+            busy.add_metric([str(engine_id), role], counters.get("busy_us", 0) / 1e6)
+        yield busy
+        engine_totals = {
+            name: sum(c.get(f"store_{name}", 0) for c in snapshot.link_bytes.values())
+            for name in ("evictions", "corrupt_blocks", "write_errors", "missing_on_read")
+        }
         stats = self._store_stats()
-        if stats is None:
-            return
-        # The scheduler's own store: its lookups are the cluster's hit/miss decisions.
-        for name, value, help_text in (
-            ("store_hit_blocks", stats.hit_blocks, "Full Blocks the scheduler's lookups found."),
-            (
-                "store_miss_blocks",
-                stats.miss_blocks,
+        # Hits and misses are the scheduler's lookups: the cluster's hit/miss decisions.
+        if stats is not None:
+            yield CounterMetricFamily(
+                "dualpath_store_hit_blocks",
+                "Full Blocks the scheduler's lookups found.",
+                value=stats.hit_blocks,
+            )
+            yield CounterMetricFamily(
+                "dualpath_store_miss_blocks",
                 "Full Blocks the scheduler's lookups asked for past the first miss.",
-            ),
-            ("store_evictions", stats.evictions, "Blocks evicted by this process's store."),
-            (
-                "store_corrupt_blocks",
-                stats.corrupt_blocks,
-                "Damaged blocks found (and deleted) by this process's store.",
-            ),
+                value=stats.miss_blocks,
+            )
+        # Evictions and damage happen where blocks are read and written: every engine's store,
+        # plus the scheduler's own.
+        for name, help_text in (
+            ("evictions", "Blocks evicted to stay within the store's capacity."),
+            ("corrupt_blocks", "Damaged blocks found (and deleted, then recomputed)."),
+            ("write_errors", "Block writes that failed (the store kept serving)."),
+            ("missing_on_read", "Reads of blocks that were gone (evicted or deleted elsewhere)."),
         ):
-            yield CounterMetricFamily(f"dualpath_{name}", help_text, value=value)
+            own = 0 if stats is None else getattr(stats, name)
+            yield CounterMetricFamily(
+                f"dualpath_store_{name}", help_text, value=own + engine_totals[name]
+            )
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
