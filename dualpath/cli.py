@@ -534,6 +534,138 @@ def _serve_engine_config(s: argparse.Namespace, dtype: str):  # -> EngineConfig
     )
 
 
+# --- simulate, plan --------------------------------------------------------------------------
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from dualpath.config import MODES
+
+    p = sub.add_parser(
+        "simulate",
+        help="cluster simulator: SPEC §7 experiments or a free-form run (no GPU needed)",
+        description="Discrete-event simulation of a DualPath cluster driven by the real "
+        "scheduler. Prints a table beside the paper's figure; --json/--png write results.",
+    )
+    p.add_argument(
+        "--experiment",
+        default=None,
+        help="offline-jct, ablation, snic-balance, pd-ratio, scale, append-scaling",
+    )
+    p.add_argument("--full", action="store_true", help="the paper's whole grid")
+    p.add_argument(
+        "--scale-down",
+        type=_positive_int,
+        default=1,
+        help="K: nodes with 8/K GPUs (node links /K) and K times fewer agents",
+    )
+    p.add_argument(
+        "--model", default="deepseek-v3.2-660b", help="model profile (dualpath.sim.profiles)"
+    )
+    p.add_argument("--nodes", default="2P4D", help="cluster shape, e.g. 2P4D (default)")
+    p.add_argument("--agents", type=_positive_int, default=1024, help="agents (trajectories)")
+    p.add_argument(
+        "--max-len",
+        type=_positive_int,
+        default=65536,
+        help="32768, 49152 or 65536 (SPEC §7 presets)",
+    )
+    p.add_argument(
+        "--modes", default="basic,dualpath,oracle", help=f"comma-separated, from {', '.join(MODES)}"
+    )
+    p.add_argument("--trace", type=Path, default=None, help="a Mooncake-format JSONL trace")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
+    p.add_argument("--png", type=Path, default=None, help="write the figure here")
+    p.set_defaults(func=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    import time
+
+    from dualpath.sim import experiments, report
+    from dualpath.sim.agents import workload_agents
+
+    start_s = time.perf_counter()
+    if args.experiment is not None:
+        result = experiments.run_experiment(
+            args.experiment, scale_down=args.scale_down, full=args.full
+        )
+    else:
+        presets = {32768: "32k", 49152: "48k", 65536: "64k"}
+        if args.max_len not in presets:
+            raise ValueError(f"--max-len must be one of {sorted(presets)}, got {args.max_len}")
+        agents = None
+        if args.trace is not None:
+            from dualpath.workload import load_mooncake_trace
+
+            workload = load_mooncake_trace(
+                args.trace, vocab_size=32_000, seed=args.seed, max_sessions=args.agents
+            )
+            agents = workload_agents(workload, block_size_tokens=64)
+        result = experiments.free_form(
+            model=args.model,
+            nodes=args.nodes,
+            num_agents=args.agents,
+            preset=presets[args.max_len],
+            modes=args.modes.split(","),
+            scale_down=args.scale_down,
+            seed=args.seed,
+            agents=agents,
+        )
+    data = report.result_json([result], time.perf_counter() - start_s)
+    print(report.format_table(result))
+    print(f"wall {data['wall_s']:.1f} s, {data['events_per_s']} events/s")
+    if args.json is not None:
+        report.write_json(data, args.json)
+    if args.png is not None:
+        report.write_png([result], args.png)
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="P/D advisor: SPEC §5 bounds for the hardware, then the simulator's best P/D",
+        description="Evaluates SPEC §5's bottleneck-free P/D range and simulates candidate "
+        "P/D shapes to recommend the best throughput per GPU for a workload.",
+    )
+    p.add_argument("--model", default="27b", help="model profile (dualpath.sim.profiles)")
+    p.add_argument(
+        "--hardware", default="hopper-8x400", help="hardware profile: hopper-8x400 or local"
+    )
+    p.add_argument(
+        "--total-nodes", type=_positive_int, default=3, help="nodes to split into P and D"
+    )
+    p.add_argument("--agents", type=_positive_int, default=256, help="agents (trajectories)")
+    p.add_argument(
+        "--max-len", type=_positive_int, default=65536, help="32768, 49152 or 65536 (SPEC §7)"
+    )
+    p.add_argument("--mode", default="dualpath", help="mode to plan for (default dualpath)")
+    p.add_argument(
+        "--scale-down", type=_positive_int, default=1, help="simulate a K-times smaller cluster"
+    )
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from dualpath.sim.plan import recommend_pd
+
+    presets = {32768: "32k", 49152: "48k", 65536: "64k"}
+    if args.max_len not in presets:
+        raise ValueError(f"--max-len must be one of {sorted(presets)}, got {args.max_len}")
+    advice = recommend_pd(
+        model=args.model,
+        hardware=args.hardware,
+        total_nodes=args.total_nodes,
+        num_agents=args.agents,
+        preset=presets[args.max_len],
+        mode=args.mode,
+        scale_down=args.scale_down,
+    )
+    print("\n".join(advice.lines))
+    return 0
+
+
 # --- bench -----------------------------------------------------------------------------------
 
 
@@ -587,6 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine,
         _add_serve,
         _add_bench,
+        _add_simulate,
+        _add_plan,
     )
     for add in adders:
         add(sub)

@@ -21,6 +21,7 @@ TORCH_FREE = (
     "dualpath.model.identity",
     "dualpath.cli",
     "dualpath.workload",
+    "dualpath.sim",
 )
 
 

@@ -1,0 +1,254 @@
+"""Simulated nodes and engines: plain state plus the decode engine's fluid step model.
+
+* ``SimRequest`` -- one turn's request as it moves through the cluster (counts and times).
+* ``SimNode`` -- a node's SNIC (read and write links) and its FIFO storage read queue.
+* ``SimPrefillEngine`` / ``SimDecodeEngine`` -- one GPU each, with the load figures the group
+  leader reports (``seq_e``, ``tok_e``, free KV blocks).
+
+Decode is modelled as a sequence of equal steps between membership changes (a *segment*): with
+b sequences the step takes ``decode_step_s(b, context)``, so the next request to finish is
+known without simulating every step. A request that joins mid-step starts at the next step
+boundary (SPEC §6: a DE puts every running request into every decode step)::
+
+    seg_start        boundary = seg_start + (k+1) * step_s
+    |--step--|--step--|--step--|
+                 ^ join at now: k = floor((now - seg_start) / step_s) steps done
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+
+from dualpath.scheduler import LoadPlan, PrefillBatcher
+from dualpath.sim.cost import CostModel
+from dualpath.sim.events import EventPriority, EventQueue
+from dualpath.sim.links import SimLink, TrafficClass
+
+
+class SimRequest:
+    """One turn in flight. Times are seconds of simulated time; -1.0 = not yet."""
+
+    __slots__ = (
+        "request_id",
+        "agent_index",
+        "turn_index",
+        "num_prompt_tokens",
+        "num_hit_tokens",
+        "num_output_tokens",
+        "prefill_engine",
+        "decode_engine",
+        "load_plan",
+        "num_pending_reads",
+        "num_pending_kv",
+        "submit_s",
+        "first_token_s",
+        "decode_start_s",
+        "finish_s",
+        "finish_step",
+        "num_decode_blocks",
+        "num_context_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: int,
+        agent_index: int,
+        turn_index: int,
+        num_prompt_tokens: int,
+        num_hit_tokens: int,
+        num_output_tokens: int,
+        submit_s: float,
+    ) -> None:
+        self.request_id = request_id
+        self.agent_index = agent_index
+        self.turn_index = turn_index
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_hit_tokens = num_hit_tokens
+        self.num_output_tokens = num_output_tokens
+        self.prefill_engine: SimPrefillEngine | None = None
+        self.decode_engine: SimDecodeEngine | None = None
+        self.load_plan: LoadPlan | None = None
+        self.num_pending_reads = 0
+        self.num_pending_kv = 0  # PE->DE flows still moving, +1 until the prefill is done
+        self.submit_s = submit_s
+        self.first_token_s = -1.0
+        self.decode_start_s = -1.0
+        self.finish_s = -1.0
+        self.finish_step = 0
+        self.num_decode_blocks = 0
+        # Context the decode cost model charges: the prompt plus half the output (the mean).
+        self.num_context_tokens = num_prompt_tokens + num_output_tokens // 2
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.num_prompt_tokens - self.num_hit_tokens
+
+
+class SimNode:
+    """A node: SNIC links and a FIFO read queue with at most ``max_inflight_reads`` running."""
+
+    __slots__ = (
+        "node_id",
+        "node_index",
+        "snic_read",
+        "snic_write",
+        "read_queue_tokens",
+        "max_inflight_reads",
+        "_num_inflight",
+        "_waiting",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        node_index: int,
+        snic_read: SimLink,
+        snic_write: SimLink,
+        max_inflight_reads: int,
+    ) -> None:
+        self.node_id = node_id
+        self.node_index = node_index
+        self.snic_read = snic_read
+        self.snic_write = snic_write
+        self.read_queue_tokens = 0  # read_q: tokens queued or being read (SPEC §6)
+        self.max_inflight_reads = max_inflight_reads
+        self._num_inflight = 0
+        self._waiting: deque[tuple[float, int, Callable, object]] = deque()
+
+    def read(
+        self, num_bytes: float, num_tokens: int, on_done: Callable[[object], None], token: object
+    ) -> None:
+        """Queue a storage read; ``on_done(token)`` when its bytes are in the host buffer."""
+        self.read_queue_tokens += num_tokens
+        self._waiting.append((num_bytes, num_tokens, on_done, token))
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._waiting and self._num_inflight < self.max_inflight_reads:
+            num_bytes, num_tokens, on_done, token = self._waiting.popleft()
+            self._num_inflight += 1
+            self.snic_read.start(
+                num_bytes, TrafficClass.KV, self._on_read_done, (num_tokens, on_done, token)
+            )
+
+    def _on_read_done(self, entry: tuple[int, Callable, object]) -> None:
+        num_tokens, on_done, token = entry
+        self._num_inflight -= 1
+        self.read_queue_tokens -= num_tokens
+        self._admit()
+        on_done(token)
+
+
+class SimPrefillEngine:
+    """A PE: its batcher (the scheduler's ``PrefillBatcher``), CNIC and reported load."""
+
+    __slots__ = ("engine_id", "node", "batcher", "cnic", "num_seqs", "num_tokens")
+
+    def __init__(self, engine_id: int, node: SimNode, batcher: PrefillBatcher, cnic: SimLink):
+        self.engine_id = engine_id
+        self.node = node
+        self.batcher = batcher
+        self.cnic = cnic
+        self.num_seqs = 0  # seq_e
+        self.num_tokens = 0  # tok_e: prompt tokens of assigned, unfinished prefills
+
+
+class SimDecodeEngine:
+    """A DE: KV blocks, CNIC, reported load and the fluid decode loop (module docstring)."""
+
+    __slots__ = (
+        "engine_id",
+        "node",
+        "cnic",
+        "num_free_kv_blocks",
+        "num_seqs",
+        "num_tokens",
+        "_queue",
+        "_cost",
+        "_on_finish",
+        "_running",
+        "_num_context_tokens",
+        "_steps_done",
+        "_segment_start_s",
+        "_step_s",
+        "_version",
+        "num_steps",
+    )
+
+    def __init__(
+        self,
+        engine_id: int,
+        node: SimNode,
+        cnic: SimLink,
+        num_kv_blocks: int,
+        queue: EventQueue,
+        cost: CostModel,
+        on_finish: Callable[[SimRequest], None],
+    ) -> None:
+        self.engine_id = engine_id
+        self.node = node
+        self.cnic = cnic
+        self.num_free_kv_blocks = num_kv_blocks
+        self.num_seqs = 0  # seq_e: assigned, unfinished
+        self.num_tokens = 0  # tok_e: their len_r
+        self._queue = queue
+        self._cost = cost
+        self._on_finish = on_finish
+        self._running: list[tuple[int, int, SimRequest]] = []  # (finish_step, id, request)
+        self._num_context_tokens = 0
+        self._steps_done = 0  # steps completed by _segment_start_s
+        self._segment_start_s = 0.0
+        self._step_s = 0.0
+        self._version = 0
+        self.num_steps = 0  # decode steps run, for reports
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def join(self, request: SimRequest) -> None:
+        """Start decoding ``request`` at the next step boundary; it needs output - 1 steps
+        (the prefill produced the first token)."""
+        now_s = self._queue.now_s
+        if self._running:
+            steps = math.floor((now_s - self._segment_start_s) / self._step_s)
+            self._advance(self._segment_start_s + (steps + 1) * self._step_s, steps + 1)
+        else:
+            self._segment_start_s = now_s
+        request.decode_start_s = self._segment_start_s
+        request.finish_step = self._steps_done + request.num_output_tokens - 1
+        heapq.heappush(self._running, (request.finish_step, request.request_id, request))
+        self._num_context_tokens += request.num_context_tokens
+        self._reschedule()
+
+    def _advance(self, boundary_s: float, num_steps: int) -> None:
+        if num_steps > 0:
+            self._steps_done += num_steps
+            self.num_steps += num_steps
+            self._segment_start_s = boundary_s
+
+    def _reschedule(self) -> None:
+        self._version += 1
+        if not self._running:
+            return
+        self._step_s = self._cost.decode_step_s(len(self._running), self._num_context_tokens)
+        remaining = self._running[0][0] - self._steps_done
+        due_s = self._segment_start_s + max(0, remaining) * self._step_s
+        self._queue.push(due_s, EventPriority.STEP_DONE, self._on_due, self._version)
+
+    def _on_due(self, version: int) -> None:
+        if version != self._version:
+            return
+        running = self._running
+        self._advance(self._queue.now_s, running[0][0] - self._steps_done)
+        finished = []
+        while running and running[0][0] <= self._steps_done:
+            request = heapq.heappop(running)[2]
+            self._num_context_tokens -= request.num_context_tokens
+            finished.append(request)
+        self._reschedule()
+        for request in finished:
+            self._on_finish(request)

@@ -1,0 +1,272 @@
+"""SPEC §7's experiments on the simulator: runs, a table beside the paper's figure, checks.
+
+    dualpath simulate --experiment offline-jct --json out.json --png out.png
+
+Each experiment is a list of ``RunSpec``s plus checks computed from the runs only (so every
+``ours`` can be recomputed from the JSON's ``runs``). ``scale_down`` K makes every cluster's
+nodes K times smaller (and the agents K times fewer); ``full`` runs the paper's whole grid.
+Checks compare with SPEC §7's printed figures; none of them was tuned (the only fitted numbers
+are the efficiency factors, ``calibration.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dualpath.config import parse_node_shape
+from dualpath.sim.runner import RunResult, RunSpec, run_simulation
+
+logger = logging.getLogger(__name__)
+
+V32 = "deepseek-v3.2-660b"
+MAX_LEN_BY_PRESET = {"32k": 32_768, "48k": 49_152, "64k": 65_536}
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    paper: float  # exactly as SPEC §7 prints it (percentages in percent)
+    ours: float
+    tolerance: float  # absolute, in the paper's unit
+    fitted: bool = False  # True only for the calibration target
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.ours - self.paper) <= self.tolerance
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "paper": self.paper,
+            "ours": round(self.ours, 4),
+            "tolerance": self.tolerance,
+            "ok": self.ok,
+            "fitted": self.fitted,
+        }
+
+
+@dataclass
+class ExperimentResult:
+    name: str
+    runs: list[dict] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    table: list[str] = field(default_factory=list)
+    num_events: int = 0
+    sim_wall_s: float = 0.0
+
+
+def run_record(experiment: str, result: RunResult, capacity_aps: float | None = None) -> dict:
+    spec = result.spec
+    return {
+        "experiment": experiment,
+        "model": spec.model,
+        "nodes": spec.nodes,
+        "agents": max(1, spec.num_agents // spec.scale_down),
+        "max_len": MAX_LEN_BY_PRESET.get(spec.preset, spec.preset),
+        "mode": spec.mode if spec.scheduler is None else f"{spec.mode}[{spec.scheduler}]",
+        "jct_s": round(result.jct_s, 3),
+        "snic_load_balance": None
+        if result.snic_load_balance != result.snic_load_balance
+        else round(result.snic_load_balance, 4),
+        "capacity_aps": capacity_aps,
+        "scale_down": spec.scale_down,
+        "num_requests": result.num_requests,
+        "wall_s": round(result.wall_s, 3),
+        "events_per_s": round(result.events_per_s),
+    }
+
+
+class _Runner:
+    """Runs specs once each (memoised) and records them for the JSON."""
+
+    def __init__(self, experiment: ExperimentResult, on_run: Callable[[dict], None] | None):
+        self._experiment = experiment
+        self._cache: dict[RunSpec, RunResult] = {}
+        self._on_run = on_run
+
+    def __call__(self, spec: RunSpec) -> RunResult:
+        if spec not in self._cache:
+            result = run_simulation(spec)
+            self._cache[spec] = result
+            record = run_record(self._experiment.name, result)
+            self._experiment.runs.append(record)
+            self._experiment.num_events += result.num_events
+            self._experiment.sim_wall_s += result.wall_s
+            if self._on_run is not None:
+                self._on_run(record)
+        return self._cache[spec]
+
+
+def _offline_jct(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
+    grid = [(V32, "2P4D", n, "64k") for n in (1024, 2048)]
+    if full:
+        grid = [(V32, "2P4D", n, p) for p in ("32k", "48k", "64k") for n in (512, 1024, 2048)]
+        grid += [("27b", "1P1D", n, p) for p in ("32k", "48k", "64k") for n in (512, 1024, 2048)]
+    result.table.append(
+        "model nodes agents max_len | basic_s dualpath_s oracle_s | x_basic dp/oracle"
+    )
+    for model, nodes, n, preset in grid:
+        jct = {
+            mode: run(
+                RunSpec(
+                    model=model, nodes=nodes, num_agents=n, preset=preset, mode=mode, scale_down=k
+                )
+            ).jct_s
+            for mode in ("basic", "dualpath", "oracle")
+        }
+        speedup = jct["basic"] / jct["dualpath"]
+        over_oracle = jct["dualpath"] / jct["oracle"]
+        result.table.append(
+            f"{model} {nodes} {n // k} {preset} | {jct['basic']:.0f} {jct['dualpath']:.0f} "
+            f"{jct['oracle']:.0f} | {speedup:.2f}x {over_oracle:.2f}"
+        )
+        if (model, nodes, n, preset) == (V32, "2P4D", 2048, "64k"):
+            result.checks.append(
+                Check("offline_660b_2p4d_64k_2048_dualpath_over_basic", 1.87, speedup, 0.187)
+            )
+            # SPEC: "close to Oracle"; the issue asks for DualPath within 10% of Oracle.
+            result.checks.append(
+                Check("offline_660b_2p4d_64k_2048_jct_dualpath_over_oracle", 1.0, over_oracle, 0.10)
+            )
+    result.table.append("paper (Fig. 7): up to 1.87x faster than Basic, close to Oracle")
+
+
+def _ablation(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
+    base = RunSpec(model=V32, nodes="2P4D", num_agents=2048, preset="64k", scale_down=k)
+    from dataclasses import replace
+
+    jct = {
+        mode: run(replace(base, mode=mode)).jct_s
+        for mode in ("basic", "layerwise", "layerwise+dual", "dualpath")
+    }
+    paper = {"layerwise": 17.21, "layerwise+dual": 38.19, "dualpath": 45.62}
+    result.table.append("step | JCT s | reduction vs basic % | paper %")
+    result.table.append(f"basic | {jct['basic']:.0f} | 0 | 0")
+    for mode, paper_pct in paper.items():
+        ours = 100 * (1 - jct[mode] / jct["basic"])
+        result.table.append(f"{mode} | {jct[mode]:.0f} | {ours:.2f} | {paper_pct}")
+        result.checks.append(Check(f"ablation_{mode}_jct_reduction_pct", paper_pct, ours, 5.0))
+
+
+def _snic_balance(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
+    base = dict(model="27b", nodes="1P2D", num_agents=1024, preset="48k", scale_down=k)
+    ours = run(RunSpec(mode="dualpath", **base)).snic_load_balance
+    round_robin = run(RunSpec(mode="layerwise+dual", **base)).snic_load_balance
+    result.table.append("scheduler | SNIC max/avg | paper")
+    result.table.append(f"dualpath | {ours:.3f} | 1.18")
+    result.table.append(f"round robin (layerwise+dual) | {round_robin:.3f} | 1.53")
+    result.checks.append(Check("snic_balance_scheduler", 1.18, ours, 0.1))
+    result.checks.append(Check("snic_balance_round_robin", 1.53, round_robin, 0.1))
+
+
+def _pd_ratio(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
+    shapes = ("1P1D", "2P1D", "1P2D")
+    agents = (512, 1024, 2048) if full else (1024,)
+    result.table.append("nodes agents | basic_s dualpath_s | speedup")
+    speedups = []
+    for nodes in shapes:
+        for n in agents:
+            spec = RunSpec(model="27b", nodes=nodes, num_agents=n, preset="64k", scale_down=k)
+            from dataclasses import replace
+
+            basic = run(replace(spec, mode="basic")).jct_s
+            dual = run(replace(spec, mode="dualpath")).jct_s
+            speedups.append(basic / dual)
+            result.table.append(f"{nodes} {n // k} | {basic:.0f} {dual:.0f} | {basic / dual:.2f}x")
+    mean = sum(speedups) / len(speedups)
+    result.table.append(f"average {mean:.2f}x (paper 1.64x average, up to 2.46x)")
+    result.checks.append(Check("pd_ratio_mean_speedup", 1.64, mean, 0.15 * 1.64))
+
+
+def _scale(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
+    big_nodes, big_agents = ("48P96D", 49_152) if full else ("8P16D", 8192)
+    small = run(RunSpec(model=V32, nodes="2P4D", num_agents=2048, preset="64k", scale_down=k))
+    big = run(
+        RunSpec(model=V32, nodes=big_nodes, num_agents=big_agents, preset="64k", scale_down=k)
+    )
+    ratio = big.jct_s / small.jct_s
+    result.table.append(
+        f"2P4D {2048 // k} agents: {small.jct_s:.0f} s; {big_nodes} "
+        f"{big_agents // k} agents: {big.jct_s:.0f} s; ratio {ratio:.3f}"
+    )
+    result.table.append("paper (Table 3): 48P96D 3,201 s vs 2P4D 3,167 s")
+    # The paper's ratio 3201/3167; the issue asks for within 5%.
+    result.checks.append(
+        Check(f"scale_{big_nodes.lower()}_over_2p4d_jct", round(3201 / 3167, 4), ratio, 0.05)
+    )
+
+
+def _append_scaling(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
+    from dualpath.sim.agents import scaled_append_agents
+
+    result.table.append("append x | basic_s dualpath_s | speedup (paper 1.82-1.99x)")
+    for factor in (1, 2, 3) if full else (1, 3):
+        agents = tuple(scaled_append_agents("64k", 2048 // k, factor, seed=0))
+        spec = RunSpec(
+            model=V32, nodes="2P4D", num_agents=2048, preset="64k", scale_down=k, agents=agents
+        )
+        from dataclasses import replace
+
+        basic = run(replace(spec, mode="basic")).jct_s
+        dual = run(replace(spec, mode="dualpath")).jct_s
+        result.table.append(f"x{factor} | {basic:.0f} {dual:.0f} | {basic / dual:.2f}x")
+
+
+EXPERIMENTS: dict[str, Callable[[_Runner, ExperimentResult, int, bool], None]] = {
+    "offline-jct": _offline_jct,
+    "ablation": _ablation,
+    "snic-balance": _snic_balance,
+    "pd-ratio": _pd_ratio,
+    "scale": _scale,
+    "append-scaling": _append_scaling,
+}
+
+
+def run_experiment(
+    name: str,
+    *,
+    scale_down: int = 1,
+    full: bool = False,
+    on_run: Callable[[dict], None] | None = None,
+) -> ExperimentResult:
+    """Run one experiment of ``EXPERIMENTS`` (``ValueError`` for an unknown name)."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
+    result = ExperimentResult(name)
+    EXPERIMENTS[name](_Runner(result, on_run), result, scale_down, full)
+    return result
+
+
+def free_form(
+    *,
+    model: str,
+    nodes: str,
+    num_agents: int,
+    preset: str,
+    modes: list[str],
+    scale_down: int = 1,
+    seed: int = 0,
+    agents=None,
+    on_run: Callable[[dict], None] | None = None,
+) -> ExperimentResult:
+    """Runs of the given modes on one configuration (generated workload or given agents)."""
+    parse_node_shape(nodes)
+    result = ExperimentResult("free-form")
+    run = _Runner(result, on_run)
+    result.table.append("mode | JCT s | SNIC max/avg")
+    for mode in modes:
+        spec = RunSpec(
+            model=model,
+            nodes=nodes,
+            num_agents=num_agents,
+            preset=preset,
+            mode=mode,
+            scale_down=scale_down,
+            seed=seed,
+            agents=None if agents is None else tuple(agents),
+        )
+        r = run(spec)
+        result.table.append(f"{mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")
+    return result

@@ -1,0 +1,222 @@
+"""Links as shared bandwidth: byte-sized flows, fair share within a class, 99:1 between classes.
+
+A ``SimLink`` is one direction of one NIC (or a storage service) with a capacity in bytes/s.
+Every flow on it belongs to a traffic class (SPEC §4: ``INFERENCE`` above ``KV``). At any
+instant the link is work-conserving and shares its capacity
+
+* between classes by weight (99 : 1 by default) when both have flows, all to one class when
+  only it has flows: the high class gets ~99% and the low class is never starved;
+* within a class equally among its flows (processor sharing = max-min fair share on a single
+  link).
+
+Implementation: per class a virtual clock ``V`` that grows at the per-flow rate of that class;
+a flow of ``size_bytes`` started when the clock reads ``V0`` ends when it reads ``V0 + size``.
+Each class keeps a heap of those finish tags, so a start or a finish costs O(log n) and the
+link keeps one live completion event (no later than the next completion; superseded ones
+carry a stale version and are ignored). A flow occupies one link: the simulator charges each transfer to the link where its
+bytes converge (see ``docs/simulator.md``), which keeps max-min exact and the loop cheap.
+
+An uncapped link (``capacity_bytes_per_s = inf``) completes every flow after zero delay (as an
+event, never inline) and still counts its bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any
+
+from dualpath.sim.events import EventPriority, EventQueue
+
+_EPSILON_BYTES = 1e-3  # finish tags within this of the clock are due (float rounding)
+_TOLERANCE_S = 1e-9  # ... or within this many seconds at the flow's rate
+
+
+class TrafficClass(IntEnum):
+    """SPEC §4: model-inference collectives above KV movement."""
+
+    INFERENCE = 0
+    KV = 1
+
+
+class SimLink:
+    """One link: capacity, two classes, flows with completion callbacks."""
+
+    __slots__ = (
+        "name",
+        "capacity_bytes_per_s",
+        "_queue",
+        "_weights",
+        "_clocks",
+        "_heaps",
+        "_last_s",
+        "_version",
+        "_pending_s",
+        "_seq_no",
+        "started_bytes",
+        "finished_bytes",
+        "window_s",
+        "window_bytes",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes_per_s: float,
+        queue: EventQueue,
+        *,
+        inference_weight: int = 99,
+        kv_weight: int = 1,
+        window_s: float | None = None,
+    ) -> None:
+        if not capacity_bytes_per_s > 0:
+            raise ValueError(f"link {name}: capacity must be > 0 B/s, got {capacity_bytes_per_s}")
+        if inference_weight <= 0 or kv_weight <= 0:
+            raise ValueError(f"link {name}: class weights must be > 0")
+        self.name = name
+        self.capacity_bytes_per_s = capacity_bytes_per_s
+        self._queue = queue
+        self._weights = (float(inference_weight), float(kv_weight))
+        self._clocks = [0.0, 0.0]  # per-class virtual clock: bytes served to each flow
+        self._heaps: tuple[list, list] = ([], [])  # (finish tag, seq, size, on_done, token)
+        self._last_s = 0.0
+        self._version = 0
+        self._pending_s = math.inf  # time of the live completion event; inf = none
+        self._seq_no = 0
+        self.started_bytes = [0.0, 0.0]  # per class, bytes of flows started
+        self.finished_bytes = [0.0, 0.0]  # per class, bytes of flows finished
+        # Bytes carried per window of ``window_s`` (SNIC balance, SPEC §7); None = not kept.
+        self.window_s = window_s
+        self.window_bytes: list[float] = []
+
+    @property
+    def num_flows(self) -> int:
+        return len(self._heaps[0]) + len(self._heaps[1])
+
+    def class_rates_bytes_per_s(self) -> tuple[float, float]:
+        """Each class's share of the capacity now (0 for a class without flows)."""
+        n0, n1 = len(self._heaps[0]), len(self._heaps[1])
+        if n0 and n1:
+            w0, w1 = self._weights
+            return (
+                self.capacity_bytes_per_s * w0 / (w0 + w1),
+                self.capacity_bytes_per_s * w1 / (w0 + w1),
+            )
+        if n0:
+            return (self.capacity_bytes_per_s, 0.0)
+        if n1:
+            return (0.0, self.capacity_bytes_per_s)
+        return (0.0, 0.0)
+
+    def start(
+        self,
+        size_bytes: float,
+        traffic_class: TrafficClass,
+        on_done: Callable[[Any], None],
+        token: Any,
+    ) -> None:
+        """Start a flow now; ``on_done(token)`` runs as a TRANSFER_DONE event when it ends."""
+        if size_bytes < 0:
+            raise ValueError(f"link {self.name}: flow size must be >= 0, got {size_bytes}")
+        now_s = self._queue.now_s
+        self.started_bytes[traffic_class] += size_bytes
+        if math.isinf(self.capacity_bytes_per_s) or size_bytes == 0:
+            self.finished_bytes[traffic_class] += size_bytes
+            self._count_window_bytes(now_s, now_s, size_bytes)
+            self._queue.push(now_s, EventPriority.TRANSFER_DONE, on_done, token)
+            return
+        self._advance(now_s)
+        self._seq_no += 1
+        heap = self._heaps[traffic_class]
+        heapq.heappush(
+            heap,
+            (self._clocks[traffic_class] + size_bytes, self._seq_no, size_bytes, on_done, token),
+        )
+        self._reschedule(now_s)
+
+    def _advance(self, now_s: float) -> None:
+        """Move the class clocks (and window byte counts) from the last change to now."""
+        elapsed_s = now_s - self._last_s
+        if elapsed_s > 0:
+            heap0, heap1 = self._heaps
+            if heap0 or heap1:
+                rate0, rate1 = self.class_rates_bytes_per_s()
+                if heap0:
+                    self._clocks[0] += elapsed_s * rate0 / len(heap0)
+                if heap1:
+                    self._clocks[1] += elapsed_s * rate1 / len(heap1)
+                if self.window_s is not None:
+                    self._count_window_bytes(self._last_s, now_s, elapsed_s * (rate0 + rate1))
+        self._last_s = now_s
+
+    def count_unpaced(self, size_bytes: float, traffic_class: TrafficClass) -> None:
+        """Account bytes that move outside the fluid model (they take no bandwidth here): the
+        simulator uses it for persistence writes, ~1% of an SNIC's reads."""
+        now_s = self._queue.now_s
+        self.started_bytes[traffic_class] += size_bytes
+        self.finished_bytes[traffic_class] += size_bytes
+        self._count_window_bytes(now_s, now_s, size_bytes)
+
+    def _count_window_bytes(self, start_s: float, end_s: float, num_bytes: float) -> None:
+        """Spread ``num_bytes`` carried uniformly over [start_s, end_s] into 1 s windows."""
+        window_s = self.window_s
+        if window_s is None or num_bytes <= 0:
+            return
+        first = int(start_s / window_s)
+        last = int(end_s / window_s)
+        windows = self.window_bytes
+        if len(windows) <= last:
+            windows.extend([0.0] * (last + 1 - len(windows)))
+        if first == last:
+            windows[first] += num_bytes
+            return
+        rate = num_bytes / (end_s - start_s)
+        windows[first] += rate * ((first + 1) * window_s - start_s)
+        for index in range(first + 1, last):
+            windows[index] += rate * window_s
+        windows[last] += rate * (end_s - last * window_s)
+
+    def _reschedule(self, now_s: float) -> None:
+        """Make sure an event fires no later than the next completion. A pending event that
+        fires earlier is kept (it re-checks and reschedules when it fires): adding a flow only
+        delays completions, so most starts push nothing."""
+        rates = self.class_rates_bytes_per_s()
+        next_s = math.inf
+        for traffic_class in (0, 1):
+            heap = self._heaps[traffic_class]
+            if heap:
+                per_flow = rates[traffic_class] / len(heap)
+                due_s = now_s + max(0.0, heap[0][0] - self._clocks[traffic_class]) / per_flow
+                if due_s < next_s:
+                    next_s = due_s
+        if next_s < self._pending_s:
+            self._version += 1
+            self._pending_s = next_s
+            self._queue.push(next_s, EventPriority.TRANSFER_DONE, self._on_due, self._version)
+
+    def _on_due(self, version: int) -> None:
+        if version != self._version:
+            return  # superseded by an earlier event
+        self._pending_s = math.inf
+        now_s = self._queue.now_s
+        self._advance(now_s)
+        rates = self.class_rates_bytes_per_s()
+        done = []
+        for traffic_class in (0, 1):
+            heap = self._heaps[traffic_class]
+            if not heap:
+                continue
+            # Due: ends within a nanosecond (covers float rounding of the event time).
+            per_flow = rates[traffic_class] / len(heap)
+            limit = self._clocks[traffic_class] + max(_EPSILON_BYTES, per_flow * _TOLERANCE_S)
+            while heap and heap[0][0] <= limit:
+                _, _, size_bytes, on_done, token = heapq.heappop(heap)
+                self.finished_bytes[traffic_class] += size_bytes
+                done.append((on_done, token))
+            if not heap:
+                self._clocks[traffic_class] = 0.0  # keep tags small: no float drift
+        self._reschedule(now_s)
+        for on_done, token in done:
+            on_done(token)

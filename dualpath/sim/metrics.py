@@ -1,0 +1,39 @@
+"""Run metrics of SPEC §7: SNIC load balance and the online SLO figures."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dualpath.sim.links import SimLink
+
+
+def snic_load_balance(
+    snic_links: Sequence[tuple[SimLink, SimLink]], jct_s: float, window_s: float
+) -> float:
+    """Mean over the 1 s windows in the first 80% of the run of (the largest SNIC's bytes) /
+    (the mean over all SNICs); a node's SNIC bytes are its reads plus writes. Windows where no
+    SNIC moved a byte are skipped; nan if none moved any (e.g. oracle)."""
+    num_windows = int(0.8 * jct_s / window_s)
+    ratios = []
+    for index in range(num_windows):
+        per_node = [
+            (read.window_bytes[index] if index < len(read.window_bytes) else 0.0)
+            + (write.window_bytes[index] if index < len(write.window_bytes) else 0.0)
+            for read, write in snic_links
+        ]
+        mean = sum(per_node) / len(per_node)
+        if mean > 0:
+            ratios.append(max(per_node) / mean)
+    return sum(ratios) / len(ratios) if ratios else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """Means over the requests of a steady-state window (seconds)."""
+
+    num_requests: int
+    mean_ttft_s: float  # submit -> first token (the PE's prefill end)
+    mean_ttst_s: float  # submit -> second token (first decode step end)
+    mean_tpot_s: float  # decode time per output token after the first

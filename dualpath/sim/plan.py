@@ -1,0 +1,70 @@
+"""The P/D advisor (``dualpath plan``): SPEC §5's bottleneck-free range, then simulated shapes.
+
+For a number of nodes it simulates every split into P prefill and D decode nodes and ranks
+them by throughput per GPU (agent turns per second per GPU); the §5 range says which splits
+keep every link below capacity under balanced load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.sim.profiles import HARDWARE
+from dualpath.sim.runner import RunSpec, run_simulation
+from dualpath.transfer.links import bottleneck_free_pd_range
+
+
+@dataclass(frozen=True, slots=True)
+class PlanAdvice:
+    best_nodes: str
+    pd_range: tuple[float, float]
+    lines: tuple[str, ...]
+
+
+def recommend_pd(
+    *,
+    model: str,
+    hardware: str,
+    total_nodes: int,
+    num_agents: int,
+    preset: str,
+    mode: str = "dualpath",
+    scale_down: int = 1,
+) -> PlanAdvice:
+    """Simulate every P + D = ``total_nodes`` and return the best by turns/s per GPU."""
+    if total_nodes < 2:
+        raise ValueError(f"need at least 2 nodes (one per role), got {total_nodes}")
+    profile = HARDWARE[hardware]
+    low, high = bottleneck_free_pd_range(
+        profile.num_gpus_per_node,
+        profile.snic_bandwidth_gbps / profile.cnic_bandwidth_gbps,
+        profile.host_memory_bytes_per_s,
+        profile.cnic_bytes_per_s,
+    )
+    lines = [f"SPEC §5 bottleneck-free P/D range on {hardware}: {low:.3f} .. {high:.3f}"]
+    best = None
+    for num_prefill in range(1, total_nodes):
+        nodes = f"{num_prefill}P{total_nodes - num_prefill}D"
+        result = run_simulation(
+            RunSpec(
+                model=model,
+                hardware=hardware,
+                nodes=nodes,
+                num_agents=num_agents,
+                preset=preset,
+                mode=mode,
+                scale_down=scale_down,
+            )
+        )
+        num_gpus = total_nodes * profile.num_gpus_per_node // scale_down
+        per_gpu = result.num_requests / result.jct_s / num_gpus
+        ratio = num_prefill / (total_nodes - num_prefill)
+        inside = "inside" if low <= ratio <= high else "outside"
+        lines.append(
+            f"{nodes}: JCT {result.jct_s:.0f} s, {per_gpu:.4f} turns/s/GPU (P/D {ratio:.2f}, "
+            f"{inside} the §5 range)"
+        )
+        if best is None or per_gpu > best[1]:
+            best = (nodes, per_gpu)
+    lines.append(f"recommended: {best[0]} ({best[1]:.4f} turns/s/GPU)")
+    return PlanAdvice(best[0], (low, high), tuple(lines))

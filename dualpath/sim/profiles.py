@@ -1,0 +1,217 @@
+"""Hardware and model profiles of the simulator, every number with its source.
+
+Hardware (``HARDWARE``):
+
+* ``hopper-8x400`` -- the paper's testbed (SPEC §1, §7): 8 Hopper GPUs per node, one 400 Gbps
+  CNIC per GPU, one 400 Gbps SNIC per node, 3FS storage. GPU figures are NVIDIA's H800 SXM
+  datasheet (989 TFLOPS dense BF16, 3.35 TB/s HBM3, 80 GB); host memory M = 500 GB/s per node
+  is SPEC §5's example; the 3FS service bandwidth 6.6 TiB/s is 3FS's published aggregate read
+  throughput (180 storage nodes).
+* ``local`` -- this machine as ``dualpath bench offline`` runs it (one CPU process per engine).
+  NOT calibrated yet (TODO(#7): fit from ``engine/profile.py`` microbenchmarks); its figures
+  are placeholders of the right order for a 2-vCPU VM and the tiny model.
+
+Models (``MODELS``): KV bytes per token per layer and layer counts from the public configs
+(SPEC §7 "Model facts"); FLOPs from parameter counts (2 FLOPs per active parameter per token)
+plus attention FLOPs per (query, key) pair per layer; sparse attention (DSA) attends to at
+most ``attention_top_k_tokens`` keys plus an indexer over every cached key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.units import gbps_to_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    """One node type and its fabric. Rates in bytes/s unless the name says otherwise."""
+
+    name: str
+    num_gpus_per_node: int
+    gpu_flops_per_s: float  # dense BF16 peak of one GPU
+    gpu_memory_bytes_per_s: float  # HBM bandwidth of one GPU
+    gpu_memory_bytes: float  # HBM capacity of one GPU
+    cnic_bandwidth_gbps: float  # per GPU (east-west)
+    snic_bandwidth_gbps: float  # per node (north-south)
+    host_memory_bytes_per_s: float  # per node (SPEC §5's M)
+    storage_service_bytes_per_s: float  # the whole store's read throughput
+    # HBM kept for activations, workspace and the CUDA context, not usable for KV.
+    gpu_reserved_bytes: float
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_gpus_per_node",
+            "gpu_flops_per_s",
+            "gpu_memory_bytes_per_s",
+            "gpu_memory_bytes",
+            "cnic_bandwidth_gbps",
+            "snic_bandwidth_gbps",
+            "host_memory_bytes_per_s",
+            "storage_service_bytes_per_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def cnic_bytes_per_s(self) -> float:
+        return gbps_to_bytes_per_s(self.cnic_bandwidth_gbps)
+
+    @property
+    def snic_bytes_per_s(self) -> float:
+        return gbps_to_bytes_per_s(self.snic_bandwidth_gbps)
+
+    def scaled_down(self, factor: int) -> HardwareProfile:
+        """A node with ``num_gpus_per_node / factor`` GPUs and 1/factor of the node-wide links
+        (SNIC, host memory): per-GPU ratios stay, so a K-times smaller cluster behaves alike."""
+        if factor < 1 or self.num_gpus_per_node % factor:
+            raise ValueError(
+                f"scale-down {factor} must divide the {self.num_gpus_per_node} GPUs per node"
+            )
+        from dataclasses import replace
+
+        return replace(
+            self,
+            name=f"{self.name}/{factor}",
+            num_gpus_per_node=self.num_gpus_per_node // factor,
+            snic_bandwidth_gbps=self.snic_bandwidth_gbps / factor,
+            host_memory_bytes_per_s=self.host_memory_bytes_per_s / factor,
+        )
+
+
+TIB = float(1 << 40)
+
+HARDWARE: dict[str, HardwareProfile] = {
+    "hopper-8x400": HardwareProfile(
+        name="hopper-8x400",
+        num_gpus_per_node=8,
+        gpu_flops_per_s=989e12,
+        gpu_memory_bytes_per_s=3.35e12,
+        gpu_memory_bytes=80e9,
+        cnic_bandwidth_gbps=400.0,
+        snic_bandwidth_gbps=400.0,
+        host_memory_bytes_per_s=500e9,
+        storage_service_bytes_per_s=6.6 * TIB,
+        gpu_reserved_bytes=10e9,
+    ),
+    # TODO(#7): calibrate from microbenchmarks of the real engine (prefill vs (cached, new),
+    # decode step vs batch, measured link rates); these are uncalibrated placeholders.
+    "local": HardwareProfile(
+        name="local",
+        num_gpus_per_node=1,
+        gpu_flops_per_s=20e9,
+        gpu_memory_bytes_per_s=5e9,
+        gpu_memory_bytes=2e9,
+        cnic_bandwidth_gbps=16.0,
+        snic_bandwidth_gbps=8.0,
+        host_memory_bytes_per_s=10e9,
+        storage_service_bytes_per_s=2e9,
+        gpu_reserved_bytes=0.5e9,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """What the cost model needs of a model; per token, per layer, in bytes and FLOPs."""
+
+    name: str
+    num_layers: int
+    kv_bytes_per_token_per_layer: int  # everything the store keeps (incl. indexer keys)
+    num_active_params: float  # per token (MoE: shared + routed experts used)
+    num_total_params: float
+    bytes_per_param: float  # weight precision
+    is_moe: bool  # MoE weights are sharded over the expert-parallel group
+    hidden_size: int
+    # Attention FLOPs per (query, key) pair per layer (QK^T + PV).
+    attention_flops_per_pair: float
+    # Sparse attention: keys attended per query (None = dense causal attention).
+    attention_top_k_tokens: int | None
+    # DSA's lightning indexer: FLOPs per (query, cached key) pair per layer (0 = none).
+    indexer_flops_per_pair: float
+    # Bytes of the indexer keys per token per layer, read for every cached token in decode.
+    indexer_bytes_per_token_per_layer: int
+    # MoE dispatch + combine bytes per token per layer on the CNIC (inference class).
+    all_to_all_bytes_per_token_per_layer: float
+    source: str  # where the numbers come from
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_bytes_per_token_per_layer
+
+
+MODELS: dict[str, ModelProfile] = {
+    "deepseek-v3.2-660b": ModelProfile(
+        name="deepseek-v3.2-660b",
+        num_layers=61,
+        # 656 B (FP8 MLA latent 512 + scales + BF16 rope 64) + 128 B indexer key (SPEC §7).
+        kv_bytes_per_token_per_layer=656 + 128,
+        num_active_params=37e9,
+        num_total_params=671e9,
+        bytes_per_param=1.0,  # FP8 weights
+        is_moe=True,
+        hidden_size=7168,
+        # Absorbed MLA, 128 heads: QK over 512+64 dims, PV over 512 dims, 2 FLOPs per MAC.
+        attention_flops_per_pair=128 * (576 + 512) * 2,
+        attention_top_k_tokens=2048,
+        indexer_flops_per_pair=64 * 128 * 2,  # 64 indexer heads x 128 dims
+        indexer_bytes_per_token_per_layer=128,
+        # 8 routed experts: FP8 dispatch (1 B) + BF16 combine (2 B) per hidden element.
+        all_to_all_bytes_per_token_per_layer=7168 * 8 * 3,
+        source="DeepSeek-V3.2-Exp config.json; SPEC §7 (656 B/token/layer + indexer keys)",
+    ),
+    "27b": ModelProfile(
+        name="27b",
+        num_layers=30,
+        # Assumed the same MLA + DSA cache format as V3.2 (SPEC gives no byte size).
+        kv_bytes_per_token_per_layer=656 + 128,
+        # Estimate: 30 layers x (6 routed + 2 shared) experts of 2560x1536x3 ~ 2.8B, attention
+        # ~0.8B, embeddings ~0.4B.
+        num_active_params=4.0e9,
+        num_total_params=27e9,
+        bytes_per_param=1.0,
+        is_moe=True,
+        hidden_size=2560,
+        attention_flops_per_pair=32 * (576 + 512) * 2,  # 32 heads, MLA-like (assumed)
+        attention_top_k_tokens=1024,
+        indexer_flops_per_pair=64 * 128 * 2,
+        indexer_bytes_per_token_per_layer=128,
+        all_to_all_bytes_per_token_per_layer=2560 * 6 * 3,
+        source="SPEC §7 (30 layers, hidden 2560, 32 heads, 72 experts 6+2 active, top-k 1024); "
+        "cache format and active parameters estimated",
+    ),
+    "qwen2.5-32b": ModelProfile(
+        name="qwen2.5-32b",
+        num_layers=64,
+        kv_bytes_per_token_per_layer=2 * 8 * 128 * 2,  # K and V, 8 KV heads x 128, FP16
+        num_active_params=32.5e9,
+        num_total_params=32.5e9,
+        bytes_per_param=2.0,
+        is_moe=False,
+        hidden_size=5120,
+        attention_flops_per_pair=40 * 128 * 2 * 2,  # 40 query heads, QK + PV
+        attention_top_k_tokens=None,
+        indexer_flops_per_pair=0.0,
+        indexer_bytes_per_token_per_layer=0,
+        all_to_all_bytes_per_token_per_layer=0.0,
+        source="Qwen2.5-32B config.json (64 layers, 8 KV heads x 128, FP16): 256 KB/token",
+    ),
+    # The engine's tiny test model, for the ``local`` profile (dualpath/model/presets.py).
+    "tiny": ModelProfile(
+        name="tiny",
+        num_layers=4,
+        kv_bytes_per_token_per_layer=2 * 2 * 32 * 4,  # K and V, 2 KV heads x 32, float32
+        num_active_params=1.5e6,
+        num_total_params=1.5e6,
+        bytes_per_param=4.0,
+        is_moe=False,
+        hidden_size=128,
+        attention_flops_per_pair=4 * 32 * 2 * 2,
+        attention_top_k_tokens=None,
+        indexer_flops_per_pair=0.0,
+        indexer_bytes_per_token_per_layer=0,
+        all_to_all_bytes_per_token_per_layer=0.0,
+        source="dualpath/model/presets.py 'tiny' (4 layers, hidden 128, 2 KB KV/token)",
+    ),
+}

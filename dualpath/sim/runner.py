@@ -1,0 +1,187 @@
+"""Build a simulation from names and run it: ``run_simulation(RunSpec(...))``.
+
+    from dualpath.sim.runner import RunSpec, run_simulation
+    result = run_simulation(RunSpec(model="deepseek-v3.2-660b", nodes="2P4D", num_agents=256,
+                                    preset="64k", mode="dualpath", scale_down=8))
+    print(result.jct_s, result.snic_load_balance)
+
+A ``RunSpec`` is inert (no I/O); ``run_simulation`` is deterministic in it: the workload comes
+from ``spec.seed`` through ``dualpath.workload``, and the simulation draws no random numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from dualpath.config import SchedulerConfig, mode_settings, parse_node_shape
+from dualpath.scheduler import make_cluster_topology
+from dualpath.sim.agents import AgentTrace, synthetic_agents
+from dualpath.sim.calibration import FROZEN_FACTORS
+from dualpath.sim.cost import (
+    ConstantCostModel,
+    CostModel,
+    EfficiencyFactors,
+    RooflineCostModel,
+    fit_attention_predictor,
+    kv_capacity_bytes,
+    weight_shard_bytes,
+)
+from dualpath.sim.metrics import snic_load_balance
+from dualpath.sim.profiles import HARDWARE, MODELS
+from dualpath.sim.simulator import ClusterModel, RequestRecord, Simulator
+
+PRESET_BY_MAX_LEN = {32_768: "32k", 49_152: "48k", 65_536: "64k"}
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """One simulated run, by name. ``scale_down`` K divides GPUs per node, node-wide links and
+    agents by K (per-GPU ratios stay), for tests and quick looks."""
+
+    model: str = "deepseek-v3.2-660b"
+    hardware: str = "hopper-8x400"
+    nodes: str = "2P4D"
+    num_agents: int = 1024
+    preset: str = "64k"
+    mode: str = "dualpath"
+    seed: int = 0
+    scale_down: int = 1
+    factors: EfficiencyFactors = FROZEN_FACTORS
+    # None = the roofline model; a ConstantCostModel for hand-computable tests.
+    constant_cost: ConstantCostModel | None = None
+    # Forces the scheduler ("dualpath" / "round_robin") instead of the mode's (SNIC balance).
+    scheduler: str | None = None
+    arrivals_s: tuple[float, ...] | None = None  # per agent; None = all at 0 (offline)
+    agents: tuple[AgentTrace, ...] | None = field(default=None, compare=False)  # overrides
+
+    def __post_init__(self) -> None:
+        mode_settings(self.mode)
+        parse_node_shape(self.nodes)
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        if self.hardware not in HARDWARE:
+            raise ValueError(
+                f"unknown hardware {self.hardware!r}; choose from {', '.join(HARDWARE)}"
+            )
+        if self.num_agents < 1 or self.scale_down < 1:
+            raise ValueError(
+                f"need num_agents >= 1 and scale_down >= 1, got {self.num_agents}, {self.scale_down}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    spec: RunSpec
+    jct_s: float  # when the last agent finished
+    snic_load_balance: float  # SPEC §7; nan when no SNIC carried a byte (oracle)
+    num_requests: int
+    num_events: int
+    wall_s: float
+    records: tuple[RequestRecord, ...]
+    snic_bytes: float  # read + written through all SNICs
+
+    @property
+    def events_per_s(self) -> float:
+        return self.num_events / self.wall_s if self.wall_s > 0 else math.inf
+
+
+def _nodes_per_group(num_prefill: int, num_decode: int) -> int:
+    # Groups of 2 nodes when both roles allow it (a group of several nodes can hold both
+    # categories A and B, SPEC §6); else one node per group.
+    return 2 if num_prefill % 2 == 0 and num_decode % 2 == 0 else 1
+
+
+def build_simulator(spec: RunSpec) -> Simulator:
+    model = MODELS[spec.model]
+    hardware = HARDWARE[spec.hardware].scaled_down(spec.scale_down)
+    settings = mode_settings(spec.mode)
+    num_prefill_nodes, num_decode_nodes = parse_node_shape(spec.nodes)
+    g = hardware.num_gpus_per_node
+    block_size = 64
+    if spec.agents is not None:
+        agents = list(spec.agents)
+    else:
+        agents = synthetic_agents(
+            spec.preset,
+            max(1, spec.num_agents // spec.scale_down),
+            seed=spec.seed,
+            block_size_tokens=block_size,
+            arrivals_s=None if spec.arrivals_s is None else list(spec.arrivals_s),
+        )
+    kv_bytes_per_token = model.kv_bytes_per_token
+    prefill_weights = weight_shard_bytes(model, num_prefill_nodes * 8)
+    decode_weights = weight_shard_bytes(model, num_decode_nodes * 8)
+    prefill_cost: CostModel
+    decode_cost: CostModel
+    if spec.constant_cost is not None:
+        prefill_cost = decode_cost = spec.constant_cost
+    else:
+        prefill_cost = RooflineCostModel(model, hardware, spec.factors, prefill_weights)
+        decode_cost = RooflineCostModel(model, hardware, spec.factors, decode_weights)
+    max_prompt = max(max(a.prompt_tokens) for a in agents)
+    predictor = fit_attention_predictor(prefill_cost, max_context_tokens=max_prompt)
+    storage_bytes_per_s = hardware.snic_bytes_per_s * spec.factors.storage_efficiency
+    # β (SPEC §6): prompt tokens one GPU prefills in 5 s, profiled on the workload's mean turn.
+    num_prompt = sum(sum(a.prompt_tokens) for a in agents)
+    num_hit = sum(sum(a.hit_tokens) for a in agents)
+    num_turns = sum(a.num_turns for a in agents)
+    mean_hit, mean_new = num_hit // num_turns, max(1, (num_prompt - num_hit) // num_turns)
+    batch = [(mean_hit, mean_new)] * 16
+    prefill_tokens_per_s = 16 * (mean_hit + mean_new) / prefill_cost.prefill_s(batch)
+    scheduler = SchedulerConfig(
+        scheduler=spec.scheduler or settings.scheduler,
+        read_path=settings.read_path,
+        block_size_tokens=block_size,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+    )
+    topology = make_cluster_topology(
+        num_prefill_nodes=num_prefill_nodes,
+        num_decode_nodes=num_decode_nodes,
+        storage_read_tokens_per_s=storage_bytes_per_s / kv_bytes_per_token,
+        engines_per_node=g,
+        nodes_per_group=_nodes_per_group(num_prefill_nodes, num_decode_nodes),
+    )
+    cluster = ClusterModel(
+        topology=topology,
+        scheduler=scheduler,
+        mode=spec.mode,
+        kv_bytes_per_token=kv_bytes_per_token,
+        all_to_all_bytes_per_token=model.num_layers * model.all_to_all_bytes_per_token_per_layer,
+        snic_read_bytes_per_s=storage_bytes_per_s,
+        snic_write_bytes_per_s=storage_bytes_per_s,
+        cnic_bytes_per_s=hardware.cnic_bytes_per_s,
+        num_decode_kv_blocks=int(
+            kv_capacity_bytes(hardware, decode_weights) // (block_size * kv_bytes_per_token)
+        ),
+        prefill_kv_capacity_bytes=kv_capacity_bytes(hardware, prefill_weights),
+    )
+    return Simulator(
+        cluster,
+        agents,
+        prefill_cost=prefill_cost,
+        decode_cost=decode_cost,
+        attention_predictor=predictor,
+        num_prefill_layers=model.num_layers,
+    )
+
+
+def run_simulation(spec: RunSpec) -> RunResult:
+    """Build, run and summarise one simulation."""
+    simulator = build_simulator(spec)
+    start_s = time.perf_counter()
+    simulator.run()
+    wall_s = time.perf_counter() - start_s
+    jct_s = max(simulator.agent_finish_s)
+    snic_links = [(n.snic_read, n.snic_write) for n in simulator.nodes]
+    return RunResult(
+        spec=spec,
+        jct_s=jct_s,
+        snic_load_balance=snic_load_balance(snic_links, jct_s, simulator.cluster.snic_window_s),
+        num_requests=len(simulator.records),
+        num_events=simulator.queue.num_events,
+        wall_s=wall_s,
+        records=tuple(simulator.records),
+        snic_bytes=sum(sum(r.finished_bytes) + sum(w.finished_bytes) for r, w in snic_links),
+    )

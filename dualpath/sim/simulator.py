@@ -1,0 +1,607 @@
+"""The cluster simulator: the real scheduler (``dualpath.scheduler``, unchanged) driving models
+of engines, links and storage. ``run_simulation`` in ``runner.py`` builds one from names.
+
+One request's life (SPEC §2, §6; the order of decisions of ``scheduler/dualpath_policy.py``)::
+
+    submit --PE fetch (Algorithm 1 / round robin)--> PE chosen
+      --DE fetch (two phases)--> DE chosen, LoadPlan fixed, KV blocks reserved, reads start
+      --storage reads (SNIC of the PE and/or DE node)--> ready on the PE (layer-wise modes)
+      --PE step (PrefillBatcher batch, all PEs of the group in lockstep)--> first token
+      --PE->DE KV (DE CNIC), DE buffer->HBM (DE CNIC)--> decode (fluid steps)
+      --finish: blocks freed, new full blocks persisted (DE SNIC)--> the agent's next turn
+
+In every mode but ``oracle`` storage reads start at DE placement and fill the host buffer
+(SPEC §6, order of decisions; as the runtime does). Without layer-wise prefill (``basic``) a PE
+holds whole requests' KV in HBM: its batch is capped by the HBM left for KV, and a step runs
+the buffer -> HBM copy, then compute, then the send to the DEs, one after another (the GPUs of
+a group in lockstep); with layer-wise prefill a step's per-layer loads overlap its compute and
+the batch is capped by one layer's KV. ``oracle`` moves
+no bytes at all. Leaders fetch on a ``fetch_interval_s`` grid when something may have changed
+(a submit, a placement, an engine freeing work or memory), never on idle ticks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dualpath.config import SchedulerConfig, mode_settings
+from dualpath.scheduler import (
+    AttentionTimePredictor,
+    ClusterTopology,
+    EngineRole,
+    EngineSnapshot,
+    GroupSnapshot,
+    NodeSnapshot,
+    PrefillBatch,
+    PrefillBatcher,
+    PrefillWork,
+    SchedulerRequest,
+    make_scheduler,
+)
+from dualpath.sim.agents import AgentTrace
+from dualpath.sim.cost import CostModel
+from dualpath.sim.engines import (
+    SimDecodeEngine,
+    SimNode,
+    SimPrefillEngine,
+    SimRequest,
+)
+from dualpath.sim.events import EventPriority, EventQueue
+from dualpath.sim.links import SimLink, TrafficClass
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterModel:
+    """Everything about the simulated cluster that is not the workload or the cost model."""
+
+    topology: ClusterTopology
+    scheduler: SchedulerConfig
+    mode: str
+    kv_bytes_per_token: int
+    all_to_all_bytes_per_token: float  # MoE dispatch + combine over all layers (inference)
+    snic_read_bytes_per_s: float  # per node, storage efficiency applied
+    snic_write_bytes_per_s: float  # per node
+    cnic_bytes_per_s: float  # per engine
+    num_decode_kv_blocks: int  # per DE
+    prefill_kv_capacity_bytes: float  # per PE: HBM left for KV
+    max_inflight_reads_per_node: int = 32  # storage reads in flight per node (I/O depth)
+    snic_window_s: float = 1.0  # SPEC §7: SNIC balance over 1 s windows
+    inference_weight: int = 99
+    kv_weight: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, for metrics (seconds of simulated time)."""
+
+    agent_index: int
+    turn_index: int
+    submit_s: float
+    first_token_s: float
+    decode_start_s: float
+    finish_s: float
+    num_output_tokens: int
+
+
+class _HbmCappedPredictor:
+    """The batcher's predictor plus the PE's HBM limit: a batch whose KV (every token of every
+    chunk, on ``num_layers_held`` layers) would not fit predicts over the quota. Monotone, so
+    the unchanged ``PrefillBatcher`` packs under both limits."""
+
+    __slots__ = ("_inner", "_bytes_per_token", "_capacity_bytes", "_over_s")
+
+    def __init__(
+        self,
+        inner: AttentionTimePredictor,
+        bytes_per_token: float,
+        capacity_bytes: float,
+        quota_s: float,
+    ):
+        self._inner = inner
+        self._bytes_per_token = bytes_per_token
+        self._capacity_bytes = capacity_bytes
+        self._over_s = 2 * quota_s
+
+    def predict_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        held_tokens = sum(c + n for c, n in chunks)
+        time_s = self._inner.predict_s(chunks)
+        if held_tokens * self._bytes_per_token > self._capacity_bytes:
+            return time_s + self._over_s
+        return time_s
+
+
+class _PrefillStep:
+    """One lockstep step of a PE group: what it computes and what it still waits for."""
+
+    __slots__ = ("group", "batches", "requests", "num_pending", "compute_s")
+
+    def __init__(
+        self,
+        group: _PrefillGroup,
+        batches: list[tuple[SimPrefillEngine, PrefillBatch]],
+        requests: dict[int, SimRequest],
+    ):
+        self.group = group
+        self.batches = batches
+        # The step's requests by id: one may finish decoding before the step ends (basic).
+        self.requests = {
+            chunk.request_id: requests[chunk.request_id]
+            for _, batch in batches
+            for chunk in batch.chunks
+        }
+        self.num_pending = 0  # parts (compute, flows) the current phase still waits for
+        self.compute_s = 0.0
+
+
+class _PrefillGroup:
+    __slots__ = ("group_id", "engines", "nodes", "is_busy", "is_fetch_pending")
+
+    def __init__(self, group_id: int, engines: list, nodes: list):
+        self.group_id = group_id
+        self.engines = engines
+        self.nodes = nodes
+        self.is_busy = False
+        self.is_fetch_pending = False
+
+
+class _DecodeGroup:
+    __slots__ = ("group_id", "engines", "nodes", "is_fetch_pending")
+
+    def __init__(self, group_id: int, engines: list, nodes: list):
+        self.group_id = group_id
+        self.engines = engines
+        self.nodes = nodes
+        self.is_fetch_pending = False
+
+
+class Simulator:
+    """One simulated run. Not reusable: build, ``run()`` once, read the results."""
+
+    def __init__(
+        self,
+        cluster: ClusterModel,
+        agents: Sequence[AgentTrace],
+        *,
+        prefill_cost: CostModel,
+        decode_cost: CostModel,
+        attention_predictor: AttentionTimePredictor,
+        num_prefill_layers: int,
+    ) -> None:
+        self.cluster = cluster
+        self.agents = list(agents)
+        self.settings = mode_settings(cluster.mode)
+        self.queue = EventQueue()
+        self.scheduler = make_scheduler(cluster.scheduler, cluster.topology)
+        self._prefill_cost = prefill_cost
+        self._next_request_id = 0
+        self._kv_bytes_per_token = cluster.kv_bytes_per_token
+        self._block_size = cluster.scheduler.block_size_tokens
+        self.records: list[RequestRecord] = []
+        self.agent_finish_s = [-1.0] * len(self.agents)
+        self.num_submitted = 0
+        self._requests_in_flight: dict[int, SimRequest] = {}
+        self._prefill_group_of: dict[int, _PrefillGroup] = {}
+        self._decode_group_of: dict[int, _DecodeGroup] = {}
+        self._build(attention_predictor, num_prefill_layers, decode_cost)
+
+    # --- construction ------------------------------------------------------------------------
+
+    def _link(self, name: str, rate: float, window: bool = False) -> SimLink:
+        c = self.cluster
+        if self.settings.is_io_free:
+            rate = float("inf")  # oracle: every movement is free
+        return SimLink(
+            name,
+            rate,
+            self.queue,
+            inference_weight=c.inference_weight,
+            kv_weight=c.kv_weight,
+            window_s=c.snic_window_s if window else None,
+        )
+
+    def _build(
+        self, predictor: AttentionTimePredictor, num_layers: int, decode_cost: CostModel
+    ) -> None:
+        c = self.cluster
+        config = c.scheduler
+        layers_held = 1 if self.settings.is_layerwise else num_layers
+        self.nodes: list[SimNode] = []
+        node_id_to_node = {}
+        for index, spec in enumerate(c.topology.nodes):
+            node = SimNode(
+                spec.node_id,
+                index,
+                self._link(f"node{spec.node_id}.snic.read", c.snic_read_bytes_per_s, True),
+                self._link(f"node{spec.node_id}.snic.write", c.snic_write_bytes_per_s, True),
+                c.max_inflight_reads_per_node,
+            )
+            self.nodes.append(node)
+            node_id_to_node[spec.node_id] = node
+        self.engines: dict[int, SimPrefillEngine | SimDecodeEngine] = {}
+        self.prefill_groups: list[_PrefillGroup] = []
+        self.decode_groups: list[_DecodeGroup] = []
+        for group in c.topology.groups:
+            nodes = [node_id_to_node[n] for n in group.node_ids]
+            engines = []
+            for node_spec in (c.topology.nodes[node.node_index] for node in nodes):
+                node = node_id_to_node[node_spec.node_id]
+                for engine_id in node_spec.engine_ids:
+                    cnic = self._link(f"engine{engine_id}.cnic", c.cnic_bytes_per_s)
+                    if group.role == EngineRole.PREFILL:
+                        capped = _HbmCappedPredictor(
+                            predictor,
+                            self._kv_bytes_per_token * layers_held / num_layers,
+                            c.prefill_kv_capacity_bytes,
+                            config.attention_quota_s,
+                        )
+                        # Cuts at Full Block boundaries, as the engine does.
+                        batcher = PrefillBatcher.from_config(
+                            config, capped, chunk_align_tokens=self._block_size
+                        )
+                        engine = SimPrefillEngine(engine_id, node, batcher, cnic)
+                    else:
+                        engine = SimDecodeEngine(
+                            engine_id,
+                            node,
+                            cnic,
+                            c.num_decode_kv_blocks,
+                            self.queue,
+                            decode_cost,
+                            self._on_decode_finish,
+                        )
+                    engines.append(engine)
+                    self.engines[engine_id] = engine
+            if group.role == EngineRole.PREFILL:
+                prefill_group = _PrefillGroup(group.group_id, engines, nodes)
+                self.prefill_groups.append(prefill_group)
+                self._prefill_group_of.update((e.engine_id, prefill_group) for e in engines)
+            else:
+                decode_group = _DecodeGroup(group.group_id, engines, nodes)
+                self.decode_groups.append(decode_group)
+                self._decode_group_of.update((e.engine_id, decode_group) for e in engines)
+
+    # --- the run -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Replay every agent to its last turn."""
+        for index, agent in enumerate(self.agents):
+            self.queue.push(agent.arrival_s, EventPriority.ARRIVAL, self._submit_turn, (index, 0))
+        self.queue.run()
+        unfinished = [i for i, t in enumerate(self.agent_finish_s) if t < 0]
+        assert not unfinished, f"agents {unfinished[:5]} never finished: the simulation stalled"
+
+    def _submit_turn(self, entry: tuple[int, int]) -> None:
+        agent_index, turn = entry
+        agent = self.agents[agent_index]
+        request = SimRequest(
+            self._next_request_id,
+            agent_index,
+            turn,
+            agent.prompt_tokens[turn],
+            agent.hit_tokens[turn],
+            agent.output_tokens[turn],
+            self.queue.now_s,
+        )
+        self._next_request_id += 1
+        self.num_submitted += 1
+        self._requests_in_flight[request.request_id] = request
+        self.scheduler.submit(
+            SchedulerRequest(
+                request.request_id,
+                request.num_prompt_tokens,
+                request.num_hit_tokens,
+                request.num_output_tokens,
+            )
+        )
+        for group in self.prefill_groups:
+            self._request_fetch(group, self._fetch_prefill)
+
+    # --- fetches -----------------------------------------------------------------------------
+
+    def _request_fetch(self, group, handler) -> None:
+        """A fetch at the next ``fetch_interval_s`` tick, unless one is pending."""
+        if group.is_fetch_pending:
+            return
+        group.is_fetch_pending = True
+        interval_s = self.cluster.scheduler.fetch_interval_s
+        due_s = (int(self.queue.now_s / interval_s) + 1) * interval_s
+        self.queue.push(due_s, EventPriority.FETCH, handler, group)
+
+    def _fetch_prefill(self, group: _PrefillGroup) -> None:
+        group.is_fetch_pending = False
+        if not self.scheduler.num_waiting_prefill:
+            return  # nothing to place: the leader's fetch would return empty
+        snapshot = GroupSnapshot(
+            group.group_id,
+            tuple(EngineSnapshot(e.engine_id, e.num_seqs, e.num_tokens) for e in group.engines),
+            tuple(NodeSnapshot(n.node_id, n.read_queue_tokens) for n in group.nodes),
+        )
+        placed = self.scheduler.fetch_prefill(snapshot)
+        if not placed.request_ids:
+            return
+        requests = self._requests_in_flight
+        engines = self.engines
+        for request_id, engine_id in zip(
+            placed.request_ids, placed.prefill_engine_ids, strict=True
+        ):
+            request = requests[request_id]
+            engine = engines[engine_id]
+            request.prefill_engine = engine
+            engine.num_seqs += 1
+            engine.num_tokens += request.num_prompt_tokens
+        for decode_group in self.decode_groups:
+            self._request_fetch(decode_group, self._fetch_decode)
+
+    def _fetch_decode(self, group: _DecodeGroup) -> None:
+        group.is_fetch_pending = False
+        if not self.scheduler.num_waiting_decode:
+            return
+        snapshot = GroupSnapshot(
+            group.group_id,
+            tuple(
+                EngineSnapshot(e.engine_id, e.num_seqs, e.num_tokens, e.num_free_kv_blocks)
+                for e in group.engines
+            ),
+            tuple(NodeSnapshot(n.node_id, n.read_queue_tokens) for n in group.nodes),
+        )
+        final = self.scheduler.fetch_decode(snapshot)
+        requests = self._requests_in_flight
+        for request_id, prefill_id, decode_id, plan in zip(
+            final.request_ids,
+            final.prefill_engine_ids,
+            final.decode_engine_ids,
+            final.load_plans,
+            strict=True,
+        ):
+            request = requests[request_id]
+            assert request.prefill_engine.engine_id == prefill_id, "the PE changed after placement"
+            engine = self.engines[decode_id]
+            request.decode_engine = engine
+            request.load_plan = plan
+            num_decode_tokens = request.num_prompt_tokens + request.num_output_tokens
+            request.num_decode_blocks = -(-num_decode_tokens // self._block_size)
+            engine.num_free_kv_blocks -= request.num_decode_blocks
+            assert engine.num_free_kv_blocks >= 0, f"DE {decode_id} over-committed its KV memory"
+            engine.num_seqs += 1
+            engine.num_tokens += num_decode_tokens
+            self._start_reads(request)
+
+    # --- storage reads -----------------------------------------------------------------------
+
+    def _start_reads(self, request: SimRequest) -> None:
+        plan = request.load_plan
+        if self.settings.is_io_free or plan.num_hit_blocks == 0:
+            self._on_ready(request)
+            return
+        block_bytes = self._block_size * self._kv_bytes_per_token
+        for node, num_blocks in (
+            (request.prefill_engine.node, plan.num_prefill_side_blocks),
+            (request.decode_engine.node, plan.num_decode_side_blocks),
+        ):
+            if num_blocks:
+                request.num_pending_reads += 1
+                node.read(
+                    num_blocks * block_bytes,
+                    num_blocks * self._block_size,
+                    self._on_read_done,
+                    request,
+                )
+
+    def _on_read_done(self, request: SimRequest) -> None:
+        request.num_pending_reads -= 1
+        if request.num_pending_reads == 0:
+            self._on_ready(request)
+
+    def _on_ready(self, request: SimRequest) -> None:
+        engine = request.prefill_engine
+        if self.settings.is_layerwise:
+            request.num_pending_kv = 1  # the prefill itself; sends add their own
+        engine.batcher.add(
+            PrefillWork(request.request_id, request.num_hit_tokens, request.num_new_tokens)
+        )
+        group = self._prefill_group_of[engine.engine_id]
+        if not group.is_busy:
+            group.is_busy = True  # claimed now; the step starts as its own event
+            self.queue.push(self.queue.now_s, EventPriority.STEP_DONE, self._start_step, group)
+
+    # --- prefill steps -----------------------------------------------------------------------
+
+    def _start_step(self, group: _PrefillGroup) -> None:
+        batches = []
+        for engine in group.engines:
+            if engine.batcher.num_waiting:
+                batch = engine.batcher.next_batch()
+                if batch.chunks:
+                    batches.append((engine, batch))
+        if not batches:
+            group.is_busy = False
+            return
+        step = _PrefillStep(group, batches, self._requests_in_flight)
+        cost = self._prefill_cost
+        step.compute_s = max(
+            cost.prefill_s([(c.num_cached_tokens, c.num_new_tokens) for c in batch.chunks])
+            for _, batch in batches
+        )
+        if self.settings.is_layerwise:
+            self._run_layerwise_step(step)
+        else:
+            self._run_basic_load(step)
+
+    def _hit_bytes(self, request: SimRequest) -> float:
+        return request.num_hit_tokens * self._kv_bytes_per_token
+
+    def _run_layerwise_step(self, step: _PrefillStep) -> None:
+        """Compute, per-layer hit loads and the MoE all-to-all run together; the step ends
+        when the slowest PE's compute and every load are done. KV leaves for the DEs as each
+        layer completes (flows that may outlast the step)."""
+        requests = step.requests
+        step.num_pending = 1
+        for engine, batch in step.batches:
+            load_bytes = 0.0
+            num_new = 0
+            for chunk in batch.chunks:
+                request = requests[chunk.request_id]
+                load_bytes += self._hit_bytes(request)
+                num_new += chunk.num_new_tokens
+                self._send_chunk(request, chunk, self._on_kv_arrived, request)
+            if load_bytes:
+                step.num_pending += 1
+                engine.cnic.start(load_bytes, TrafficClass.KV, self._on_step_part_done, step)
+            if self.cluster.all_to_all_bytes_per_token and num_new:
+                step.num_pending += 1
+                engine.cnic.start(
+                    num_new * self.cluster.all_to_all_bytes_per_token,
+                    TrafficClass.INFERENCE,
+                    self._on_step_part_done,
+                    step,
+                )
+        self.queue.push(
+            self.queue.now_s + step.compute_s,
+            EventPriority.STEP_DONE,
+            self._on_step_part_done,
+            step,
+        )
+
+    def _send_chunk(self, request: SimRequest, chunk, on_done, token) -> None:
+        """PE -> DE buffer: the chunk's new KV, plus the PE-side hit blocks with the first
+        chunk (DE-side hit blocks are already in the DE buffer). The DE's buffer -> HBM copy
+        of the chunk's share of the prompt rides in the same flow on the DE's CNIC (both are
+        RDMA writes into the DE GPU, SPEC §4); it is one flow per chunk instead of two."""
+        bytes_per_token = self._kv_bytes_per_token
+        num_bytes = 2 * chunk.num_new_tokens * bytes_per_token  # sent, then copied
+        if chunk.num_cached_tokens == request.num_hit_tokens:
+            num_bytes += (
+                request.load_plan.num_prefill_side_blocks * self._block_size
+                + request.num_hit_tokens  # the hit's copy into HBM
+            ) * bytes_per_token
+        request.num_pending_kv += 1
+        request.decode_engine.cnic.start(num_bytes, TrafficClass.KV, on_done, token)
+
+    def _on_step_part_done(self, step: _PrefillStep) -> None:
+        step.num_pending -= 1
+        if step.num_pending == 0:
+            self._finish_step(step)
+
+    def _finish_step(self, step: _PrefillStep) -> None:
+        requests = step.requests
+        now_s = self.queue.now_s
+        fetch = False
+        for engine, batch in step.batches:
+            for chunk in batch.chunks:
+                if chunk.is_last_chunk:
+                    request = requests[chunk.request_id]
+                    if request.first_token_s < 0:
+                        request.first_token_s = now_s
+                    engine.num_seqs -= 1
+                    engine.num_tokens -= request.num_prompt_tokens
+                    fetch = True
+                    if self.settings.is_layerwise:
+                        self._on_kv_arrived(request)  # the prefill's own "+1"
+        if fetch and self.scheduler.num_waiting_prefill:
+            self._request_fetch(step.group, self._fetch_prefill)
+        self.queue.push(now_s, EventPriority.STEP_DONE, self._start_step, step.group)
+
+    # basic: load -> compute -> send, one after another
+
+    def _run_basic_load(self, step: _PrefillStep) -> None:
+        """Without layer-wise prefill every layer's hit KV of the batch is copied from the
+        host buffer into HBM before the forward (the copy does not overlap compute)."""
+        requests = step.requests
+        step.num_pending = 0
+        for engine, batch in step.batches:
+            copy_bytes = sum(self._hit_bytes(requests[c.request_id]) for c in batch.chunks)
+            step.num_pending += 1
+            engine.cnic.start(copy_bytes, TrafficClass.KV, self._on_basic_loaded, step)
+
+    def _on_basic_loaded(self, step: _PrefillStep) -> None:
+        step.num_pending -= 1
+        if step.num_pending:
+            return
+        step.num_pending = 1
+        for engine, batch in step.batches:
+            num_new = sum(chunk.num_new_tokens for chunk in batch.chunks)
+            if self.cluster.all_to_all_bytes_per_token and num_new:
+                step.num_pending += 1
+                engine.cnic.start(
+                    num_new * self.cluster.all_to_all_bytes_per_token,
+                    TrafficClass.INFERENCE,
+                    self._on_basic_computed,
+                    step,
+                )
+        self.queue.push(
+            self.queue.now_s + step.compute_s,
+            EventPriority.STEP_DONE,
+            self._on_basic_computed,
+            step,
+        )
+
+    def _on_basic_computed(self, step: _PrefillStep) -> None:
+        step.num_pending -= 1
+        if step.num_pending:
+            return
+        requests = step.requests
+        now_s = self.queue.now_s
+        step.num_pending = 0
+        for _, batch in step.batches:
+            for chunk in batch.chunks:
+                request = requests[chunk.request_id]
+                if chunk.is_last_chunk:
+                    request.first_token_s = now_s
+                step.num_pending += 1
+                self._send_chunk(request, chunk, self._on_basic_sent, (step, request))
+
+    def _on_basic_sent(self, entry: tuple[_PrefillStep, SimRequest]) -> None:
+        """A send left the PE's HBM; the step ends (and frees HBM) when all of them have."""
+        step, request = entry
+        self._on_kv_arrived(request)
+        step.num_pending -= 1
+        if step.num_pending == 0:
+            self._finish_step(step)
+
+    # --- PE -> DE, decode --------------------------------------------------------------------
+
+    def _on_kv_arrived(self, request: SimRequest) -> None:
+        request.num_pending_kv -= 1
+        if request.num_pending_kv > 0 or request.first_token_s < 0:
+            return
+        request.decode_engine.join(request)
+
+    def _on_decode_finish(self, request: SimRequest) -> None:
+        now_s = self.queue.now_s
+        request.finish_s = now_s
+        engine = request.decode_engine
+        engine.num_free_kv_blocks += request.num_decode_blocks
+        engine.num_seqs -= 1
+        engine.num_tokens -= request.num_prompt_tokens + request.num_output_tokens
+        block = self._block_size
+        num_tokens_with_kv = request.num_prompt_tokens + request.num_output_tokens - 1
+        num_new_blocks = num_tokens_with_kv // block - request.num_hit_tokens // block
+        if num_new_blocks > 0 and not self.settings.is_io_free:
+            # NOTE(sim): persisted at the end, all at once, and counted on the SNIC without
+            # taking bandwidth: the append's blocks are ~1% of a turn's reads (docs/simulator.md).
+            engine.node.snic_write.count_unpaced(
+                num_new_blocks * block * self._kv_bytes_per_token, TrafficClass.KV
+            )
+        del self._requests_in_flight[request.request_id]
+        self.records.append(
+            RequestRecord(
+                request.agent_index,
+                request.turn_index,
+                request.submit_s,
+                request.first_token_s,
+                request.decode_start_s,
+                now_s,
+                request.num_output_tokens,
+            )
+        )
+        if self.scheduler.num_waiting_decode:
+            self._request_fetch(self._decode_group_of[engine.engine_id], self._fetch_decode)
+        agent = self.agents[request.agent_index]
+        next_turn = request.turn_index + 1
+        if next_turn < agent.num_turns:
+            self.queue.push(
+                now_s, EventPriority.ARRIVAL, self._submit_turn, (request.agent_index, next_turn)
+            )
+        else:
+            self.agent_finish_s[request.agent_index] = now_s

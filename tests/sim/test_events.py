@@ -1,0 +1,44 @@
+"""The event queue's tie rule: (time_s, priority, push order)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.sim.events import EventPriority, EventQueue
+
+
+def test_equal_times_run_by_priority_then_push_order():
+    queue = EventQueue()
+    order = []
+    queue.push(1.0, EventPriority.FETCH, order.append, "fetch")
+    queue.push(1.0, EventPriority.ARRIVAL, order.append, "arrival-1")
+    queue.push(1.0, EventPriority.TRANSFER_DONE, order.append, "transfer")
+    queue.push(1.0, EventPriority.ARRIVAL, order.append, "arrival-2")
+    queue.push(0.5, EventPriority.FETCH, order.append, "early")
+    queue.push(1.0, EventPriority.STEP_DONE, order.append, "step")
+    queue.run()
+    assert order == ["early", "transfer", "step", "arrival-1", "arrival-2", "fetch"]
+
+
+def test_zero_delay_events_are_enqueued_not_run_inline():
+    queue = EventQueue()
+    order = []
+
+    def first(_):
+        queue.push(queue.now_s, EventPriority.TRANSFER_DONE, order.append, "follow-up")
+        order.append("first-done")
+
+    queue.push(2.0, EventPriority.FETCH, first, None)
+    queue.push(2.0, EventPriority.FETCH, order.append, "second")
+    queue.run()
+    # The follow-up has a higher priority, but it runs after its parent has returned.
+    assert order == ["first-done", "follow-up", "second"]
+    assert queue.num_events == 3
+
+
+def test_scheduling_into_the_past_is_a_caller_bug():
+    queue = EventQueue()
+    queue.push(1.0, EventPriority.FETCH, lambda _: None, None)
+    queue.run()
+    with pytest.raises(RuntimeError, match="before now"):
+        queue.push(0.5, EventPriority.FETCH, lambda _: None, None)
