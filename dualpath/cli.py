@@ -508,6 +508,7 @@ def _serve_cluster_config(s: argparse.Namespace):  # -> ClusterConfig
         engines_per_node=s.engines_per_node,
         nodes_per_group=s.nodes_per_group,
         mode=s.mode,
+        read_path=s.read_path,
         traffic=TrafficConfig(
             snic_bandwidth_gbps=s.snic_gbps,
             cnic_bandwidth_gbps=s.cnic_gbps,

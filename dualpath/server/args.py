@@ -106,7 +106,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, positive_int: Any) -> None:
 
 
 def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) -> None:
-    from dualpath.config import MODES
+    from dualpath.config import MODES, READ_PATHS
 
     group.add_argument(
         "--nodes",
@@ -124,6 +124,12 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
     )
     group.add_argument(
         "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
+    )
+    group.add_argument(
+        "--read-path",
+        choices=READ_PATHS,
+        default=None,
+        help="force one read path for every request (pe, de, split, dual); default: the mode's",
     )
     group.add_argument(
         "--snic-gbps",

@@ -1,0 +1,184 @@
+"""One benchmark run of one mode: a fresh `dualpath serve`, agents over HTTP, its figures.
+
+    result = run_mode(ModeRun(mode="dualpath", ...), workload, work_dir=...)
+
+For each mode the harness starts a fresh server (a fresh store: every mode begins cold) with
+the mode, the cluster shape and the emulated link caps, replays the workload through the
+OpenAI-compatible API (``agents.run_agents``), samples ``/metrics`` for the SNICs' bytes over
+time, and stops the server. ``oracle`` keeps its store on a memory file system (/dev/shm), so
+every hit is served from memory (all hit KV is written during the run, into memory).
+
+With ``url`` set, the agents run against that server instead (ours or any other
+OpenAI-compatible one): the link figures are then None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dualpath.bench.agents import TurnRecord, run_agents
+from dualpath.bench.server_process import MetricsSampler, ServerProcess, metric_sum
+from dualpath.bench.stats import LinkSample, snic_load_balance, summarize_turns
+from dualpath.config import mode_settings
+from dualpath.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+SERVED_MODEL_NAME = "dualpath-bench"
+
+
+@dataclass(frozen=True, slots=True)
+class ModeRun:
+    """What to serve for one mode's run."""
+
+    mode: str
+    model_dir: Path
+    nodes: str  # e.g. "1P2D"
+    snic_bandwidth_gbps: float  # per node; 0 = uncapped
+    cnic_bandwidth_gbps: float = 0.0
+    read_path: str | None = None  # force one read path (None: the mode's)
+    transport: str = "nixl"
+    extra_serve_args: tuple[str, ...] = ()
+
+
+def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
+    args = [
+        "--model", str(run.model_dir),
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--kv-store", str(store_dir),
+        "--mode", run.mode,
+        "--nodes", run.nodes,
+        "--snic-gbps", str(run.snic_bandwidth_gbps),
+        "--cnic-gbps", str(run.cnic_bandwidth_gbps),
+        "--transport", run.transport,
+        "--engine-log-dir", str(log_dir),
+        # No request may be refused for queueing in a benchmark: every agent is in flight.
+        "--max-waiting-requests", "100000",
+    ]  # fmt: skip
+    if run.read_path is not None:
+        args += ["--read-path", run.read_path]
+    return args + list(run.extra_serve_args)
+
+
+def run_mode(run: ModeRun, workload: Workload, *, work_dir: Path, progress: bool = True) -> dict:
+    """Serve ``run``, replay ``workload`` against it, and return the mode's figures."""
+    name = run.mode.replace("+", "-")
+    memory_dir = _memory_dir() if mode_settings(run.mode).is_io_free else None
+    store_dir = (memory_dir or work_dir) / f"kv-{name}"
+    log_dir = work_dir / f"logs-{name}"
+    try:
+        server = ServerProcess(
+            serve_args(run, store_dir, log_dir), log_path=log_dir / "serve.log"
+        ).start()
+        try:
+            with MetricsSampler(server.url, period_s=0.5) as sampler:
+                records, tokens = _replay(server.url, workload, run.mode, progress)
+            final = sampler.last
+        finally:
+            exit_code = server.stop()
+    finally:
+        if memory_dir is not None:
+            shutil.rmtree(memory_dir, ignore_errors=True)
+    result = summarize_turns(records)
+    result.update(link_figures(final, sampler.samples, result["jct_s"]))
+    result["store_in_memory"] = memory_dir is not None
+    result["server_exit_code"] = exit_code
+    result["tokens"] = tokens
+    return result
+
+
+def run_against_url(
+    url: str, model: str, workload: Workload, *, api_key: str | None, progress: bool = True
+) -> dict:
+    """The agents against an already running OpenAI-compatible server; no link figures."""
+    records, tokens = _replay(url, workload, "url", progress, model=model, api_key=api_key)
+    result = summarize_turns(records)
+    result.update(link_figures({}, [], result["jct_s"]))
+    result["tokens"] = tokens
+    return result
+
+
+def _replay(
+    url: str,
+    workload: Workload,
+    label: str,
+    progress: bool,
+    *,
+    model: str = SERVED_MODEL_NAME,
+    api_key: str | None = None,
+) -> tuple[list[TurnRecord], dict[str, str]]:
+    total = sum(s.num_turns for s in workload.sessions)
+    with tqdm(total=total, desc=f"{label:>15}", unit="turn", disable=not progress) as bar:
+
+        def on_turn(record: TurnRecord) -> None:
+            bar.update(1)
+
+        records = asyncio.run(
+            run_agents(url, model, workload.sessions, api_key=api_key, on_turn=on_turn)
+        )
+    failed = [r for r in records if r.error is not None]
+    if failed:
+        logger.warning("%s: %d turns failed, e.g. %s", label, len(failed), failed[0].error)
+    tokens = {f"{r.session}/{r.turn}": r.output_digest for r in records if r.error is None}
+    return records, tokens
+
+
+def link_figures(
+    scraped: dict[str, list[tuple[dict[str, str], float]]],
+    samples: list[LinkSample],
+    jct_s: float,
+) -> dict:
+    """Per-SNIC bytes, bytes per read side, SNIC load balance and the PE's busy fraction
+    (None where the server did not report them)."""
+    if not scraped:
+        return {
+            "snic_bytes": None,
+            "path_bytes": None,
+            "snic_load_balance": None,
+            "pe_busy_fraction": None,
+        }
+    snic_bytes: dict[str, int] = {}
+    for labels, value in scraped.get("dualpath_link_bytes_total", ()):
+        if labels.get("link", "").endswith(".snic"):
+            snic_bytes[labels["link"]] = snic_bytes.get(labels["link"], 0) + int(value)
+    busy_s = metric_sum(scraped, "dualpath_engine_busy_seconds_total", role="prefill")
+    num_prefill = sum(
+        1
+        for labels, _ in scraped.get("dualpath_engine_busy_seconds_total", ())
+        if labels.get("role") == "prefill"
+    )
+    return {
+        "snic_bytes": snic_bytes,
+        "path_bytes": {
+            "pe": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="prefill")),
+            "de": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="decode")),
+        },
+        "snic_load_balance": snic_load_balance(samples),
+        # Time the PEs spent in prefill batches over the run's length (mean over PEs).
+        "pe_busy_fraction": busy_s / max(num_prefill, 1) / jct_s if jct_s > 0 else None,
+    }
+
+
+def token_mismatches(tokens: dict[str, str], reference: dict[str, str]) -> int:
+    """Turns whose generated tokens differ from ``reference``'s (or that it lacks)."""
+    return sum(digest != reference.get(key) for key, digest in tokens.items())
+
+
+def _memory_dir() -> Path | None:
+    """A fresh directory on a memory file system, or None (with a warning) if there is none."""
+    shm = Path("/dev/shm")
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        mounts = []
+    if shm.is_dir() and any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts):
+        return Path(tempfile.mkdtemp(prefix="dualpath-oracle-", dir=shm))
+    logger.warning("no tmpfs at /dev/shm: the oracle's store stays on disk (page cache)")
+    return None

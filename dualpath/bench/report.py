@@ -1,0 +1,97 @@
+"""The benchmarks' Markdown summary and PNG plots (matplotlib, Agg: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(report: dict) -> str:
+    """One row per mode: JCT, throughput, latency percentiles, hits, reads, balance."""
+    lines = [
+        "| mode | JCT s | tok/s | TTFT p50/p90 s | TPOT p50/p90 ms | hit | PE / DE read MB "
+        "| SNIC max/avg | PE busy | tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in report["modes"].items():
+        path = r.get("path_bytes")
+        reads = "–" if path is None else f"{path['pe'] / 1e6:.1f} / {path['de'] / 1e6:.1f}"
+        tpot = r["tpot_s"]
+        tpot_ms = [None if v is None else v * 1e3 for v in (tpot["p50"], tpot["p90"])]
+        mismatches = r.get("token_mismatches")
+        lines.append(
+            f"| {mode} | {r['jct_s']:.2f} | {r['tokens_per_s']:.0f} "
+            f"| {_fmt(r['ttft_s']['p50'], '.3f')} / {_fmt(r['ttft_s']['p90'], '.3f')} "
+            f"| {_fmt(tpot_ms[0], '.1f')} / {_fmt(tpot_ms[1], '.1f')} "
+            f"| {r['hit_ratio']:.1%} | {reads} | {_fmt(r.get('snic_load_balance'), '.2f')} "
+            f"| {_fmt(r.get('pe_busy_fraction'), '.0%')} "
+            f"| {'–' if mismatches is None else ('same' if mismatches == 0 else f'{mismatches} differ')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_markdown(report: dict, path: Path | None) -> str:
+    """The summary as Markdown (returned, and written to ``path`` if given)."""
+    runs = report.get("runs", [report])
+    parts = []
+    for run in runs:
+        head = f"## {run['benchmark']} · preset {run.get('preset')}"
+        if run.get("rho") is not None:
+            head += (
+                f" · rho {run['rho']:g} (SNIC cap {run['snic_caps_gbps']:.3f} Gbps per node, "
+                f"ideal speedup {run['ideal_speedup']:.2f})"
+            )
+        parts.append(head)
+        parts.append(markdown_table(run))
+        if run.get("ratios"):
+            parts.append(
+                "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(run["ratios"].items()))
+            )
+    text = "\n\n".join(parts) + "\n"
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return text
+
+
+def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
+    """JCT by mode, and for a rho sweep the measured speedup against the ideal one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    runs = report.get("runs", [report])
+    run = runs[0]
+    modes = list(run["modes"])
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.bar(modes, [run["modes"][m]["jct_s"] for m in modes], color="#4472c4")
+    axis.set_ylabel("JCT (s)")
+    axis.set_title(f"{run['benchmark']} · {run.get('preset')}")
+    figure.tight_layout()
+    path = out_dir / f"{stem}_jct.png"
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    written.append(path)
+    swept = [r for r in runs if r.get("rho") is not None and "dualpath_vs_basic_jct" in r["ratios"]]
+    if len(swept) > 1:
+        from dualpath.bench.offline import ideal_speedup
+
+        rhos = [r["rho"] for r in swept]
+        figure, axis = plt.subplots(figsize=(6, 3.5))
+        axis.plot(rhos, [r["ratios"]["dualpath_vs_basic_jct"] for r in swept], "o-", label="ours")
+        axis.plot(rhos, [ideal_speedup(x) for x in rhos], "--", label="ideal max(1,ρ)/max(1,ρ/3)")
+        axis.set_xlabel("ρ (hit-KV demand / SNIC cap)")
+        axis.set_ylabel("DualPath speedup over Basic")
+        axis.legend()
+        figure.tight_layout()
+        path = out_dir / f"{stem}_rho.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+    return written

@@ -1,0 +1,105 @@
+"""The benchmarks' figures from per-turn records and link-counter samples (SPEC §7).
+
+* JCT: from the first request's arrival to the last turn's end (offline: all agents start
+  together, so this is when the last agent finishes).
+* TTFT, TTST (time to second token), TPOT: per request, as percentiles.
+* hit ratio: cached prompt tokens / prompt tokens.
+* SNIC load balance: the mean, over 1 s windows in the first 80% of the run, of the busiest
+  SNIC's bytes in the window over the mean of all SNICs' bytes (1.0 is perfect). Windows in
+  which no SNIC moved a byte are skipped: they have no balance to speak of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dualpath.bench.agents import TurnRecord
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """``{"p50": ..., "p90": ..., "p99": ...}``; every value None when there are none."""
+    if not values:
+        return {f"p{q}": None for q in PERCENTILES}
+    return {f"p{q}": float(np.percentile(values, q)) for q in PERCENTILES}
+
+
+def summarize_turns(records: Sequence[TurnRecord]) -> dict:
+    """JCT, throughput, latency percentiles and hit ratio of one run's turns."""
+    if not records:
+        raise ValueError("no turns to summarize")
+    ok = [r for r in records if r.error is None]
+    start_s = min(r.arrival_s for r in records)
+    jct_s = max(r.finish_s for r in records) - start_s
+    num_prompt = sum(r.num_prompt_tokens for r in ok)
+    num_cached = sum(r.num_cached_tokens for r in ok)
+    num_output = sum(r.num_output_tokens for r in ok)
+    return {
+        "jct_s": jct_s,
+        "num_requests": len(records),
+        "num_failed": len(records) - len(ok),
+        "prompt_tokens": num_prompt,
+        "cached_tokens": num_cached,
+        "output_tokens": num_output,
+        # Tokens the cluster computed (prefill misses and decode steps) per second.
+        "tokens_per_s": (num_prompt - num_cached + num_output) / jct_s,
+        "output_tokens_per_s": num_output / jct_s,
+        "hit_ratio": num_cached / num_prompt if num_prompt else 0.0,
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttst_s": percentiles([r.ttst_s for r in ok if r.ttst_s is not None]),
+        "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSample:
+    """Cumulative bytes per SNIC (by name) at ``time_s``."""
+
+    time_s: float
+    snic_bytes: Mapping[str, int]
+
+
+def snic_load_balance(
+    samples: Sequence[LinkSample],
+    *,
+    window_s: float = 1.0,
+    fraction_of_run: float = 0.8,
+) -> float | None:
+    """SPEC §7's SNIC load balance over the samples' span; None if no window moved bytes.
+
+    Cumulative counters are read at each window's edges by linear interpolation between the
+    samples around it, so the sampling period need not divide the window.
+    """
+    if len(samples) < 2:
+        return None
+    names = sorted(samples[0].snic_bytes)
+    times_s = np.array([s.time_s for s in samples])
+    counters = np.array([[s.snic_bytes.get(n, 0) for n in names] for s in samples], dtype=float)
+    end_s = times_s[0] + fraction_of_run * (times_s[-1] - times_s[0])
+    edges_s = np.arange(times_s[0], end_s + 1e-9, window_s)
+    if len(edges_s) < 2:
+        edges_s = np.array([times_s[0], end_s])
+    at_edges = np.stack([np.interp(edges_s, times_s, counters[:, j]) for j in range(len(names))])
+    per_window = np.diff(at_edges, axis=1)  # [snic, window]
+    ratios = [column.max() / column.mean() for column in per_window.T if column.sum() > 0]
+    return float(np.mean(ratios)) if ratios else None
+
+
+def snic_bytes_of(link_bytes: Mapping[int, Mapping[str, int]]) -> dict[str, int]:
+    """Bytes per SNIC, all classes, from the engines' cumulative ``link.class`` counters.
+
+    Engines of one node report the same node-wide SNIC under the same name; each engine
+    counts only its own movements, so the node's total is the sum over its engines.
+    """
+    totals: dict[str, int] = {}
+    for counters in link_bytes.values():
+        for key, value in counters.items():
+            link, _, _ = key.partition(".snic.")
+            if link != key:
+                name = f"{link}.snic"
+                totals[name] = totals.get(name, 0) + int(value)
+    return totals

@@ -1,0 +1,83 @@
+"""The benchmarks' figures: latency percentiles, JCT, hit ratio and SNIC load balance."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.bench.agents import TurnRecord
+from dualpath.bench.stats import (
+    LinkSample,
+    percentiles,
+    snic_bytes_of,
+    snic_load_balance,
+    summarize_turns,
+)
+
+
+def _turn(session, turn, arrival, first, second, finish, prompt, cached, out, error=None):
+    return TurnRecord(session, turn, arrival, first, second, finish, prompt, cached, out, error)
+
+
+def test_turn_latencies_and_run_figures() -> None:
+    records = [
+        _turn(0, 0, 10.0, 10.5, 10.6, 11.4, 1000, 0, 10),
+        _turn(0, 1, 11.5, 11.7, 11.9, 12.5, 1100, 960, 4),
+        _turn(1, 0, 10.0, None, None, 10.2, 500, 0, 0, error="HTTP 503: busy"),
+    ]
+    first = records[0]
+    assert first.ttft_s == pytest.approx(0.5)
+    assert first.ttst_s == pytest.approx(0.1)
+    assert first.tpot_s == pytest.approx(0.9 / 9)
+    assert records[2].ttft_s is None and records[2].tpot_s is None
+    summary = summarize_turns(records)
+    assert summary["jct_s"] == pytest.approx(2.5)
+    assert (summary["num_requests"], summary["num_failed"]) == (3, 1)
+    # The failed turn counts in the JCT but not in tokens or latencies.
+    assert summary["hit_ratio"] == pytest.approx(960 / 2100)
+    assert summary["tokens_per_s"] == pytest.approx((2100 - 960 + 14) / 2.5)
+    assert summary["ttft_s"]["p50"] == pytest.approx(0.35)
+    assert summary["tpot_s"]["p50"] == pytest.approx((0.1 + 0.8 / 3) / 2)
+
+
+def test_percentiles_of_nothing_are_none() -> None:
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    assert percentiles([3.0])["p90"] == 3.0
+    with pytest.raises(ValueError, match="no turns"):
+        summarize_turns([])
+
+
+def _samples(rates: dict[str, list[float]], period_s: float = 0.5) -> list[LinkSample]:
+    """Cumulative counters sampled every ``period_s`` from per-period byte counts."""
+    totals = dict.fromkeys(rates, 0)
+    samples = [LinkSample(0.0, dict(totals))]
+    for i in range(len(next(iter(rates.values())))):
+        for name in rates:
+            totals[name] += rates[name][i]
+        samples.append(LinkSample((i + 1) * period_s, dict(totals)))
+    return samples
+
+
+def test_snic_load_balance_is_max_over_mean_per_window() -> None:
+    even = _samples({"a": [100.0] * 10, "b": [100.0] * 10})
+    assert snic_load_balance(even) == pytest.approx(1.0)
+    # One SNIC does all the work: max / mean = 2 with two SNICs.
+    lopsided = _samples({"a": [100.0] * 10, "b": [0.0] * 10})
+    assert snic_load_balance(lopsided) == pytest.approx(2.0)
+    # Idle windows are skipped; only the first 80% of the run counts (here 4 s of 5 s: the
+    # lopsided last second is left out).
+    mixed = _samples({"a": [0, 0, 50, 50, 50, 50, 50, 50, 90, 90], "b": [0, 0] + [50] * 6 + [0, 0]})
+    assert snic_load_balance(mixed, window_s=1.0) == pytest.approx(1.0)
+    assert snic_load_balance(mixed, window_s=1.0, fraction_of_run=1.0) == pytest.approx(
+        (1.0 + 1.0 + 1.0 + 2.0) / 4
+    )
+    assert snic_load_balance(even[:1]) is None
+    assert snic_load_balance(_samples({"a": [0.0] * 4})) is None
+
+
+def test_snic_bytes_add_up_a_nodes_engines() -> None:
+    link_bytes = {
+        0: {"node0.snic.kv": 10, "node0.snic.inference": 1, "engine0.cnic.kv": 99},
+        1: {"node0.snic.kv": 5, "engine1.cnic.kv": 7, "store_read_bytes": 3},
+        2: {"node1.snic.kv": 4},
+    }
+    assert snic_bytes_of(link_bytes) == {"node0.snic": 16, "node1.snic": 4}
