@@ -353,6 +353,10 @@ class _EngineProcess:
         engine = self.prefill or self.decode
         counters["store_read_bytes"] = engine.num_read_bytes
         counters["busy_us"] = int(self.busy_s * 1e6)
+        counters["buffer_used_bytes"] = self.buffer.num_used_bytes  # a level, not cumulative
+        counters["buffer_capacity_bytes"] = (
+            self.buffer.num_slots * self.buffer.layout.full_block_bytes
+        )
         store = self._store()
         if store is not None:
             stats = store.stats()

@@ -75,7 +75,8 @@ class EngineReport:
     read_queue_tokens: int
     # Cumulative counters for metrics and benchmarks: bytes by "link.class" (e.g.
     # "node0.snic.kv"), and "store_read_bytes" (hit KV this engine read), "busy_us" (time in
-    # prefill batches or decode steps), "store_<stat>" (its store's StoreStats).
+    # prefill batches or decode steps), "store_<stat>" (its store's StoreStats); and two
+    # levels: "buffer_used_bytes" and "buffer_capacity_bytes" (its host KV buffer).
     link_bytes: dict[str, int]
     num_buffer_slots_used: int
 

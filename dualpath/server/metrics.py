@@ -295,6 +295,19 @@ class ClusterCollector(Collector):
             role = self._engine_id_to_role.get(engine_id, "unknown")
             busy.add_metric([str(engine_id), role], counters.get("busy_us", 0) / 1e6)
         yield busy
+        occupancy = GaugeMetricFamily(
+            "dualpath_kv_buffer_used_ratio",
+            "Occupancy of each engine's host KV buffer (PE or DE buffer), at its last report.",
+            labels=["engine", "role"],
+        )
+        for engine_id, counters in sorted(snapshot.link_bytes.items()):
+            capacity = counters.get("buffer_capacity_bytes", 0)
+            if capacity:
+                role = self._engine_id_to_role.get(engine_id, "unknown")
+                occupancy.add_metric(
+                    [str(engine_id), role], counters.get("buffer_used_bytes", 0) / capacity
+                )
+        yield occupancy
         engine_totals = {
             name: sum(c.get(f"store_{name}", 0) for c in snapshot.link_bytes.values())
             for name in ("evictions", "corrupt_blocks", "write_errors", "missing_on_read")

@@ -478,6 +478,19 @@ def test_metrics_count_requests_and_tokens(server: Server) -> None:
     assert after[("dualpath_engines_live", ())] == 3
     snic = [k for k in after if k[0] == "dualpath_link_bytes_total" and "snic" in str(k[1])]
     assert snic, "no per-link byte counters"
+    # Control messages (reports, tokens) are inference-class traffic on each engine's CNIC.
+    inference = [
+        value
+        for (name, labels), value in after.items()
+        if name == "dualpath_link_bytes_total"
+        and ("traffic_class", "inference") in labels
+        and dict(labels)["link"].endswith(".cnic")
+    ]
+    assert inference and min(inference) > 0
+    occupancy = [k for k in after if k[0] == "dualpath_kv_buffer_used_ratio"]
+    assert len(occupancy) == 3 and all(0 <= after[k] <= 1 for k in occupancy)
+    busy = {k: v for k, v in after.items() if k[0] == "dualpath_engine_busy_seconds_total"}
+    assert len(busy) == 3 and max(busy.values()) > 0
 
 
 def test_sigterm_ends_requests_stops_every_child_and_exits_0(server: Server) -> None:
