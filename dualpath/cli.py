@@ -690,6 +690,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "dualpath.bench.offline",
             "N agents on a one-host PD cluster per mode: JCT and bytes per read path",
         ),
+        (
+            "online",
+            "dualpath.bench.online",
+            "Poisson agent arrivals per mode: SLO attainment and, with --find-capacity, the "
+            "largest APS that holds the SLO",
+        ),
     ):
         module = __import__(module_name, fromlist=["main"])
         bp = bench_sub.add_parser(name, help=help_text, description=help_text)

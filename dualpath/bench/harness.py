@@ -67,8 +67,16 @@ def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
     return args + list(run.extra_serve_args)
 
 
-def run_mode(run: ModeRun, workload: Workload, *, work_dir: Path, progress: bool = True) -> dict:
-    """Serve ``run``, replay ``workload`` against it, and return the mode's figures."""
+def run_mode(
+    run: ModeRun,
+    workload: Workload,
+    *,
+    work_dir: Path,
+    progress: bool = True,
+    keep_records: bool = False,
+) -> dict:
+    """Serve ``run``, replay ``workload`` against it, and return the mode's figures (with
+    ``keep_records``, also every turn's ``TurnRecord`` under ``"_records"``)."""
     name = run.mode.replace("+", "-")
     memory_dir = _memory_dir() if mode_settings(run.mode).is_io_free else None
     store_dir = (memory_dir or work_dir) / f"kv-{name}"
@@ -91,6 +99,8 @@ def run_mode(run: ModeRun, workload: Workload, *, work_dir: Path, progress: bool
     result["store_in_memory"] = memory_dir is not None
     result["server_exit_code"] = exit_code
     result["tokens"] = tokens
+    if keep_records:
+        result["_records"] = records
     return result
 
 

@@ -46,6 +46,21 @@ def write_markdown(report: dict, path: Path | None) -> str:
             )
         parts.append(head)
         parts.append(markdown_table(run))
+        if run.get("slo") is not None:
+            slo = run["slo"]
+            parts.append(
+                f"SLO: TTFT <= {slo['ttft_s']:.3f} s, TPOT <= {slo['tpot_s'] * 1e3:.1f} ms "
+                f"({slo['source']}). "
+                + "; ".join(
+                    f"{mode}: "
+                    + ", ".join(
+                        f"{p['aps']:.3g} APS {'ok' if p['slo_attained'] else 'miss'}"
+                        for p in r["probes"]
+                    )
+                    + (f" -> capacity {r['capacity_aps']:.3g} APS" if r["capacity_aps"] else "")
+                    for mode, r in run["modes"].items()
+                )
+            )
         if run.get("ratios"):
             parts.append(
                 "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(run["ratios"].items()))

@@ -1,0 +1,277 @@
+"""Online benchmark: agents arrive as a Poisson process; SLO attainment and capacity.
+
+    dualpath bench online --preset ci --modes basic,dualpath --aps 2 --json results/online.json
+    dualpath bench online --preset paper-ratio --modes basic,dualpath --find-capacity
+
+**SLO (SPEC §7, scaled to this machine).** By default TTFT <= 4 x and TPOT <= 4 x Oracle's
+*unloaded* p50 (one agent alone, measured once per invocation and recorded in the JSON);
+``--slo-ttft-s`` / ``--slo-tpot-s`` fix them instead. A run attains the SLO when the p90 TTFT
+and p90 TPOT of the requests sent in its second half are within it. Each run lasts at least
+3 x the unloaded agent's JCT: enough agents arrive for that at the given rate.
+
+**Capacity** (``--find-capacity``): the largest APS (agents per second) that attains the SLO,
+per mode: from the starting rate, double or halve until the SLO is bracketed, then bisect
+until the bracket is within 5%, at most 6 probes in all; each probe is a fresh server.
+Link caps are the preset's, or calibrated as in ``bench offline`` (``paper-ratio``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+from dualpath.bench.agents import TurnRecord
+from dualpath.bench.hardware import hardware_info
+from dualpath.bench.harness import ModeRun, run_mode
+from dualpath.bench.offline import add_workload_arguments, calibrate, load_workload
+from dualpath.bench.presets import PRESETS
+from dualpath.bench.report import write_markdown
+from dualpath.config import MODES
+from dualpath.workload import Workload, poisson_arrival_offsets_s
+
+SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
+MIN_RUN_AGENT_JCTS = 3.0  # a run lasts at least this many unloaded agent JCTs
+MAX_PROBES = 6
+BRACKET_TOLERANCE = 0.05
+
+
+def second_half_p90(records: list[TurnRecord]) -> tuple[float | None, float | None]:
+    """p90 TTFT and p90 TPOT of the requests sent in the second half of the run."""
+    start_s = min(r.arrival_s for r in records)
+    end_s = max(r.finish_s for r in records)
+    late = [r for r in records if r.arrival_s >= (start_s + end_s) / 2 and r.error is None]
+    ttfts = [r.ttft_s for r in late if r.ttft_s is not None]
+    tpots = [r.tpot_s for r in late if r.tpot_s is not None]
+    return (
+        float(np.percentile(ttfts, 90)) if ttfts else None,
+        float(np.percentile(tpots, 90)) if tpots else None,
+    )
+
+
+def is_attained(result: dict, slo: dict) -> bool:
+    p90_ttft_s, p90_tpot_s = result["second_half_p90_ttft_s"], result["second_half_p90_tpot_s"]
+    return (
+        result["num_failed"] == 0
+        and p90_ttft_s is not None
+        and p90_ttft_s <= slo["ttft_s"]
+        and (p90_tpot_s is None or p90_tpot_s <= slo["tpot_s"])
+    )
+
+
+def next_probe(probes: list[tuple[float, bool]]) -> float | None:
+    """The next APS to try from ``(aps, attained)`` probes so far; None when done.
+
+    Doubles after a pass and halves after a failure until a pass and a failure bracket the
+    capacity, then bisects until the bracket is within ``BRACKET_TOLERANCE`` (relative to
+    its upper end) or ``MAX_PROBES`` were made.
+    """
+    if not probes or len(probes) >= MAX_PROBES:
+        return None
+    passed = [aps for aps, ok in probes if ok]
+    failed = [aps for aps, ok in probes if not ok]
+    if not failed:
+        return max(passed) * 2
+    if not passed:
+        return min(failed) / 2
+    low, high = max(passed), min(f for f in failed if f > max(passed))
+    if (high - low) / high <= BRACKET_TOLERANCE:
+        return None
+    return (low + high) / 2
+
+
+def capacity_of(probes: list[tuple[float, bool]]) -> float | None:
+    """The largest APS that attained the SLO below every failing one (None if none did)."""
+    failed = [aps for aps, ok in probes if not ok]
+    passed = [aps for aps, ok in probes if ok and (not failed or aps < min(failed))]
+    return max(passed) if passed else None
+
+
+def arrivals(workload: Workload, aps: float, seed: int) -> Workload:
+    return workload.with_arrival_offsets(
+        poisson_arrival_offsets_s(workload.num_sessions, aps, seed)
+    )
+
+
+def run_online(
+    modes: list[str],
+    preset_name: str,
+    *,
+    model_dir: Path,
+    seed: int = 0,
+    aps: float | None = None,
+    find_capacity: bool = False,
+    slo_ttft_s: float | None = None,
+    slo_tpot_s: float | None = None,
+    work_dir: Path | None = None,
+    transport: str = "nixl",
+    trace: Path | None = None,
+    length_scale: float | None = None,
+    max_sessions: int | None = None,
+    progress: bool = True,
+) -> dict:
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"unknown modes {unknown or modes}; choose from {', '.join(MODES)}")
+    preset = PRESETS[preset_name]
+    start_aps = aps or preset.aps
+    if start_aps <= 0:
+        raise ValueError(f"--aps must be > 0, got {start_aps}")
+
+    def workload_of(num_agents: int) -> Workload:
+        return load_workload(
+            preset,
+            model_dir=model_dir,
+            seed=seed,
+            trace=trace,
+            max_sessions=num_agents,
+            length_scale=length_scale,
+        )
+
+    base = ModeRun(
+        mode="oracle",
+        model_dir=Path(model_dir),
+        nodes=preset.nodes,
+        snic_bandwidth_gbps=preset.snic_bandwidth_gbps or 0.0,
+        transport=transport,
+    )
+    report: dict = {
+        "benchmark": "online",
+        "preset": preset_name,
+        "preset_config": asdict(preset),
+        "seed": seed,
+        "model_dir": str(model_dir),
+        "hardware": hardware_info(),
+    }
+    with tempfile.TemporaryDirectory(prefix="dualpath-online-") as tmp:
+        root = Path(work_dir or tmp)
+        # Unloaded: one agent alone on Oracle (uncapped, from memory).
+        unloaded = run_mode(base, workload_of(1), work_dir=root / "unloaded", progress=progress)
+        unloaded.pop("tokens")
+        slo = {
+            "ttft_s": slo_ttft_s or SLO_FACTOR * unloaded["ttft_s"]["p50"],
+            "tpot_s": slo_tpot_s or SLO_FACTOR * (unloaded["tpot_s"]["p50"] or math.inf),
+            "source": "given" if slo_ttft_s and slo_tpot_s else f"{SLO_FACTOR:g} x unloaded p50",
+            "unloaded": {k: unloaded[k] for k in ("jct_s", "ttft_s", "tpot_s")},
+        }
+        report["slo"] = slo
+        if preset.snic_bandwidth_gbps is None:
+            assert preset.rho is not None, "a calibrated preset names its rho"
+            oracle = run_mode(
+                base, workload_of(max_sessions or preset.num_agents), work_dir=root / "cal"
+            )
+            calibration = calibrate(oracle, preset.rho, model_dir)
+            report.update(calibration)
+            base = replace(base, snic_bandwidth_gbps=calibration["snic_caps_gbps"])
+        report["snic_caps_gbps"] = base.snic_bandwidth_gbps
+        min_duration_s = MIN_RUN_AGENT_JCTS * unloaded["jct_s"]
+        results = {}
+        for mode in modes:
+            run = replace(base, mode=mode)
+            probes: list[tuple[float, bool]] = []
+            probe_results = []
+            rate = start_aps
+            while rate is not None:
+                num_agents = max(2, math.ceil(rate * min_duration_s))
+                if max_sessions is not None:
+                    num_agents = min(num_agents, max_sessions)
+                workload = arrivals(workload_of(num_agents), rate, seed)
+                result = run_mode(
+                    run,
+                    workload,
+                    work_dir=root / f"{mode}-{len(probes)}",
+                    progress=progress,
+                    keep_records=True,
+                )
+                result.pop("tokens")
+                result["aps"] = rate
+                result["num_agents"] = num_agents
+                result["second_half_p90_ttft_s"], result["second_half_p90_tpot_s"] = _second_half(
+                    result
+                )
+                result["slo_attained"] = is_attained(result, slo)
+                probes.append((rate, result["slo_attained"]))
+                probe_results.append(result)
+                rate = next_probe(probes) if find_capacity else None
+            summary = dict(probe_results[-1]) if not find_capacity else dict(probe_results[0])
+            summary["probes"] = [
+                {k: r[k] for k in ("aps", "num_agents", "slo_attained", "jct_s")}
+                | {
+                    "p90_ttft_s": r["second_half_p90_ttft_s"],
+                    "p90_tpot_s": r["second_half_p90_tpot_s"],
+                }
+                for r in probe_results
+            ]
+            summary["capacity_aps"] = capacity_of(probes) if find_capacity else None
+            results[mode] = summary
+    report["modes"] = results
+    ratios = {}
+    if "basic" in results:
+        for mode, r in results.items():
+            if mode != "basic" and r["capacity_aps"] and results["basic"]["capacity_aps"]:
+                ratios[f"{mode}_vs_basic_capacity"] = (
+                    r["capacity_aps"] / results["basic"]["capacity_aps"]
+                )
+    report["ratios"] = ratios
+    return report
+
+
+def _second_half(result: dict) -> tuple[float | None, float | None]:
+    records = result.pop("_records")
+    return second_half_p90(records)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument(
+        "--aps", type=float, default=None, help="agents arriving per second (default: preset's)"
+    )
+    parser.add_argument(
+        "--find-capacity",
+        action="store_true",
+        help="search the largest APS that attains the SLO (bisection to 5%%, <= 6 probes)",
+    )
+    parser.add_argument(
+        "--slo-ttft-s", type=float, default=None, help="TTFT SLO (default 4 x unloaded p50)"
+    )
+    parser.add_argument(
+        "--slo-tpot-s", type=float, default=None, help="TPOT SLO (default 4 x unloaded p50)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from dualpath.cli import _resolve_model
+
+    if args.url is not None:
+        raise ValueError("bench online starts its own servers: --url is for bench offline")
+    if args.read_path is not None:
+        raise ValueError("--read-path is for bench offline")
+    modes = [m.strip() for m in (args.modes or "basic,dualpath").split(",") if m.strip()]
+    report = run_online(
+        modes,
+        args.preset,
+        model_dir=_resolve_model(args.model),
+        seed=args.seed,
+        aps=args.aps,
+        find_capacity=args.find_capacity,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_tpot_s=args.slo_tpot_s,
+        transport=args.transport,
+        trace=args.trace,
+        length_scale=args.length_scale,
+        max_sessions=args.max_sessions,
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    out_dir = args.out_dir or (args.json.parent if args.json is not None else None)
+    stem = args.json.stem if args.json is not None else "online"
+    print(write_markdown(report, None if out_dir is None else out_dir / f"{stem}.md"))
+    return 0

@@ -1,0 +1,69 @@
+"""`dualpath bench online`: the capacity search, the SLO rule, and one real run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dualpath.bench.agents import TurnRecord
+from dualpath.bench.online import (
+    MAX_PROBES,
+    capacity_of,
+    is_attained,
+    next_probe,
+    run_online,
+    second_half_p90,
+)
+
+
+def _search(capacity_aps: float, start_aps: float) -> list[tuple[float, bool]]:
+    probes: list[tuple[float, bool]] = []
+    rate = start_aps
+    while rate is not None:
+        probes.append((rate, rate <= capacity_aps))
+        rate = next_probe(probes)
+    return probes
+
+
+def test_capacity_search_brackets_then_bisects_within_six_probes() -> None:
+    probes = _search(capacity_aps=3.0, start_aps=1.0)
+    assert [aps for aps, _ in probes] == [1.0, 2.0, 4.0, 3.0, 3.5, 3.25]
+    assert len(probes) == MAX_PROBES
+    assert capacity_of(probes) == 3.0
+    # Starting above the capacity halves first.
+    down = _search(capacity_aps=0.3, start_aps=1.0)
+    assert [aps for aps, _ in down][:3] == [1.0, 0.5, 0.25]
+    assert capacity_of(down) is not None and 0.25 <= capacity_of(down) <= 0.3
+    # Stops as soon as the bracket is within 5%.
+    assert next_probe([(1.0, True), (1.04, False)]) is None
+    assert capacity_of([(1.0, False), (0.5, False)]) is None
+
+
+def _turn(arrival, first, finish, out=4, error=None) -> TurnRecord:
+    return TurnRecord(0, 0, arrival, first, first + 0.01, finish, 100, 0, out, error)
+
+
+def test_slo_is_judged_on_the_second_half_of_the_run() -> None:
+    # A slow start (TTFT 5 s) does not count; the second half's p90 TTFT is 0.2 s.
+    records = [_turn(0.0, 5.0, 6.0)] + [_turn(t, t + 0.2, t + 0.5) for t in (6.0, 7.0, 8.0)]
+    p90_ttft_s, p90_tpot_s = second_half_p90(records)
+    assert p90_ttft_s == pytest.approx(0.2)
+    assert p90_tpot_s == pytest.approx(0.1)
+    result = {"num_failed": 0, "second_half_p90_ttft_s": 0.2, "second_half_p90_tpot_s": 0.1}
+    assert is_attained(result, {"ttft_s": 0.25, "tpot_s": 0.2})
+    assert not is_attained(result, {"ttft_s": 0.15, "tpot_s": 0.2})
+    assert not is_attained(result, {"ttft_s": 0.25, "tpot_s": 0.05})
+    assert not is_attained(result | {"num_failed": 1}, {"ttft_s": 1.0, "tpot_s": 1.0})
+
+
+@pytest.mark.slow
+def test_an_online_run_reports_slo_attainment(tiny_model_dir: Path) -> None:
+    pytest.importorskip("nixl_cu12")
+    report = run_online(
+        ["dualpath"], "ci", model_dir=tiny_model_dir, aps=2.0, max_sessions=4, progress=False
+    )
+    result = report["modes"]["dualpath"]
+    assert report["slo"]["ttft_s"] > 0 and report["slo"]["tpot_s"] > 0
+    assert result["num_failed"] == 0 and result["probes"][0]["aps"] == 2.0
+    assert isinstance(result["slo_attained"], bool)
