@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dualpath import __version__
 from dualpath.errors import DualPathError
+from dualpath.server.args import positive_float
 from dualpath.units import gb_to_bytes
 
 DEFAULT_PRESET = "tiny"
@@ -45,16 +46,6 @@ def _positive_int(text: str) -> int:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
-    if not value > 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
@@ -355,7 +346,7 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--attention-quota-s",
-        type=_positive_float,
+        type=positive_float,
         default=0.3,
         help="PE: predicted seconds of one layer per prefill batch, the compute quota "
         "(default 0.3); longer prompts are prefilled in chunks across batches",

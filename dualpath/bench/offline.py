@@ -80,6 +80,30 @@ def load_workload(
     return workload.with_arrival_offsets([0.0] * workload.num_sessions)
 
 
+def checked_preset(preset_name: str, modes: list[str]) -> BenchPreset:
+    """The named preset; ``ValueError`` naming an unknown preset or mode."""
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"unknown modes {unknown or modes}; choose from {', '.join(MODES)}")
+    return PRESETS[preset_name]
+
+
+def oracle_run(
+    preset: BenchPreset, model_dir: Path, *, transport: str, read_path: str | None = None
+) -> ModeRun:
+    """The preset's cluster in ``oracle`` mode (other modes: ``replace(run, mode=...)``)."""
+    return ModeRun(
+        mode="oracle",
+        model_dir=Path(model_dir),
+        nodes=preset.nodes,
+        snic_bandwidth_gbps=preset.snic_bandwidth_gbps or 0.0,
+        read_path=read_path,
+        transport=transport,
+    )
+
+
 def run_offline(
     modes: list[str],
     preset_name: str,
@@ -95,12 +119,7 @@ def run_offline(
     length_scale: float | None = None,
     progress: bool = True,
 ) -> dict:
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise ValueError(f"unknown modes {unknown or modes}; choose from {', '.join(MODES)}")
-    preset = PRESETS[preset_name]
+    preset = checked_preset(preset_name, modes)
     if rho is not None:
         preset = replace(preset, snic_bandwidth_gbps=None, rho=rho)
     workload = load_workload(
@@ -111,14 +130,7 @@ def run_offline(
         max_sessions=max_sessions,
         length_scale=length_scale,
     )
-    base = ModeRun(
-        mode="oracle",
-        model_dir=Path(model_dir),
-        nodes=preset.nodes,
-        snic_bandwidth_gbps=preset.snic_bandwidth_gbps or 0.0,
-        read_path=read_path,
-        transport=transport,
-    )
+    base = oracle_run(preset, model_dir, transport=transport, read_path=read_path)
     report: dict = {
         "benchmark": "offline",
         "preset": preset_name,

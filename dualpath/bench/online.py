@@ -28,11 +28,15 @@ import numpy as np
 
 from dualpath.bench.agents import TurnRecord
 from dualpath.bench.hardware import hardware_info
-from dualpath.bench.harness import ModeRun, run_mode
-from dualpath.bench.offline import add_workload_arguments, calibrate, load_workload
-from dualpath.bench.presets import PRESETS
+from dualpath.bench.harness import run_mode
+from dualpath.bench.offline import (
+    add_workload_arguments,
+    calibrate,
+    checked_preset,
+    load_workload,
+    oracle_run,
+)
 from dualpath.bench.report import write_markdown
-from dualpath.config import MODES
 from dualpath.workload import Workload, poisson_arrival_offsets_s
 
 SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
@@ -115,12 +119,7 @@ def run_online(
     max_sessions: int | None = None,
     progress: bool = True,
 ) -> dict:
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise ValueError(f"unknown modes {unknown or modes}; choose from {', '.join(MODES)}")
-    preset = PRESETS[preset_name]
+    preset = checked_preset(preset_name, modes)
     start_aps = aps or preset.aps
     if start_aps <= 0:
         raise ValueError(f"--aps must be > 0, got {start_aps}")
@@ -135,13 +134,7 @@ def run_online(
             length_scale=length_scale,
         )
 
-    base = ModeRun(
-        mode="oracle",
-        model_dir=Path(model_dir),
-        nodes=preset.nodes,
-        snic_bandwidth_gbps=preset.snic_bandwidth_gbps or 0.0,
-        transport=transport,
-    )
+    base = oracle_run(preset, model_dir, transport=transport)
     report: dict = {
         "benchmark": "online",
         "preset": preset_name,
