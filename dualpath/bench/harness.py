@@ -27,6 +27,7 @@ from dualpath.bench.agents import TurnRecord, run_agents
 from dualpath.bench.server_process import MetricsSampler, ServerProcess, metric_sum
 from dualpath.bench.stats import LinkSample, snic_load_balance, summarize_turns
 from dualpath.config import mode_settings
+from dualpath.units import bytes_per_s_to_gbps
 from dualpath.workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ def link_figures(
             "path_bytes": None,
             "snic_load_balance": None,
             "pe_busy_fraction": None,
+            "snic_timeline": None,
         }
     snic_bytes: dict[str, int] = {}
     for labels, value in scraped.get("dualpath_link_bytes_total", ()):
@@ -171,9 +173,26 @@ def link_figures(
             "de": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="decode")),
         },
         "snic_load_balance": snic_load_balance(samples),
+        "snic_timeline": snic_timeline(samples),
         # Time the PEs spent in prefill batches over the run's length (mean over PEs).
         "pe_busy_fraction": busy_s / max(num_prefill, 1) / jct_s if jct_s > 0 else None,
     }
+
+
+def snic_timeline(samples: list[LinkSample]) -> dict:
+    """Each SNIC's rate (Gbps) between consecutive samples, at the interval's end (seconds
+    from the first sample): the data of the per-SNIC utilisation plot."""
+    names = sorted({name for sample in samples for name in sample.snic_bytes})
+    times_s, gbps = [], {name: [] for name in names}
+    for before, after in zip(samples[:-1], samples[1:], strict=True):
+        span_s = after.time_s - before.time_s
+        if span_s <= 0:
+            continue
+        times_s.append(after.time_s - samples[0].time_s)
+        for name in names:
+            moved = after.snic_bytes.get(name, 0) - before.snic_bytes.get(name, 0)
+            gbps[name].append(bytes_per_s_to_gbps(moved / span_s))
+    return {"time_s": times_s, "gbps": gbps}
 
 
 def token_mismatches(tokens: dict[str, str], reference: dict[str, str]) -> int:

@@ -36,7 +36,7 @@ from dualpath.bench.offline import (
     load_workload,
     oracle_run,
 )
-from dualpath.bench.report import write_markdown
+from dualpath.bench.report import write_markdown, write_plots
 from dualpath.workload import Workload, poisson_arrival_offsets_s
 
 SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
@@ -267,4 +267,7 @@ def main(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or (args.json.parent if args.json is not None else None)
     stem = args.json.stem if args.json is not None else "online"
     print(write_markdown(report, None if out_dir is None else out_dir / f"{stem}.md"))
+    if out_dir is not None:
+        for path in write_plots(report, out_dir, stem):
+            print(f"wrote {path}")
     return 0

@@ -93,6 +93,46 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     written.append(path)
+    timelines = {m: r["snic_timeline"] for m, r in run["modes"].items() if r.get("snic_timeline")}
+    if timelines:
+        figure, axes = plt.subplots(
+            len(timelines), 1, figsize=(7, 2.2 * len(timelines)), sharex=True, squeeze=False
+        )
+        for axis, (mode, timeline) in zip(axes[:, 0], timelines.items(), strict=True):
+            for name, rates in timeline["gbps"].items():
+                axis.plot(timeline["time_s"], rates, label=name)
+            cap = run.get("snic_caps_gbps")
+            if cap:
+                axis.axhline(cap, color="grey", linestyle=":", label="cap")
+            axis.set_title(mode, fontsize=9)
+            axis.set_ylabel("Gbps")
+        axes[0, 0].legend(fontsize=7, loc="upper right")
+        axes[-1, 0].set_xlabel("time (s)")
+        figure.suptitle("per-SNIC throughput")
+        figure.tight_layout()
+        path = out_dir / f"{stem}_snic.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+    probed = {m: r["probes"] for m, r in run["modes"].items() if len(r.get("probes", ())) > 1}
+    if probed:
+        figure, (ttft_axis, tpot_axis) = plt.subplots(1, 2, figsize=(9, 3.5))
+        for mode, probes in probed.items():
+            ordered = sorted(probes, key=lambda p: p["aps"])
+            aps = [p["aps"] for p in ordered]
+            ttft_axis.plot(aps, [p["p90_ttft_s"] for p in ordered], "o-", label=mode)
+            tpot_axis.plot(aps, [(p["p90_tpot_s"] or 0) * 1e3 for p in ordered], "o-", label=mode)
+        slo = run["slo"]
+        ttft_axis.axhline(slo["ttft_s"], color="grey", linestyle=":", label="SLO")
+        tpot_axis.axhline(slo["tpot_s"] * 1e3, color="grey", linestyle=":", label="SLO")
+        ttft_axis.set(xlabel="agents per second", ylabel="p90 TTFT (s)")
+        tpot_axis.set(xlabel="agents per second", ylabel="p90 TPOT (ms)")
+        ttft_axis.legend(fontsize=8)
+        figure.tight_layout()
+        path = out_dir / f"{stem}_latency_vs_aps.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
     swept = [r for r in runs if r.get("rho") is not None and "dualpath_vs_basic_jct" in r["ratios"]]
     if len(swept) > 1:
         from dualpath.bench.offline import ideal_speedup

@@ -83,6 +83,11 @@ class ControlServer:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted client reuses its id
+        # No high-water mark: at the default (1,000 messages) a ROUTER silently drops what it
+        # cannot queue for a slow client, and a lost Assignment is a stuck request. A client
+        # that stops reading for good is declared dead by the heartbeat instead.
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
         if endpoint.endswith(":0"):
             port = self._socket.bind_to_random_port(endpoint.rsplit(":", 1)[0])
             self.endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
@@ -213,6 +218,8 @@ class ControlClient:
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block a message (see above)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.setsockopt(zmq.IDENTITY, f"{client_id}:{secrets.token_hex(4)}".encode())
         self._socket.connect(endpoint)
         self._poller = zmq.Poller()

@@ -72,6 +72,8 @@ def test_forcing_the_de_path_puts_every_hit_read_on_decode_nodes(
     assert result["snic_bytes"].get("node0.snic", 0) == 0
     assert (out.parent / "forced.md").read_text().count("| dualpath |") == 1
     assert (out.parent / "forced_jct.png").stat().st_size > 0
+    assert (out.parent / "forced_snic.png").stat().st_size > 0
+    assert result["snic_timeline"]["time_s"]
 
 
 def test_ideal_speedup_follows_the_snic_count() -> None:

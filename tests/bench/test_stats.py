@@ -81,3 +81,12 @@ def test_snic_bytes_add_up_a_nodes_engines() -> None:
         2: {"node1.snic.kv": 4},
     }
     assert snic_bytes_of(link_bytes) == {"node0.snic": 16, "node1.snic": 4}
+
+
+def test_snic_timeline_gives_each_snics_rate_per_interval() -> None:
+    from dualpath.bench.harness import snic_timeline
+
+    samples = _samples({"a": [125e6, 0.0], "b": [0.0, 250e6]}, period_s=1.0)  # bytes per second
+    timeline = snic_timeline(samples)
+    assert timeline["time_s"] == [1.0, 2.0]
+    assert timeline["gbps"] == {"a": [1.0, 0.0], "b": [0.0, 2.0]}

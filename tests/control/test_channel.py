@@ -109,6 +109,25 @@ def test_welcomed_client_exchanges_messages(server) -> None:
     client.close()
 
 
+def test_a_client_that_reads_late_loses_no_message(server) -> None:
+    # ZeroMQ's default high-water marks (1,000 messages per queue) make a ROUTER drop, silently,
+    # what it cannot queue for a slow reader: an Assignment lost that way leaves a request
+    # stuck. Both ends run without a limit, so a late reader gets every message.
+    srv, token = server
+    client = ControlClient(srv.endpoint, "engine-0", token)
+    _handshake(srv, client)
+    num_messages = 5000
+    for i in range(num_messages):
+        srv.send("engine-0", Ping(i, b"x" * 4096, ()))
+    received: list[object] = []
+    for _ in range(200):
+        received += client.poll(0.05)
+        if len(received) >= num_messages:
+            break
+    assert [m.seq for m in received] == list(range(num_messages))
+    client.close()
+
+
 def _handshake(srv: ControlServer, client: ControlClient) -> None:
     import threading
 
