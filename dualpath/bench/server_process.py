@@ -145,6 +145,9 @@ def snic_sample(
     return LinkSample(time_s, totals)
 
 
+FINAL_SAMPLE_DELAY_S = 0.5
+
+
 class MetricsSampler:
     """Scrapes /metrics every ``period_s`` on a thread: SNIC byte samples for the load balance,
     and the last scrape. A failed scrape is skipped (the run goes on; fewer samples)."""
@@ -176,4 +179,7 @@ class MetricsSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.sample()  # the final counters
+        # The final counters: engines report every 10 ms and the server republishes their
+        # counters every 0.1 s, so wait that out before reading the run's totals.
+        time.sleep(FINAL_SAMPLE_DELAY_S)
+        self.sample()

@@ -346,12 +346,15 @@ class _EngineProcess:
         )
 
     def _link_bytes(self) -> dict[str, int]:
+        # Read before the links: a read is counted here only after its SNIC movement finished,
+        # so in one report the SNIC bytes always cover store_read_bytes.
+        engine = self.prefill or self.decode
+        store_read_bytes = engine.num_read_bytes
         counters: dict[str, int] = {}
         for link in self.traffic.stats().links:
             for traffic_class, moved in link.class_to_moved_bytes.items():
                 counters[f"{link.name}.{TrafficClass(traffic_class).name.lower()}"] = int(moved)
-        engine = self.prefill or self.decode
-        counters["store_read_bytes"] = engine.num_read_bytes
+        counters["store_read_bytes"] = store_read_bytes
         counters["busy_us"] = int(self.busy_s * 1e6)
         counters["buffer_used_bytes"] = self.buffer.num_used_bytes  # a level, not cumulative
         counters["buffer_capacity_bytes"] = (
