@@ -143,8 +143,12 @@ class _EngineProcess:
         cluster = config.cluster
         is_prefill = config.role == PREFILL
         buffer_bytes = cluster.prefill_buffer_bytes if is_prefill else cluster.decode_buffer_bytes
+        is_cuda = loaded.device.type == "cuda"
         self.buffer = KVBuffer(
-            self.identity.layout, buffer_bytes, pin_memory=loaded.device.type == "cuda"
+            self.identity.layout,
+            buffer_bytes,
+            pin_memory=is_cuda,
+            allocate=None if is_cuda else self.transport.allocate_host_buffer,
         )
         self.buffer_descriptor = self.transport.register("kv-buffer", self.buffer.array)
         self.prefill: PrefillEngine | None = None

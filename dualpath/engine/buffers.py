@@ -33,9 +33,18 @@ _Mover = Callable[[str, int, Callable[[], object]], object]
 
 
 class KVBuffer:
-    def __init__(self, layout: KVLayout, capacity_bytes: int, *, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_bytes: int,
+        *,
+        pin_memory: bool = False,
+        allocate: Callable[[int], np.ndarray] | None = None,
+    ) -> None:
         """``pin_memory``: page-locked, for an engine on a GPU (DMA to and from the device,
-        and what RDMA registration wants); needs CUDA."""
+        and what RDMA registration wants); needs CUDA. ``allocate(num_bytes)``: where the
+        zeroed uint8 array comes from instead, e.g. ``Transport.allocate_host_buffer`` for a
+        transport that can only register its own memory (shared memory)."""
         num_slots = capacity_bytes // layout.full_block_bytes
         if num_slots <= 0:
             raise ValueError(
@@ -45,7 +54,11 @@ class KVBuffer:
         self.layout = layout
         self.num_slots = num_slots
         shape = (num_slots, *layout.full_block_shape)
-        if pin_memory:
+        if pin_memory and allocate is not None:
+            raise ValueError("give pin_memory or allocate, not both")
+        if allocate is not None:
+            self.array = allocate(num_slots * layout.full_block_bytes).reshape(shape)
+        elif pin_memory:
             import torch  # only engines on a GPU pay for the import here
 
             self.array = torch.zeros(shape, dtype=torch.uint8, pin_memory=True).numpy()

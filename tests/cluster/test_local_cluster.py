@@ -144,3 +144,25 @@ def test_killing_a_decode_engine_fails_only_its_requests(
         )
         assert [o.error for o in after] == [None, None]
         assert all(len(o.token_ids) == 8 for o in after)
+
+
+def test_the_shared_memory_transport_serves_a_conversation(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    context = random_ids(400, seed=11)
+    with LocalCluster(
+        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=1, mode="dualpath"),
+        model_dir=tiny_model_dir,
+        store=KVStoreConfig(root_dir=tmp_path / "kv"),
+        transport="shm",
+        log_dir=tmp_path / "logs",
+    ) as cluster:
+        first = cluster.generate([context], params, timeout_s=120)[0]
+        second_prompt = context + first.token_ids + random_ids(30, seed=12)
+        second = cluster.generate([second_prompt], params, timeout_s=120)[0]
+    with LLM(tiny_model_dir) as llm:
+        reference = llm.generate([{"prompt_token_ids": second_prompt}], params)[0]
+    assert first.error is None and second.error is None
+    assert second.num_cached_tokens == BLOCK * ((len(context) + len(first.token_ids) - 1) // BLOCK)
+    assert_same_tokens(reference, _Out(second.token_ids), label="shm transport, turn 2")
