@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dualpath.bench.agents import TurnRecord, run_agents
-from dualpath.bench.server_process import MetricsSampler, ServerProcess, metric_sum
+from dualpath.bench.server_process import MetricsSampler, ServerProcess, metric_sum, snic_totals
 from dualpath.bench.stats import LinkSample, snic_load_balance, summarize_turns
 from dualpath.config import mode_settings
 from dualpath.units import bytes_per_s_to_gbps
@@ -156,10 +156,6 @@ def link_figures(
             "pe_busy_fraction": None,
             "snic_timeline": None,
         }
-    snic_bytes: dict[str, int] = {}
-    for labels, value in scraped.get("dualpath_link_bytes_total", ()):
-        if labels.get("link", "").endswith(".snic"):
-            snic_bytes[labels["link"]] = snic_bytes.get(labels["link"], 0) + int(value)
     busy_s = metric_sum(scraped, "dualpath_engine_busy_seconds_total", role="prefill")
     num_prefill = sum(
         1
@@ -167,7 +163,7 @@ def link_figures(
         if labels.get("role") == "prefill"
     )
     return {
-        "snic_bytes": snic_bytes,
+        "snic_bytes": snic_totals(scraped),
         "path_bytes": {
             "pe": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="prefill")),
             "de": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="decode")),

@@ -25,7 +25,6 @@ tokens differ from the first mode's); top level ``ratios``, ``rho``, ``snic_caps
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_against_url, run_mode, token_mismatches
 from dualpath.bench.presets import PRESETS, BenchPreset, preset_workload
-from dualpath.bench.report import write_markdown, write_plots
+from dualpath.bench.report import write_outputs
 from dualpath.config import MODES, READ_PATHS
 from dualpath.units import bytes_per_s_to_gbps
 from dualpath.workload import Workload, load_mooncake_trace, workload_stats
@@ -311,12 +310,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _write(report: dict, args: argparse.Namespace) -> None:
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    out_dir = args.out_dir or (args.json.parent if args.json is not None else None)
-    stem = args.json.stem if args.json is not None else "offline"
-    print(write_markdown(report, None if out_dir is None else out_dir / f"{stem}.md"))
-    if out_dir is not None:
-        for path in write_plots(report, out_dir, stem):
-            print(f"wrote {path}")
+    write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="offline")

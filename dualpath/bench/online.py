@@ -18,7 +18,6 @@ Link caps are the preset's, or calibrated as in ``bench offline`` (``paper-ratio
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import tempfile
 from dataclasses import asdict, replace
@@ -36,7 +35,7 @@ from dualpath.bench.offline import (
     load_workload,
     oracle_run,
 )
-from dualpath.bench.report import write_markdown, write_plots
+from dualpath.bench.report import write_outputs
 from dualpath.workload import Workload, poisson_arrival_offsets_s
 
 SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
@@ -186,14 +185,14 @@ def run_online(
                 result.pop("tokens")
                 result["aps"] = rate
                 result["num_agents"] = num_agents
-                result["second_half_p90_ttft_s"], result["second_half_p90_tpot_s"] = _second_half(
-                    result
+                result["second_half_p90_ttft_s"], result["second_half_p90_tpot_s"] = (
+                    second_half_p90(result.pop("_records"))
                 )
                 result["slo_attained"] = is_attained(result, slo)
                 probes.append((rate, result["slo_attained"]))
                 probe_results.append(result)
                 rate = next_probe(probes) if find_capacity else None
-            summary = dict(probe_results[-1]) if not find_capacity else dict(probe_results[0])
+            summary = dict(probe_results[0])  # the run at the starting rate
             summary["probes"] = [
                 {k: r[k] for k in ("aps", "num_agents", "slo_attained", "jct_s")}
                 | {
@@ -214,11 +213,6 @@ def run_online(
                 )
     report["ratios"] = ratios
     return report
-
-
-def _second_half(result: dict) -> tuple[float | None, float | None]:
-    records = result.pop("_records")
-    return second_half_p90(records)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -261,13 +255,5 @@ def main(args: argparse.Namespace) -> int:
         length_scale=args.length_scale,
         max_sessions=args.max_sessions,
     )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    out_dir = args.out_dir or (args.json.parent if args.json is not None else None)
-    stem = args.json.stem if args.json is not None else "online"
-    print(write_markdown(report, None if out_dir is None else out_dir / f"{stem}.md"))
-    if out_dir is not None:
-        for path in write_plots(report, out_dir, stem):
-            print(f"wrote {path}")
+    write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="online")
     return 0

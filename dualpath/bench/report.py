@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -70,6 +71,22 @@ def write_markdown(report: dict, path: Path | None) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return text
+
+
+def write_outputs(
+    report: dict, *, json_path: Path | None, out_dir: Path | None, default_stem: str
+) -> None:
+    """A benchmark's outputs: the JSON at ``json_path``; the Markdown summary printed and,
+    with the PNG plots, written to ``out_dir`` (default: beside the JSON)."""
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+    out_dir = out_dir or (json_path.parent if json_path is not None else None)
+    stem = json_path.stem if json_path is not None else default_stem
+    print(write_markdown(report, None if out_dir is None else out_dir / f"{stem}.md"))
+    if out_dir is not None:
+        for path in write_plots(report, out_dir, stem):
+            print(f"wrote {path}")
 
 
 def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:

@@ -133,16 +133,14 @@ def metric_sum(
     )
 
 
-def snic_sample(
-    samples: dict[str, list[tuple[dict[str, str], float]]], time_s: float
-) -> LinkSample:
+def snic_totals(samples: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, int]:
     """Cumulative bytes per SNIC (all traffic classes) from one scrape."""
     totals: dict[str, int] = {}
     for labels, value in samples.get("dualpath_link_bytes_total", ()):
         link = labels.get("link", "")
         if link.endswith(".snic"):
             totals[link] = totals.get(link, 0) + int(value)
-    return LinkSample(time_s, totals)
+    return totals
 
 
 FINAL_SAMPLE_DELAY_S = 0.5
@@ -170,7 +168,7 @@ class MetricsSampler:
         now_s = time.monotonic()
         with contextlib.suppress(httpx.HTTPError):
             self.last = scrape(self.url)
-            self.samples.append(snic_sample(self.last, now_s))
+            self.samples.append(LinkSample(now_s, snic_totals(self.last)))
 
     def __enter__(self) -> MetricsSampler:
         self._thread.start()

@@ -87,19 +87,3 @@ def snic_load_balance(
     per_window = np.diff(at_edges, axis=1)  # [snic, window]
     ratios = [column.max() / column.mean() for column in per_window.T if column.sum() > 0]
     return float(np.mean(ratios)) if ratios else None
-
-
-def snic_bytes_of(link_bytes: Mapping[int, Mapping[str, int]]) -> dict[str, int]:
-    """Bytes per SNIC, all classes, from the engines' cumulative ``link.class`` counters.
-
-    Engines of one node report the same node-wide SNIC under the same name; each engine
-    counts only its own movements, so the node's total is the sum over its engines.
-    """
-    totals: dict[str, int] = {}
-    for counters in link_bytes.values():
-        for key, value in counters.items():
-            link, _, _ = key.partition(".snic.")
-            if link != key:
-                name = f"{link}.snic"
-                totals[name] = totals.get(name, 0) + int(value)
-    return totals

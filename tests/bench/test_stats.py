@@ -8,7 +8,6 @@ from dualpath.bench.agents import TurnRecord
 from dualpath.bench.stats import (
     LinkSample,
     percentiles,
-    snic_bytes_of,
     snic_load_balance,
     summarize_turns,
 )
@@ -72,15 +71,6 @@ def test_snic_load_balance_is_max_over_mean_per_window() -> None:
     )
     assert snic_load_balance(even[:1]) is None
     assert snic_load_balance(_samples({"a": [0.0] * 4})) is None
-
-
-def test_snic_bytes_add_up_a_nodes_engines() -> None:
-    link_bytes = {
-        0: {"node0.snic.kv": 10, "node0.snic.inference": 1, "engine0.cnic.kv": 99},
-        1: {"node0.snic.kv": 5, "engine1.cnic.kv": 7, "store_read_bytes": 3},
-        2: {"node1.snic.kv": 4},
-    }
-    assert snic_bytes_of(link_bytes) == {"node0.snic": 16, "node1.snic": 4}
 
 
 def test_snic_timeline_gives_each_snics_rate_per_interval() -> None:
