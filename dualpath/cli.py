@@ -509,6 +509,7 @@ def _serve_cluster_config(s: argparse.Namespace):  # -> ClusterConfig
         decode_buffer_bytes=buffer_bytes,
         control_endpoint=s.scheduler_endpoint,
         heartbeat_timeout_s=s.heartbeat_timeout_s,
+        persist_wait_s=s.persist_wait_s,
     )
 
 

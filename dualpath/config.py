@@ -279,6 +279,9 @@ class ClusterConfig:
     # An engine that has not reported for this long is declared dead; an engine that has not
     # heard from the scheduler for this long exits on its own.
     heartbeat_timeout_s: float = 5.0
+    # A request whose hit prefix stops at a block a DE is still writing waits for the write,
+    # at most this long after the writing request finished (0: never wait, recompute).
+    persist_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("num_prefill_nodes", "num_decode_nodes", "engines_per_node"):
@@ -295,6 +298,8 @@ class ClusterConfig:
         _require_positive("prefill_buffer_bytes", self.prefill_buffer_bytes)
         _require_positive("decode_buffer_bytes", self.decode_buffer_bytes)
         _require_positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
+        if self.persist_wait_s < 0:
+            raise ValueError(f"persist_wait_s must be >= 0, got {self.persist_wait_s}")
 
     @property
     def node_shape(self) -> str:

@@ -17,6 +17,10 @@ An engine that stops reporting for ``heartbeat_timeout_s`` is declared dead (che
 heartbeat period, ``heartbeat_timeout_s / 4``): the policy sees it as overloaded (a PE above
 beta, a DE with no free memory) so nothing more is placed on it, and its in-flight requests
 fail with a message that names it.
+
+A request whose hit prefix stops at a block a DE is still writing (an agent's next turn, sent
+the moment the last one finished) waits for that write rather than being placed with a short
+hit (``dualpath.cluster.persisting``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dualpath.cluster.messages import (
     GroupInfo,
     GroupReport,
     Heartbeat,
+    KVPersisted,
     PeerTable,
     PrefillDone,
     RequestFailed,
@@ -51,11 +56,12 @@ from dualpath.cluster.messages import (
     TokenUpdate,
     pack_token_ids,
 )
+from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import ControlServer
 from dualpath.control.codec import encode
 from dualpath.errors import KVStoreError, PeerUnavailable
-from dualpath.kv.hashing import block_keys
+from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import FileKVStore, KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.scheduler import (
@@ -96,6 +102,9 @@ class _RequestState:
     params: SamplingParams
     sampling: dict[str, Any]  # sampling_params_to_dict(params), made on the submitting thread
     num_cached_tokens: int
+    # Keys of the prompt's full blocks (all but its last token), hashed at submit; kept only
+    # until the request is queued for placement (see ``_enqueue``).
+    block_keys: list[BlockKey] | None = None
     prefill_engine_id: int | None = None
     decode_engine_id: int | None = None
     is_prefill_done: bool = False
@@ -190,6 +199,9 @@ class Coordinator:
         self._request_ids = itertools.count()
         self._last_heartbeat_s = 0.0
         self.num_assigned = 0
+        self.persisting: PersistingBlocks[_RequestState] = PersistingBlocks(
+            cluster.persist_wait_s if store is not None else 0.0
+        )
 
     def _new_group_state(self, spec: EngineGroupSpec) -> _GroupState:
         num_engines_of_node = Counter(self._engine_id_to_node[e] for e in spec.engine_ids)
@@ -236,26 +248,36 @@ class Coordinator:
         if not token_ids:
             raise ValueError("prompt is empty: at least one token is needed")
         request_id = next(self._request_ids)
-        num_cached = self._num_cached_tokens(token_ids)
+        keys = self._prompt_block_keys(token_ids)
+        num_cached = self._lookup(keys) * self.block_size if keys else 0
         self._submissions.put(
             _RequestState(
-                request_id, token_ids, params, sampling_params_to_dict(params), num_cached
+                request_id,
+                token_ids,
+                params,
+                sampling_params_to_dict(params),
+                num_cached,
+                keys if self.persisting.is_enabled else None,
             )
         )
         return request_id
 
-    def _num_cached_tokens(self, prompt_token_ids: array.array) -> int:
-        """Whole hit blocks, leaving at least one token for the PE to compute."""
+    def _prompt_block_keys(self, prompt_token_ids: array.array) -> list[BlockKey]:
+        """Keys of the whole blocks a hit may cover: all but the prompt's last token, which
+        the PE must compute."""
         if self.store is None:
-            return 0
+            return []
         max_blocks = (len(prompt_token_ids) - 1) // self.block_size
-        keys = block_keys(
+        return block_keys(
             prompt_token_ids[: max_blocks * self.block_size],
             self.block_size,
             self.identity.fingerprint,
         )
+
+    def _lookup(self, keys: list[BlockKey]) -> int:
+        """Leading ``keys`` in the store (any thread)."""
         try:
-            return self.store.lookup(keys) * self.block_size
+            return self.store.lookup(keys)
         except KVStoreError as exc:
             logger.warning("store lookup failed, treating the prompt as a miss: %s", exc)
             return 0
@@ -286,20 +308,54 @@ class Coordinator:
             except queue.Empty:
                 break
             self._requests[state.request_id] = state
-            self.policy.submit(
-                SchedulerRequest(
-                    state.request_id,
-                    num_prompt_tokens=len(state.prompt_token_ids),
-                    num_cached_tokens=state.num_cached_tokens,
-                    max_num_output_tokens=state.params.max_tokens,
-                )
-            )
+            self._enqueue(state)
         for client_id, msg in self.server.receive(timeout_s):  # each handled, then dropped
             self._handle(client_id, msg)
         self._check_liveness()
+        if self.persisting:
+            self._enqueue_all(self.persisting.expire(self.clock()))
         if self._is_peer_table_stale:
             self._is_peer_table_stale = False
             self._broadcast(PeerTable(tuple(e.info for e in self._engines.values() if e.is_alive)))
+
+    def _enqueue(self, state: _RequestState) -> None:
+        """Queue the request for placement, unless its hit prefix stops at a block a DE is
+        still writing: then it waits for that write (at most ``persist_wait_s``)."""
+        if self._is_waiting_for_writes(state):
+            return
+        state.block_keys = None  # placement needs only the hit length
+        self.policy.submit(
+            SchedulerRequest(
+                state.request_id,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_cached_tokens=state.num_cached_tokens,
+                max_num_output_tokens=state.params.max_tokens,
+            )
+        )
+
+    def _is_waiting_for_writes(self, state: _RequestState) -> bool:
+        keys = state.block_keys
+        if keys is None:
+            return False
+        num_hit = state.num_cached_tokens // self.block_size
+        while num_hit < len(keys):
+            writer_id = self.persisting.writer_of(keys[num_hit])
+            if writer_id is not None:
+                self.persisting.wait(writer_id, state)
+                return True
+            # Not being written: absent, or written since the last lookup (then look again).
+            num_more = self._lookup(keys[num_hit:])
+            if not num_more:
+                break
+            num_hit += num_more
+            state.num_cached_tokens = num_hit * self.block_size
+        return False
+
+    def _enqueue_all(self, states: list[_RequestState]) -> None:
+        """Queue requests released from waiting (those not cancelled meanwhile)."""
+        for state in states:
+            if state.request_id in self._requests:
+                self._enqueue(state)
 
     def _handle(self, client_id: str, msg: object) -> None:
         now_s = self.clock()
@@ -342,6 +398,8 @@ class Coordinator:
                 self._relay(msg.request_id, msg, to_prefill=False)
         elif isinstance(msg, TokenUpdate):
             self._on_tokens(msg, now_s)
+        elif isinstance(msg, KVPersisted):
+            self._enqueue_all(self.persisting.written(msg.request_ids))
         elif isinstance(msg, RequestFailed):
             self._fail(msg.request_id, msg.reason)
         else:
@@ -529,7 +587,11 @@ class Coordinator:
             )
         )
         if msg.finish_reason is not None:
-            del self._requests[msg.request_id]
+            state = self._requests.pop(msg.request_id)
+            if msg.persisting_keys and state.decode_engine_id is not None:
+                self.persisting.add(
+                    msg.request_id, state.decode_engine_id, msg.persisting_keys, now_s
+                )
 
     def cancel(self, request_id: int) -> None:
         """Stop a request wherever it is; its engines free its buffers and KV."""
@@ -585,6 +647,7 @@ class Coordinator:
         # Requests only queued for it (not yet sent to any engine) are placed again.
         for request in self.policy.withdraw_engine(engine_id):
             self.policy.submit(request)
+        self._enqueue_all(self.persisting.engine_lost(engine_id))
         self._is_peer_table_stale = True
 
     def _send_to_engine(self, engine_id: int, msg: object) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -91,6 +92,10 @@ class EngineProcessConfig:
     fetch_interval_s: float = 0.010
     # Upper bound of one wait on a peer (a transfer, the scheduler's first answer).
     peer_timeout_s: float = 30.0
+    # On exit, how long pending store writes may take to finish. Past it they are abandoned
+    # and the process exits anyway: a store that hangs (a cut-off network mount) must not
+    # keep a stopped engine alive. The blocks are recomputed when next needed.
+    store_flush_timeout_s: float = 10.0
     # PE: predicted time of one layer per prefill batch (SPEC §6's compute quota; the
     # paper's 300 ms). The predictor is profiled on this engine at start-up.
     attention_quota_s: float = 0.300
@@ -109,10 +114,18 @@ def run_engine(config: EngineProcessConfig) -> int:
     _die_with_parent()
     signal.signal(signal.SIGTERM, _raise_stop)
     process = _EngineProcess(config)
+    exit_code = 1
     try:
-        return process.run()
+        exit_code = process.run()
     finally:
-        process.close()
+        num_abandoned = process.close()
+        if num_abandoned:
+            # Their writer threads are stuck in the store, and the interpreter would wait for
+            # them at exit.
+            logger.error("exiting with %d store writes unfinished: the store hangs", num_abandoned)
+            logging.shutdown()
+            os._exit(exit_code)
+    return exit_code
 
 
 def _die_with_parent() -> None:
@@ -328,6 +341,9 @@ class _EngineProcess:
         updates = self.decode.step()
         for update in updates:
             self._send(update)
+        persisted = self.decode.poll_persisted()
+        if persisted is not None:
+            self._send(persisted)
         return bool(updates) or self.decode.engine.has_unfinished_requests()
 
     def _report(self) -> None:
@@ -377,16 +393,24 @@ class _EngineProcess:
         store_io = self.decode.engine.store_io
         return None if store_io is None else store_io.store
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Release everything; the number of store writes abandoned unfinished (see
+        ``store_flush_timeout_s``), after which the engine's store is left open."""
         for part in (self.prefill, self.decode):
             if part is not None:
                 part.close()
+        num_abandoned = 0
         if self.decode is not None:
-            self.decode.engine.close()
+            store_io = self.decode.engine.store_io
+            if store_io is not None:
+                num_abandoned = store_io.flush(self.config.store_flush_timeout_s)
+            if not num_abandoned:
+                self.decode.engine.close()
         self.client.close()
         self.transport.close()
         if self._limiter is not None:
             self._limiter.close()
+        return num_abandoned
 
 
 def _make_traffic(

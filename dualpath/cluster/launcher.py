@@ -78,6 +78,10 @@ class ClusterSnapshot:
     num_waiting_prefill: int  # in the scheduler's FIFO, not placed on a PE yet
     num_waiting_decode: int  # placed on a PE, waiting for a DE
     num_assigned: int  # requests sent to a (PE, DE) pair since the start
+    # Requests that waited for blocks a DE was still writing (see cluster.persisting), and
+    # finished requests whose writes were never confirmed in time; both since the start.
+    num_persist_waits: int = 0
+    num_persist_expired: int = 0
     # engine id -> cumulative bytes by "link.class" (e.g. "node0.snic.kv"), plus
     # "store_read_bytes" (hit KV the engine read from the store); empty until it reports.
     link_bytes: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -297,6 +301,8 @@ class LocalCluster:
             num_waiting_prefill=policy.num_waiting_prefill,
             num_waiting_decode=policy.num_waiting_decode,
             num_assigned=coordinator.num_assigned,
+            num_persist_waits=coordinator.persisting.num_waits,
+            num_persist_expired=coordinator.persisting.num_expired,
             link_bytes=coordinator.link_bytes(),
         )
 

@@ -246,6 +246,19 @@ class TokenUpdate:
     finish_reason: str | None
     num_cached_tokens: int
     logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
+    # On the last update: keys of the request's blocks the DE is still writing to the store.
+    # Until ``KVPersisted`` names the request, the scheduler counts them as hits for a prompt
+    # that extends this one (it waits for them rather than recomputing them).
+    persisting_keys: tuple[str, ...] = ()
+
+
+@message("kv-persisted")
+@dataclass(frozen=True, slots=True)
+class KVPersisted:
+    """DE -> scheduler: the ``persisting_keys`` of these finished requests are written (or
+    failed to be: the store is the truth, so the scheduler looks them up again)."""
+
+    request_ids: tuple[int, ...]
 
 
 @message("request-failed")

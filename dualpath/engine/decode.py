@@ -8,6 +8,8 @@ Per request::
     PrefillDone  -> the buffer holds the whole prompt KV: copy it into the paged KV cache,
                     free the slots, persist the prompt's new full blocks, decode from the
                     PE's first token, persist each block as it fills
+    finished     -> the last TokenUpdate names the blocks still being written; KVPersisted
+                    follows once they are (the scheduler waits for them, see coordinator)
 
 Memory is gated twice and never deadlocks: slots wait for a free buffer (FIFO), and a prompt
 waits for free device blocks before it is adopted; both are released as requests finish.
@@ -21,7 +23,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone, TokenUpdate
+from dualpath.cluster.messages import (
+    Assignment,
+    DecodeReady,
+    KVPersisted,
+    PrefillDone,
+    TokenUpdate,
+)
 from dualpath.engine.buffers import KVBuffer, StoreReader
 from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.llm import LLMEngine
@@ -70,6 +78,8 @@ class DecodeEngine:
         self.requests: dict[int, DecodeRequest] = {}
         self._waiting_for_buffer: list[DecodeRequest] = []
         self._num_cached_tokens: dict[int, int] = {}
+        # Finished requests whose blocks are still being written: request id -> their keys.
+        self._persisting: dict[int, tuple[BlockKey, ...]] = {}
 
     def add(self, assignment: Assignment) -> None:
         params = sampling_params_from_dict(assignment.sampling)
@@ -166,15 +176,38 @@ class DecodeEngine:
         self, request_id: int, token_ids: list[int], out, logprobs: list[TokenLogprob] | None
     ) -> TokenUpdate:
         num_cached = self._num_cached_tokens.get(request_id, 0)
+        persisting: tuple[BlockKey, ...] = ()
         if out is not None:
             self._num_cached_tokens.pop(request_id, None)
+            persisting = self._pending_writes(out.written_block_keys)
+            if persisting:
+                self._persisting[request_id] = persisting
         return TokenUpdate(
             request_id,
             tuple(token_ids),
             None if out is None else out.finish_reason,
             num_cached,
             None if logprobs is None else tuple((lp.logprob, lp.top) for lp in logprobs),
+            persisting,
         )
+
+    def _pending_writes(self, keys: tuple[BlockKey, ...]) -> tuple[BlockKey, ...]:
+        store_io = self.engine.store_io
+        return () if store_io is None or not keys else store_io.pending(keys)
+
+    def poll_persisted(self) -> KVPersisted | None:
+        """KVPersisted for the finished requests whose blocks have all been written since the
+        last call (or failed to be), or None."""
+        if not self._persisting:
+            return None
+        done = [
+            request_id
+            for request_id, keys in self._persisting.items()
+            if not self._pending_writes(keys)
+        ]
+        for request_id in done:
+            del self._persisting[request_id]
+        return KVPersisted(tuple(done)) if done else None
 
     def cancel(self, request_id: int) -> None:
         request = self.requests.pop(request_id, None)

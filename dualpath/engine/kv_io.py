@@ -5,6 +5,9 @@ paged cache on CPU, or through a host staging buffer elsewhere. Writes are write
 thread: the block is copied to host memory at once (so the device block can be reused), then
 written while the engine computes. ``flush`` waits for every pending write; when pending bytes
 exceed a bound, ``persist`` waits for the oldest writes first (back-pressure, never a drop).
+``pending`` tells which keys are still queued or being written, so a caller can say which of
+a finished request's blocks the store does not hold yet (the scheduler then waits for them
+rather than recomputing them).
 
 A block that cannot be read ends the hit prefix there: the engine recomputes from that block
 on (correct tokens, just slower). A block that cannot be written is logged and counted; serving
@@ -15,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
-from collections.abc import Callable
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -56,6 +60,8 @@ class KVStoreIO:
         self._pending: deque[tuple[Future[bool], int]] = deque()
         self._pending_bytes = 0
         self._lock = threading.Lock()
+        # Keys queued or being written, with how many writes of each are outstanding.
+        self._pending_keys: Counter[BlockKey] = Counter()
         self.num_failed_reads = 0
         self.num_failed_writes = 0
 
@@ -97,8 +103,15 @@ class KVStoreIO:
         self._reap()
         while self._pending and self._pending_bytes + data.nbytes > self._max_pending_write_bytes:
             self._pop_oldest()
+        with self._lock:
+            self._pending_keys[key] += 1
         self._pending.append((self._writer.submit(self._write_one, key, data), data.nbytes))
         self._pending_bytes += data.nbytes
+
+    def pending(self, keys: Iterable[BlockKey]) -> tuple[BlockKey, ...]:
+        """Those of ``keys`` with a write still queued or running (a snapshot: thread-safe)."""
+        with self._lock:
+            return tuple(key for key in keys if key in self._pending_keys)
 
     def _write_one(self, key: BlockKey, data: np.ndarray) -> bool:
         try:
@@ -108,6 +121,11 @@ class KVStoreIO:
             with self._lock:
                 self.num_failed_writes += 1
             return False
+        finally:
+            with self._lock:
+                self._pending_keys[key] -= 1
+                if not self._pending_keys[key]:
+                    del self._pending_keys[key]
 
     def _pop_oldest(self) -> None:
         future, size = self._pending.popleft()
@@ -122,10 +140,22 @@ class KVStoreIO:
     def num_pending_writes(self) -> int:
         return len(self._pending)
 
-    def flush(self) -> None:
-        """Block until every queued write has finished (or failed and been counted)."""
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Block until every queued write has finished (or failed and been counted).
+
+        With ``timeout_s``, give up then (a store that hangs, e.g. a cut-off network mount)
+        and return how many writes are still unfinished; 0 when all are done.
+        """
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
         while self._pending:
+            future, _ = self._pending[0]
+            if deadline_s is not None:
+                try:
+                    future.result(max(0.0, deadline_s - time.monotonic()))
+                except TimeoutError:
+                    return len(self._pending)
             self._pop_oldest()
+        return 0
 
     def close(self) -> None:
         self.flush()

@@ -57,6 +57,9 @@ class RequestOutput:
     finish_s: float
     load_s: float  # reading hit blocks from the store
     num_preemptions: int
+    # Keys of the full blocks this request queued for persisting (those beyond its cached
+    # prefix), in chain order: with ``KVStoreIO.pending`` they say what the store lacks yet.
+    written_block_keys: tuple[str, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -434,6 +437,9 @@ class LLMEngine:
             finish_s=seq.finish_s,
             load_s=seq.load_s,
             num_preemptions=seq.num_preemptions,
+            written_block_keys=tuple(
+                seq.block_keys[seq.num_cached_tokens // self.block_size : seq.num_persisted_blocks]
+            ),
         )
 
     # --- lifecycle ----------------------------------------------------------------------------

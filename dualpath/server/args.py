@@ -200,6 +200,14 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
         help="an engine silent this long is declared dead, and vice versa (default 30)",
     )
     group.add_argument(
+        "--persist-wait-s",
+        type=non_negative_float,
+        default=5.0,
+        help="a request whose cached prefix stops at a block a decode engine is still "
+        "writing to the store (an agent's next turn) waits up to this long for the write "
+        "instead of recomputing from there; 0 never waits (default 5)",
+    )
+    group.add_argument(
         "--engine-log-dir",
         type=Path,
         default=None,

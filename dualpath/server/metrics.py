@@ -239,6 +239,18 @@ class ClusterCollector(Collector):
             "Requests sent to a (PE, DE) pair.",
             value=snapshot.num_assigned,
         )
+        yield CounterMetricFamily(
+            "dualpath_scheduler_persist_waits",
+            "Requests whose cached prefix stopped at a block a decode engine was still "
+            "writing, and that waited for it instead of recomputing it.",
+            value=snapshot.num_persist_waits,
+        )
+        yield CounterMetricFamily(
+            "dualpath_scheduler_persist_wait_expired",
+            "Finished requests whose store writes were not confirmed within --persist-wait-s "
+            "(their waiters were placed with what the store held).",
+            value=snapshot.num_persist_expired,
+        )
         yield from self._link_metrics(snapshot)
         yield from self._store_metrics(snapshot)
 

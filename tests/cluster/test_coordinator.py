@@ -14,6 +14,7 @@ from dualpath.cluster.messages import (
     EngineInfo,
     EngineReport,
     Heartbeat,
+    KVPersisted,
     PeerTable,
     PrefillDone,
     TokenUpdate,
@@ -161,3 +162,55 @@ def test_cancel_reaches_both_engines(cluster) -> None:
     de = engines[assignment.decode_engine_id]
     assert engines[0].receive(CancelRequest) == [CancelRequest(request_id)]
     assert de.receive(CancelRequest) == [CancelRequest(request_id)]
+
+
+def _finish_turn(coordinator, engines, prompt, persisting_keys):
+    """Place ``prompt`` and finish it on its DE, which reports ``persisting_keys`` unwritten."""
+    request_id = _place(coordinator, engines, prompt, SamplingParams(max_tokens=1))
+    (assignment,) = engines[0].receive(Assignment)
+    de = engines[assignment.decode_engine_id]
+    de.receive(Assignment)
+    de.client.send(TokenUpdate(request_id, (), "length", 0, None, tuple(persisting_keys)))
+    spin(coordinator, 5)
+    coordinator.drain_events()
+    return request_id, de
+
+
+def test_a_turn_waits_for_the_blocks_its_last_turn_is_still_writing(cluster) -> None:
+    coordinator, engines, clock, store = cluster
+    first = list(range(1, 14))  # 3 full blocks
+    keys = block_keys(first[:12], 4, IDENTITY.fingerprint)
+    store.write(keys[0], bytes(LAYOUT.full_block_bytes))  # block 0 landed; 1 and 2 have not
+    first_id, de = _finish_turn(coordinator, engines, first, keys[1:])
+
+    second = first + [20, 21, 22, 23]  # the next turn: 4 whole blocks may hit
+    second_id = _place(coordinator, engines, second, SamplingParams(max_tokens=1))
+    assert engines[0].receive(Assignment) == []  # waiting, not placed with a 1-block hit
+    assert coordinator.persisting.num_waits == 1
+
+    for key in keys[1:]:
+        store.write(key, bytes(LAYOUT.full_block_bytes))
+    de.client.send(KVPersisted((first_id,)))
+    spin(coordinator, 5)
+    engines[0].report()
+    spin(coordinator, 5)
+    for engine in engines[1:]:
+        engine.report()
+    spin(coordinator, 5)
+    (assignment,) = engines[0].receive(Assignment)
+    assert assignment.request_id == second_id
+    assert assignment.num_hit_blocks == 3
+
+
+def test_an_unconfirmed_write_is_waited_for_at_most_persist_wait_s(cluster) -> None:
+    coordinator, engines, clock, store = cluster
+    first = list(range(1, 10))  # 2 full blocks, neither landed
+    keys = block_keys(first[:8], 4, IDENTITY.fingerprint)
+    _finish_turn(coordinator, engines, first, keys)
+    second_id = _place(coordinator, engines, first + [30, 31, 32], SamplingParams(max_tokens=1))
+    assert engines[0].receive(Assignment) == []
+    clock.now_s += coordinator.cluster.persist_wait_s
+    _place(coordinator, engines, [99], SamplingParams(max_tokens=1))  # turns the loop, reports
+    placed = {a.request_id: a for a in engines[0].receive(Assignment)}
+    assert placed[second_id].num_hit_blocks == 0  # placed with what the store holds
+    assert coordinator.persisting.num_expired == 1

@@ -166,3 +166,32 @@ def test_the_shared_memory_transport_serves_a_conversation(
     assert first.error is None and second.error is None
     assert second.num_cached_tokens == BLOCK * ((len(context) + len(first.token_ids) - 1) // BLOCK)
     assert_same_tokens(reference, _Out(second.token_ids), label="shm transport, turn 2")
+
+
+def test_a_turn_sent_at_once_still_hits_the_blocks_being_written(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An agent's next turn arrives while the DE is still writing the last turn's blocks
+    through a slow SNIC (0.02 Gbps: ~50 ms a block): it waits for them, no recompute."""
+    from dualpath.config import TrafficConfig
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    context = random_ids(640, seed=21)  # 10 blocks: ~0.5 s of writes
+    with LocalCluster(
+        ClusterConfig(
+            num_prefill_nodes=1,
+            num_decode_nodes=1,
+            mode="dualpath",
+            traffic=TrafficConfig(snic_bandwidth_gbps=0.02),
+        ),
+        model_dir=tiny_model_dir,
+        store=KVStoreConfig(root_dir=tmp_path / "kv"),
+        log_dir=tmp_path / "logs",
+    ) as cluster:
+        first = cluster.generate([context], params, timeout_s=120)[0]
+        second_prompt = context + first.token_ids + random_ids(30, seed=22)
+        second = cluster.generate([second_prompt], params, timeout_s=120)[0]
+        num_waits = cluster.coordinator.persisting.num_waits
+    assert first.error is None and second.error is None
+    assert second.num_cached_tokens == BLOCK * ((len(context) + len(first.token_ids) - 1) // BLOCK)
+    assert num_waits >= 1

@@ -3,6 +3,7 @@ recovery from a damaged store, clear errors for bad input."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,27 @@ def test_half_precision_runs_and_reuses_its_own_namespace(
     assert len(warm.token_ids) == 8
     with LLM(tiny_model_dir, dtype=dtype) as llm:
         assert llm.engine.cache.layout.bytes_per_token_per_layer == 2 * 2 * 32 * 2
+
+
+def test_a_finished_request_names_the_blocks_still_being_written(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+        store_io = llm.engine.store_io
+        gate = threading.Event()
+        write = store_io.store.write
+        store_io.store.write = lambda key, data: gate.wait(10.0) and write(key, data)
+        prompt = random_ids(150, seed=3)  # 2 full blocks, then 1 more filled by the output
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+        outputs = []
+        while llm.engine.has_unfinished_requests():
+            outputs += llm.engine.step()
+        (out,) = outputs
+        keys = out.written_block_keys
+        assert len(keys) == (150 + 60 - 1) // BLOCK == 3
+        assert store_io.pending(keys) == keys  # none written while the store is held
+        assert store_io.store.lookup(keys) == 0
+        gate.set()
+        llm.engine.flush()
+        assert store_io.pending(keys) == ()
+        assert store_io.store.lookup(keys) == 3
