@@ -31,12 +31,12 @@ import itertools
 import logging
 import queue
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dualpath.cluster.group_load import GroupLoad
 from dualpath.cluster.messages import (
     DECODE,
     PREFILL,
@@ -65,11 +65,7 @@ from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import FileKVStore, KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.scheduler import (
-    EngineGroupSpec,
     EngineRole,
-    EngineSnapshot,
-    GroupSnapshot,
-    NodeSnapshot,
     SchedulerRequest,
     make_cluster_topology,
     make_scheduler,
@@ -77,9 +73,6 @@ from dualpath.scheduler import (
 from dualpath.types import SamplingParams, sampling_params_to_dict
 
 logger = logging.getLogger(__name__)
-
-# tok_e reported for a dead PE: above any beta, so Algorithm 1 skips it.
-_DEAD_ENGINE_TOKENS = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,34 +119,6 @@ class _EngineState:
     is_alive: bool = True
 
 
-@dataclass
-class _GroupState:
-    """A group's latest reported load (SPEC §6), one entry per engine in topology order.
-
-    Both report kinds write here: an ``EngineReport`` one entry, a ``GroupReport`` all of
-    them. An engine that has not reported since it joined, or is dead, is not usable.
-    """
-
-    spec: EngineGroupSpec
-    is_prefill: bool
-    # Per node of the group: its id and its engines' positions; a group's engines are listed
-    # node by node.
-    node_ids: tuple[int, ...]
-    node_slices: tuple[slice, ...]
-    num_seqs: list[int]
-    num_tokens: list[int]
-    num_free_kv_blocks: list[int]
-    read_queue_tokens: list[int]
-    is_usable: list[bool]
-    link_bytes: list[dict[str, int]]  # cumulative counters, for metrics and benchmarks
-    # The last snapshot's engines and the (seq_e, tok_e, free blocks) columns they were made
-    # of: an engine whose load did not change since is not built again (``_engine_snapshots``).
-    engine_snapshots: tuple[EngineSnapshot, ...]
-    snapshot_columns: tuple[list[int], list[int], list[int]] | None = None
-    # The leader's client when the group joined through one (GroupInfo); only it may report.
-    leader_client_id: str | None = None
-
-
 class Coordinator:
     def __init__(
         self,
@@ -183,7 +148,7 @@ class Coordinator:
         self.endpoint = self.server.endpoint
         self._engine_id_to_node = {e: n.node_id for n in self.topology.nodes for e in n.engine_ids}
         self._group_id_to_state = {
-            g.group_id: self._new_group_state(g) for g in self.topology.groups
+            g.group_id: GroupLoad.of(g, self._engine_id_to_node) for g in self.topology.groups
         }
         self._engine_id_to_group = {
             e: self._group_id_to_state[g.group_id]
@@ -201,28 +166,6 @@ class Coordinator:
         self.num_assigned = 0
         self.persisting: PersistingBlocks[_RequestState] = PersistingBlocks(
             cluster.persist_wait_s if store is not None else 0.0
-        )
-
-    def _new_group_state(self, spec: EngineGroupSpec) -> _GroupState:
-        num_engines_of_node = Counter(self._engine_id_to_node[e] for e in spec.engine_ids)
-        node_slices, first = [], 0
-        for node_id in spec.node_ids:  # a group lists its engines node by node
-            end = first + num_engines_of_node[node_id]
-            node_slices.append(slice(first, end))
-            first = end
-        num_engines = len(spec.engine_ids)
-        return _GroupState(
-            spec,
-            spec.role == EngineRole.PREFILL,
-            spec.node_ids,
-            tuple(node_slices),
-            num_seqs=[0] * num_engines,
-            num_tokens=[0] * num_engines,
-            num_free_kv_blocks=[0] * num_engines,
-            read_queue_tokens=[0] * num_engines,
-            is_usable=[False] * num_engines,
-            link_bytes=[{} for _ in range(num_engines)],
-            engine_snapshots=tuple(EngineSnapshot(e, 0, 0, 0) for e in spec.engine_ids),
         )
 
     # --- the serving side (any thread) ------------------------------------------------------
@@ -466,12 +409,7 @@ class Coordinator:
         engine_id = engine.info.engine_id  # the sender's, whatever the report says
         group = self._engine_id_to_group[engine_id]
         position = group.spec.engine_ids.index(engine_id)
-        group.link_bytes[position] = report.link_bytes
-        group.num_seqs[position] = report.num_seqs
-        group.num_tokens[position] = report.num_tokens
-        group.num_free_kv_blocks[position] = report.num_free_kv_blocks
-        group.read_queue_tokens[position] = report.read_queue_tokens
-        group.is_usable[position] = True
+        group.record_engine(position, report)
         if position == 0:  # the group's leading engine: its report is the group's fetch
             self._fetch(group)
 
@@ -486,18 +424,13 @@ class Coordinator:
         ):
             logger.warning("ignoring a report of group %d from %s", report.group_id, client_id)
             return
-        group.num_seqs[:] = report.num_seqs
-        group.num_tokens[:] = report.num_tokens
-        group.num_free_kv_blocks[:] = report.num_free_kv_blocks
-        group.read_queue_tokens[:] = report.read_queue_tokens
-        if report.link_bytes:  # the leader may send its counters less often
-            group.link_bytes[:] = report.link_bytes
+        group.record_group(report)
         if not all(group.is_usable):  # the first report since joining, or an engine is dead
             group.is_usable[:] = [self._is_alive(e) for e in group.spec.engine_ids]
         self._fetch(group)
 
-    def _fetch(self, group: _GroupState) -> None:
-        snapshot = self._group_snapshot(group)
+    def _fetch(self, group: GroupLoad) -> None:
+        snapshot = group.snapshot()
         if group.is_prefill:
             self.policy.fetch_prefill(snapshot)  # placed requests wait for their DE placement
             return
@@ -514,29 +447,6 @@ class Coordinator:
             self._assign(
                 request_id, pe, de, plan.num_prefill_side_blocks, plan.num_decode_side_blocks
             )
-
-    def _group_snapshot(self, group: _GroupState) -> GroupSnapshot:
-        num_seqs, num_tokens = group.num_seqs, group.num_tokens
-        num_free_kv_blocks, read_queue_tokens = group.num_free_kv_blocks, group.read_queue_tokens
-        if not all(group.is_usable):
-            # Not joined or not reported yet, or dead: never chosen (a PE above beta, a DE
-            # without memory), and its read queue is not counted.
-            usable = group.is_usable
-            num_seqs = [n if ok else 0 for n, ok in zip(num_seqs, usable, strict=True)]
-            num_tokens = [
-                n if ok else _DEAD_ENGINE_TOKENS for n, ok in zip(num_tokens, usable, strict=True)
-            ]
-            num_free_kv_blocks = [
-                n if ok else 0 for n, ok in zip(num_free_kv_blocks, usable, strict=True)
-            ]
-            read_queue_tokens = [
-                n if ok else 0 for n, ok in zip(read_queue_tokens, usable, strict=True)
-            ]
-        engines = _engine_snapshots(group, num_seqs, num_tokens, num_free_kv_blocks)
-        # Each node's read_q sums its engines'; maps, not a loop: this runs on every fetch.
-        node_read_queue_tokens = map(sum, map(read_queue_tokens.__getitem__, group.node_slices))
-        nodes = tuple(map(NodeSnapshot, group.node_ids, node_read_queue_tokens))
-        return GroupSnapshot(group.spec.group_id, engines, nodes)
 
     def _assign(
         self, request_id: int, pe: int, de: int, num_pe_blocks: int, num_de_blocks: int
@@ -676,41 +586,6 @@ class Coordinator:
         self.server.close()
         if self.store is not None:
             self.store.close()
-
-
-def _engine_snapshots(
-    group: _GroupState, num_seqs: list[int], num_tokens: list[int], num_free_kv_blocks: list[int]
-) -> tuple[EngineSnapshot, ...]:
-    """The group's ``EngineSnapshot``s for these columns, reusing the last snapshot's where an
-    engine's load is unchanged: between two reports 10 ms apart most engines' is, and
-    building a snapshot costs about a microsecond (a frozen dataclass), eight per report."""
-    columns = (num_seqs, num_tokens, num_free_kv_blocks)
-    if columns == group.snapshot_columns:
-        return group.engine_snapshots
-    engines = tuple(
-        map(
-            _same_or_new_snapshot,
-            group.engine_snapshots,
-            num_seqs,
-            num_tokens,
-            num_free_kv_blocks,
-        )
-    )
-    group.engine_snapshots = engines
-    group.snapshot_columns = (list(num_seqs), list(num_tokens), list(num_free_kv_blocks))
-    return engines
-
-
-def _same_or_new_snapshot(
-    last: EngineSnapshot, num_seqs: int, num_tokens: int, num_free_kv_blocks: int
-) -> EngineSnapshot:
-    if (
-        last.num_seqs == num_seqs
-        and last.num_tokens == num_tokens
-        and last.num_free_kv_blocks == num_free_kv_blocks
-    ):
-        return last
-    return EngineSnapshot(last.engine_id, num_seqs, num_tokens, num_free_kv_blocks)
 
 
 def _client_id(engine_id: int) -> str:
