@@ -27,6 +27,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from dualpath.bench.stats import LinkSample
+from dualpath.lifetime import die_with_parent
 
 
 class ServerProcess:
@@ -51,6 +52,13 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (its engines are its children)."""
+        if self._process is None:
+            raise RuntimeError("caller bug: the server has not been started")
+        return self._process.pid
+
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
         self.port = _free_port()
         argv = [sys.executable, "-m", "dualpath.cli", "serve", "--host", "127.0.0.1"]
@@ -60,7 +68,11 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})}
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})},
+                preexec_fn=die_with_parent,  # a killed benchmark leaves no server running
             )
         deadline = time.monotonic() + timeout_s
         while True:

@@ -11,8 +11,6 @@ or a decode step), report its load every fetch interval (the pull of SPEC §6). 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import hashlib
 import logging
 import os
@@ -48,6 +46,7 @@ from dualpath.engine.profile import profile_layer_time
 from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
 from dualpath.errors import DualPathError
 from dualpath.kv.store import FileKVStore, KVStore
+from dualpath.lifetime import die_with_parent
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
 from dualpath.scheduler.batching import PrefillBatcher
@@ -59,7 +58,6 @@ from dualpath.transfer.transport import BufferDescriptor, create_transport
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 # The engine's store counters in its reports, as "store_<name>" (the metrics' source).
 _REPORTED_STORE_STATS = (
     "reads",
@@ -111,7 +109,7 @@ class _Stop(Exception):
 
 def run_engine(config: EngineProcessConfig) -> int:
     """Run until told to stop; 0 on a clean shutdown, 1 when the scheduler was lost."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGTERM, _raise_stop)
     process = _EngineProcess(config)
     exit_code = 1
@@ -126,12 +124,6 @@ def run_engine(config: EngineProcessConfig) -> int:
             logging.shutdown()
             os._exit(exit_code)
     return exit_code
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _raise_stop(signum: int, frame: object) -> None:
