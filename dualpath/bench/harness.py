@@ -153,6 +153,7 @@ def link_figures(
             "snic_bytes": None,
             "path_bytes": None,
             "snic_load_balance": None,
+            "snic_read_load_balance": None,
             "pe_busy_fraction": None,
             "snic_timeline": None,
         }
@@ -169,6 +170,8 @@ def link_figures(
             "de": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="decode")),
         },
         "snic_load_balance": snic_load_balance(samples),
+        # The same over hit-KV reads alone: what the read-side choices balance.
+        "snic_read_load_balance": snic_load_balance(samples, reads_only=True),
         "snic_timeline": snic_timeline(samples),
         # Time the PEs spent in prefill batches over the run's length (mean over PEs).
         "pe_busy_fraction": busy_s / max(num_prefill, 1) / jct_s if jct_s > 0 else None,

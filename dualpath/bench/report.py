@@ -14,7 +14,7 @@ def markdown_table(report: dict) -> str:
     """One row per mode: JCT, throughput, latency percentiles, hits, reads, balance."""
     lines = [
         "| mode | JCT s | tok/s | TTFT p50/p90 s | TPOT p50/p90 ms | hit | PE / DE read MB "
-        "| SNIC max/avg | PE busy | tokens |",
+        "| SNIC max/avg (reads only) | PE busy | tokens |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in report["modes"].items():
@@ -28,6 +28,7 @@ def markdown_table(report: dict) -> str:
             f"| {_fmt(r['ttft_s']['p50'], '.3f')} / {_fmt(r['ttft_s']['p90'], '.3f')} "
             f"| {_fmt(tpot_ms[0], '.1f')} / {_fmt(tpot_ms[1], '.1f')} "
             f"| {r['hit_ratio']:.1%} | {reads} | {_fmt(r.get('snic_load_balance'), '.2f')} "
+            f"({_fmt(r.get('snic_read_load_balance'), '.2f')}) "
             f"| {_fmt(r.get('pe_busy_fraction'), '.0%')} "
             f"| {'–' if mismatches is None else ('same' if mismatches == 0 else f'{mismatches} differ')} |"
         )

@@ -155,6 +155,15 @@ def snic_totals(samples: dict[str, list[tuple[dict[str, str], float]]]) -> dict[
     return totals
 
 
+def snic_read_totals(samples: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, int]:
+    """Cumulative hit-KV read bytes per SNIC from one scrape."""
+    return {
+        labels["link"]: int(value)
+        for labels, value in samples.get("dualpath_snic_read_bytes_total", ())
+        if "link" in labels
+    }
+
+
 FINAL_SAMPLE_DELAY_S = 0.5
 
 
@@ -180,7 +189,9 @@ class MetricsSampler:
         now_s = time.monotonic()
         with contextlib.suppress(httpx.HTTPError):
             self.last = scrape(self.url)
-            self.samples.append(LinkSample(now_s, snic_totals(self.last)))
+            self.samples.append(
+                LinkSample(now_s, snic_totals(self.last), snic_read_totals(self.last))
+            )
 
     def __enter__(self) -> MetricsSampler:
         self._thread.start()

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,10 +57,12 @@ def summarize_turns(records: Sequence[TurnRecord]) -> dict:
 
 @dataclass(frozen=True, slots=True)
 class LinkSample:
-    """Cumulative bytes per SNIC (by name) at ``time_s``."""
+    """Cumulative bytes per SNIC (by name) at ``time_s``: all of them, and the hit-KV reads
+    among them (the part the scheduler's read-side choices place)."""
 
     time_s: float
     snic_bytes: Mapping[str, int]
+    snic_read_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 def snic_load_balance(
@@ -68,17 +70,26 @@ def snic_load_balance(
     *,
     window_s: float = 1.0,
     fraction_of_run: float = 0.8,
+    reads_only: bool = False,
 ) -> float | None:
     """SPEC §7's SNIC load balance over the samples' span; None if no window moved bytes.
 
-    Cumulative counters are read at each window's edges by linear interpolation between the
-    samples around it, so the sampling period need not divide the window.
+    ``reads_only`` counts only hit-KV reads (``LinkSample.snic_read_bytes``), leaving out
+    store writes and the windows with no reads. Cumulative counters are read at each
+    window's edges by linear interpolation between the samples around it, so the sampling
+    period need not divide the window.
     """
     if len(samples) < 2:
         return None
-    names = sorted(samples[0].snic_bytes)
+
+    def counters_of(sample: LinkSample) -> Mapping[str, int]:
+        return sample.snic_read_bytes if reads_only else sample.snic_bytes
+
+    names = sorted(counters_of(samples[-1]))
+    if not names:
+        return None
     times_s = np.array([s.time_s for s in samples])
-    counters = np.array([[s.snic_bytes.get(n, 0) for n in names] for s in samples], dtype=float)
+    counters = np.array([[counters_of(s).get(n, 0) for n in names] for s in samples], dtype=float)
     end_s = times_s[0] + fraction_of_run * (times_s[-1] - times_s[0])
     edges_s = np.arange(times_s[0], end_s + 1e-9, window_s)
     if len(edges_s) < 2:

@@ -298,6 +298,20 @@ class ClusterCollector(Collector):
         for role, value in by_role.items():
             read_path.add_metric([role], value)
         yield read_path
+        snic_reads = CounterMetricFamily(
+            "dualpath_snic_read_bytes",
+            "Hit KV read from the store through each node's SNIC (the read-side choices' "
+            "share of the SNIC's bytes; the rest are store writes).",
+            labels=["link"],
+        )
+        by_snic: dict[str, int] = {}
+        for counters in snapshot.link_bytes.values():
+            snic = _snic_of(counters)
+            if snic is not None:
+                by_snic[snic] = by_snic.get(snic, 0) + counters.get(STORE_READ_KEY, 0)
+        for snic, value in sorted(by_snic.items()):
+            snic_reads.add_metric([snic], value)
+        yield snic_reads
         busy = CounterMetricFamily(
             "dualpath_engine_busy_seconds",
             "Time each engine spent in prefill batches (PE) or decode steps (DE).",
@@ -370,3 +384,12 @@ def link_capacity_lookup(
         return by_kind.get(link.rpartition(".")[2], 0.0)
 
     return capacity
+
+
+def _snic_of(counters: dict[str, int]) -> str | None:
+    """The SNIC ("nodeN.snic") an engine's counters account to, or None."""
+    for key in counters:
+        link, _, traffic_class = key.rpartition(".")
+        if traffic_class and link.endswith(".snic"):
+            return link
+    return None

@@ -32,6 +32,7 @@ def test_every_mode_replays_the_workload_with_the_same_tokens(report: dict) -> N
         assert result["token_mismatches"] == 0
         assert 0 < result["pe_busy_fraction"] < 1
         assert result["snic_load_balance"] >= 1.0
+        assert result["snic_read_load_balance"] is None or result["snic_read_load_balance"] >= 1
         assert result["server_exit_code"] == 0
     assert set(report["ratios"]) >= {"dualpath_vs_basic_jct", "dualpath_vs_oracle_jct"}
     assert report["link_caps_emulated"] is True

@@ -73,6 +73,21 @@ def test_snic_load_balance_is_max_over_mean_per_window() -> None:
     assert snic_load_balance(_samples({"a": [0.0] * 4})) is None
 
 
+def test_the_read_only_balance_leaves_out_writes_and_read_free_windows() -> None:
+    # Two SNICs: a write-only warm-up on "b" (no reads anywhere), then even reads.
+    all_bytes = {"a": [0, 0, 50, 50, 50, 50], "b": [80, 80, 60, 60, 60, 60]}
+    reads = {"a": [0, 0, 50, 50, 50, 50], "b": [0, 0, 50, 50, 50, 50]}
+    samples = [
+        LinkSample(t.time_s, t.snic_bytes, r.snic_bytes)
+        for t, r in zip(_samples(all_bytes), _samples(reads), strict=True)
+    ]
+    assert snic_load_balance(samples, fraction_of_run=1.0) == pytest.approx(
+        (2.0 + 120 / 110 + 120 / 110) / 3
+    )
+    assert snic_load_balance(samples, fraction_of_run=1.0, reads_only=True) == pytest.approx(1.0)
+    assert snic_load_balance(_samples(all_bytes), reads_only=True) is None  # none recorded
+
+
 def test_snic_timeline_gives_each_snics_rate_per_interval() -> None:
     from dualpath.bench.harness import snic_timeline
 

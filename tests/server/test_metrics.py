@@ -73,6 +73,8 @@ def test_cluster_metrics_come_from_the_snapshot() -> None:
     assert ("dualpath_link_utilisation_ratio", cnic) not in values
     assert values[("dualpath_read_path_bytes_total", (("side", "decode"),))] == 4096
     assert values[("dualpath_read_path_bytes_total", (("side", "prefill"),))] == 0
+    assert values[("dualpath_snic_read_bytes_total", (("link", "node1.snic"),))] == 4096
+    assert values[("dualpath_snic_read_bytes_total", (("link", "node0.snic"),))] == 0
     assert values[("dualpath_store_hit_blocks_total", ())] == 5
     assert values[("dualpath_store_corrupt_blocks_total", ())] == 1
 
