@@ -16,6 +16,7 @@ this process's monotonic clock: TTFT, TTST (time to second token), TPOT and JCT 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -78,9 +79,12 @@ async def run_agents(
     api_key: str | None = None,
     timeout_s: float = 600.0,
     on_turn: Callable[[TurnRecord], None] | None = None,
+    stop_after_s: float | None = None,
 ) -> list[TurnRecord]:
     """Replay every session, each starting its ``arrival_s`` after the call; every turn's
-    record, in completion order. An agent whose turn fails stops (later turns depend on it)."""
+    record, in completion order. An agent whose turn fails stops (later turns depend on it).
+    With ``stop_after_s``, agents still running then are cancelled (their open requests
+    disconnect, which cancels them on the server) and the records so far are returned."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(sessions) or 1)
     records: list[TurnRecord] = []
@@ -97,12 +101,14 @@ async def run_agents(
         limits=limits,
     ) as client:
         start_s = time.monotonic()
-        await asyncio.gather(
+        agents = asyncio.gather(
             *(
                 _run_agent(client, model, index, session, start_s + session.arrival_s, record)
                 for index, session in enumerate(sessions)
             )
         )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(agents, stop_after_s)
     return records
 
 

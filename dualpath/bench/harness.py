@@ -75,9 +75,11 @@ def run_mode(
     work_dir: Path,
     progress: bool = True,
     keep_records: bool = False,
+    stop_after_s: float | None = None,
 ) -> dict:
     """Serve ``run``, replay ``workload`` against it, and return the mode's figures (with
-    ``keep_records``, also every turn's ``TurnRecord`` under ``"_records"``)."""
+    ``keep_records``, also every turn's ``TurnRecord`` under ``"_records"``). With
+    ``stop_after_s`` the agents stop then; ``"is_complete"`` says whether every turn ran."""
     name = run.mode.replace("+", "-")
     memory_dir = _memory_dir() if mode_settings(run.mode).is_io_free else None
     store_dir = (memory_dir or work_dir) / f"kv-{name}"
@@ -88,7 +90,9 @@ def run_mode(
         ).start()
         try:
             with MetricsSampler(server.url, period_s=0.5) as sampler:
-                records, tokens = _replay(server.url, workload, run.mode, progress)
+                records, tokens = _replay(
+                    server.url, workload, run.mode, progress, stop_after_s=stop_after_s
+                )
             final = sampler.last
         finally:
             exit_code = server.stop()
@@ -99,6 +103,7 @@ def run_mode(
     result.update(link_figures(final, sampler.samples, result["jct_s"]))
     result["store_in_memory"] = memory_dir is not None
     result["server_exit_code"] = exit_code
+    result["is_complete"] = len(records) == sum(s.num_turns for s in workload.sessions)
     result["tokens"] = tokens
     if keep_records:
         result["_records"] = records
@@ -124,6 +129,7 @@ def _replay(
     *,
     model: str = SERVED_MODEL_NAME,
     api_key: str | None = None,
+    stop_after_s: float | None = None,
 ) -> tuple[list[TurnRecord], dict[str, str]]:
     total = sum(s.num_turns for s in workload.sessions)
     with tqdm(total=total, desc=f"{label:>15}", unit="turn", disable=not progress) as bar:
@@ -132,7 +138,14 @@ def _replay(
             bar.update(1)
 
         records = asyncio.run(
-            run_agents(url, model, workload.sessions, api_key=api_key, on_turn=on_turn)
+            run_agents(
+                url,
+                model,
+                workload.sessions,
+                api_key=api_key,
+                on_turn=on_turn,
+                stop_after_s=stop_after_s,
+            )
         )
     failed = [r for r in records if r.error is not None]
     if failed:

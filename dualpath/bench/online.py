@@ -16,7 +16,9 @@ the few agents a short run would have.
 
 **Capacity** (``--find-capacity``): the largest APS (agents per second) that attains the SLO,
 per mode: from the starting rate, double or halve until the SLO is bracketed, then bisect
-until the bracket is within 5%, at most 6 probes in all; each probe is a fresh server.
+until the bracket is within 5%, at most 6 probes in all; each probe is a fresh server. A probe
+still running 10 unloaded agent JCTs after its last arrival is overloaded: it is stopped there
+and counts as a miss (``is_complete`` false in its JSON).
 Link caps are the preset's, or calibrated as in ``bench offline`` (``paper-ratio``).
 """
 
@@ -45,6 +47,10 @@ from dualpath.workload import Workload, poisson_arrival_offsets_s
 
 SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
 MIN_RUN_AGENT_JCTS = 3.0  # a run lasts at least this many unloaded agent JCTs
+# A probe still running this many unloaded agent JCTs after its last arrival is overloaded:
+# within the SLO an agent takes at most ~4x its unloaded JCT. It is stopped and counts as a
+# miss, rather than draining a queue that only grows (the slowest part of a capacity search).
+OVERLOAD_AGENT_JCTS = 10.0
 DEFAULT_MIN_AGENTS = 24  # and has at least this many agents
 SLO_BASES = ("oracle", "basic")  # whose unloaded latencies the SLO multiplies
 MAX_PROBES = 6
@@ -68,6 +74,7 @@ def is_attained(result: dict, slo: dict) -> bool:
     p90_ttft_s, p90_tpot_s = result["second_half_p90_ttft_s"], result["second_half_p90_tpot_s"]
     return (
         result["num_failed"] == 0
+        and result.get("is_complete", True)
         and p90_ttft_s is not None
         and p90_ttft_s <= slo["ttft_s"]
         and (p90_tpot_s is None or p90_tpot_s <= slo["tpot_s"])
@@ -197,12 +204,14 @@ def run_online(
                 if max_sessions is not None:
                     num_agents = min(num_agents, max_sessions)
                 workload = arrivals(workload_of(num_agents), rate, seed)
+                last_arrival_s = max(s.arrival_s for s in workload.sessions)
                 result = run_mode(
                     run,
                     workload,
                     work_dir=root / f"{mode}-{len(probes)}",
                     progress=progress,
                     keep_records=True,
+                    stop_after_s=last_arrival_s + OVERLOAD_AGENT_JCTS * unloaded["jct_s"],
                 )
                 result.pop("tokens")
                 result["aps"] = rate
@@ -216,7 +225,7 @@ def run_online(
                 rate = next_probe(probes) if find_capacity else None
             summary = dict(probe_results[0])  # the run at the starting rate
             summary["probes"] = [
-                {k: r[k] for k in ("aps", "num_agents", "slo_attained", "jct_s")}
+                {k: r[k] for k in ("aps", "num_agents", "slo_attained", "jct_s", "is_complete")}
                 | {
                     "p90_ttft_s": r["second_half_p90_ttft_s"],
                     "p90_tpot_s": r["second_half_p90_tpot_s"],

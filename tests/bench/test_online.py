@@ -67,3 +67,32 @@ def test_an_online_run_reports_slo_attainment(tiny_model_dir: Path) -> None:
     assert report["slo"]["ttft_s"] > 0 and report["slo"]["tpot_s"] > 0
     assert result["num_failed"] == 0 and result["probes"][0]["aps"] == 2.0
     assert isinstance(result["slo_attained"], bool)
+
+
+def test_agents_stop_when_told_and_keep_what_finished() -> None:
+    import asyncio
+    import time
+
+    from dualpath.bench.agents import run_agents
+    from dualpath.workload import PRESETS, generate_trajectories
+
+    sessions = generate_trajectories(
+        PRESETS["64k"], 2, seed=0, vocab_size=512, length_scale=0.01, turn_scale=0.05
+    ).sessions
+
+    async def main() -> tuple[list, float]:
+        async def never_answer(reader, writer) -> None:  # a server that hangs every request
+            await reader.read(1 << 16)
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        start_s = time.monotonic()
+        async with server:
+            records = await run_agents(
+                f"http://127.0.0.1:{port}", "m", sessions, stop_after_s=0.5, timeout_s=60
+            )
+        return records, time.monotonic() - start_s
+
+    records, elapsed_s = asyncio.run(main())
+    assert records == [] and elapsed_s < 10
