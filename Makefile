@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench-store gpu-check clean
+.PHONY: run test test-faults soak lint format bench-store gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,18 @@ test: $(STAMP)
 	$(BIN)/ruff check dualpath tests scripts
 	$(BIN)/ruff format --check dualpath tests scripts
 	$(BIN)/pytest -q
+
+# As root (CI is): a 1P2D cluster over 4 network-namespace hosts with its KV store on a
+# GlusterFS volume; engine, host, brick, block-file, disk-full and slow-store faults
+# (about 10 minutes on 2 cores). Installs glusterfs-server if missing. See docs/multihost.md.
+test-faults: $(STAMP)
+	bash scripts/setup_faults.sh
+	$(BIN)/pytest -q -s -m faults tests/faults
+
+# 256 concurrent multi-turn sessions for 10 minutes against `dualpath serve`: lost requests,
+# 429 rate, RSS over time, fd and /dev/shm leaks, latency percentiles. Not in CI.
+soak: $(STAMP)
+	$(BIN)/python scripts/soak.py --sessions 256 --duration-s 600 --json results/soak.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check dualpath tests scripts

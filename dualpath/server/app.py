@@ -57,6 +57,9 @@ def build_app(
     return app
 
 
+_HEALTH_STORE_COUNTERS = ("write_errors", "corrupt_blocks", "missing_on_read")
+
+
 def _add_operational_routes(app: FastAPI, context: ServingContext) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -67,6 +70,12 @@ def _add_operational_routes(app: FastAPI, context: ServingContext) -> None:
             "state": context.state.value,
             "num_live_engines": snapshot.num_live_engines,
             "num_expected_engines": snapshot.num_expected_engines,
+            # Store faults the engines met so far (cumulative): serving goes on regardless,
+            # recomputing what it cannot read and not persisting what it cannot write.
+            "store": {
+                name: sum(c.get(f"store_{name}", 0) for c in snapshot.link_bytes.values())
+                for name in _HEALTH_STORE_COUNTERS
+            },
         }
         if reason is not None:
             body["reason"] = reason

@@ -1,0 +1,208 @@
+"""A 1P2D dualpath cluster spread over the test hosts, started the way an operator would.
+
+    host 0: dualpath serve --external-engines --scheduler-endpoint tcp://10.77.0.1:PORT (API too)
+    host 1: dualpath engine --role prefill --engine-id 0 --node-id 0
+    host 2: dualpath engine --role decode  --engine-id 1 --node-id 1
+    host 3: dualpath engine --role decode  --engine-id 2 --node-id 2
+
+Each process gets ``--kv-store`` from ``store_dir_of(host)`` (its own mount of a shared volume,
+or ``None`` for no store). PE<->DE KV moves over NIXL/UCX restricted to TCP on the host's veth
+(``UCX_TLS=tcp``, ``UCX_NET_DEVICES=dp0``): without that, UCX on one machine would take shared
+memory or cross-memory attach and bypass the links the tests cut and shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.faults.hosts import HOST_DEVICE, Host
+
+SCHEDULER_PORT = 5555
+API_PORT = 8000
+TOKEN = "fault-tests-token"  # the hosts are private to this machine
+START_TIMEOUT_S = 240.0
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": HOST_DEVICE, "NIXL_LOG_LEVEL": "WARN"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    role: str
+    engine_id: int
+    node_id: int
+    host: Host
+
+
+class MultiHostCluster:
+    def __init__(
+        self,
+        hosts: list[Host],
+        *,
+        model_dir: Path,
+        log_dir: Path,
+        store_dir_of: Callable[[Host], Path | None],
+        heartbeat_timeout_s: float = 4.0,
+        extra_serve_args: tuple[str, ...] = (),
+    ) -> None:
+        if len(hosts) < 4:
+            raise ValueError(f"a 1P2D cluster over hosts needs 4 hosts, got {len(hosts)}")
+        self.api_host = hosts[0]
+        self.engines = [
+            EngineSpec("prefill", 0, 0, hosts[1]),
+            EngineSpec("decode", 1, 1, hosts[2]),
+            EngineSpec("decode", 2, 2, hosts[3]),
+        ]
+        self.model_dir = model_dir
+        self.log_dir = log_dir
+        self.store_dir_of = store_dir_of
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.extra_serve_args = extra_serve_args
+        self.url = f"http://{self.api_host.address}:{API_PORT}"
+        self.server: subprocess.Popen | None = None
+        self.engine_id_to_process: dict[int, subprocess.Popen] = {}
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> MultiHostCluster:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(httpx.HTTPError):
+            self.http.get("/health", timeout=1)
+            raise RuntimeError(f"another cluster already answers at {self.url}")
+        try:
+            self.server = self._popen(self.api_host, "server", self._serve_argv())
+            for spec in self.engines:
+                self.engine_id_to_process[spec.engine_id] = self._popen(
+                    spec.host, f"engine-{spec.engine_id}", self._engine_argv(spec)
+                )
+            self.wait_healthy(START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """SIGTERM everything, then SIGKILL what lingers; idempotent."""
+        processes = [p for p in (self.server, *self.engine_id_to_process.values()) if p]
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.http.close()
+
+    def __enter__(self) -> MultiHostCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def complete(self, prompt_token_ids: list[int], max_tokens: int, **kwargs) -> httpx.Response:
+        body = {
+            "model": "tiny",
+            "prompt": prompt_token_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        return self.http.post("/v1/completions", json=body, **kwargs)
+
+    def health(self) -> dict:
+        return self.http.get("/health", timeout=5).json()
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus metric's samples (every label set)."""
+        total = 0.0
+        for line in self.http.get("/metrics", timeout=5).text.splitlines():
+            if line.startswith(name) and line[len(name)] in " {":
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.server is not None and self.server.poll() is not None:
+                raise RuntimeError(f"server exited with {self.server.returncode}: {self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if self.http.get("/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not healthy in {timeout_s} s: {self.log()}")
+            time.sleep(0.2)
+
+    def log(self, name: str = "server") -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    # -- argv ----------------------------------------------------------------------------------
+
+    def _common_args(self, host: Host) -> list[str]:
+        store_dir = self.store_dir_of(host)
+        store = ["--no-kv-store"] if store_dir is None else ["--kv-store", str(store_dir)]
+        return ["--model", str(self.model_dir), *store, "--threads", "1"]
+
+    def _serve_argv(self) -> list[str]:
+        return [
+            "serve", *self._common_args(self.api_host),
+            "--external-engines",
+            "--scheduler-endpoint", f"tcp://{self.api_host.address}:{SCHEDULER_PORT}",
+            "--host", self.api_host.address, "--port", str(API_PORT),
+            "--served-model-name", "tiny",
+            "--nodes", "1P2D",
+            "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
+            *self.extra_serve_args,
+        ]  # fmt: skip
+
+    def _engine_argv(self, spec: EngineSpec) -> list[str]:
+        return [
+            "engine", *self._common_args(spec.host),
+            "--role", spec.role,
+            "--scheduler", f"tcp://{self.api_host.address}:{SCHEDULER_PORT}",
+            "--engine-id", str(spec.engine_id),
+            "--node-id", str(spec.node_id),
+            "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
+        ]  # fmt: skip
+
+    def _popen(self, host: Host, name: str, args: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, DUALPATH_CLUSTER_TOKEN=TOKEN, **UCX_ENV)
+        env["DUALPATH_HOME"] = str(self.log_dir / "home")
+        argv = [sys.executable, "-m", "dualpath.cli", "--log-level", "INFO", *args]
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            return host.popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def random_ids(num_tokens: int, seed: int) -> list[int]:
+    """A prompt of random token ids of the tiny model's vocabulary (1024)."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 1024, num_tokens).tolist()
+
+
+def link_bytes_into(host: Host) -> int:
+    """Bytes the root namespace has sent down ``host``'s link so far (what the host received)."""
+    return int(Path(f"/sys/class/net/{host.root_device}/statistics/tx_bytes").read_text())
+
+
+def reference_tokens(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens from the single-process engine (full recompute, no store)."""
+    from dualpath import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    with LLM(model_dir) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [list(out.token_ids) for out in outputs]

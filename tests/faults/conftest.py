@@ -1,0 +1,39 @@
+"""Fixtures for the fault tests: test hosts (network namespaces), a GlusterFS volume on them.
+
+Run with ``make test-faults`` (root; installs glusterfs-server). The default ``make test``
+excludes these tests (the ``faults`` marker). Without root or network namespaces they skip,
+saying why; a missing GlusterFS install is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.faults import gluster, hosts
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/faults/" in item.nodeid:
+            item.add_marker(pytest.mark.faults)
+
+
+@pytest.fixture(scope="session")
+def test_hosts() -> Iterator[hosts.TestHosts]:
+    try:
+        hosts.check_hosts_possible()
+    except hosts.HostsUnavailable as exc:
+        pytest.skip(str(exc))
+    with hosts.TestHosts(4) as built:
+        yield built
+
+
+@pytest.fixture(scope="session")
+def gluster_volume(test_hosts: hosts.TestHosts) -> Iterator[gluster.GlusterVolume]:
+    gluster.check_gluster_possible()
+    every = test_hosts.hosts
+    with gluster.GlusterVolume(brick_hosts=every[1:3], client_hosts=every) as volume:
+        yield volume

@@ -1,0 +1,83 @@
+"""A 1P2D cluster over four test hosts with its KV store on GlusterFS: the same tokens as the
+single-process engine, KV crossing the veth links, and the benchmark's ci preset on it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dualpath.model.identity import checkpoint_kv_identity
+from tests.faults.cluster import (
+    MultiHostCluster,
+    link_bytes_into,
+    random_ids,
+    reference_tokens,
+)
+
+pytest.importorskip("nixl_cu12")
+
+MAX_TOKENS = 10
+NAMESPACE = "multihost"  # the volume's directory for this module's store
+
+
+@pytest.fixture(scope="module")
+def cluster(test_hosts, gluster_volume, tiny_model_dir: Path, tmp_path_factory) -> Iterator:
+    log_dir = tmp_path_factory.mktemp("multihost")
+    with MultiHostCluster(
+        test_hosts.hosts,
+        model_dir=tiny_model_dir,
+        log_dir=log_dir,
+        store_dir_of=lambda host: gluster_volume.mount_point(host) / NAMESPACE,
+    ) as started:
+        yield started
+
+
+def test_multi_turn_tokens_equal_the_single_node_engine_and_reuse_the_gluster_store(
+    cluster: MultiHostCluster, gluster_volume, tiny_model_dir: Path
+) -> None:
+    contexts = [random_ids(n, seed=n) for n in (700, 830, 960)]
+    decode_hosts = [spec.host for spec in cluster.engines if spec.role == "decode"]
+    _, identity = checkpoint_kv_identity(tiny_model_dir, None, 64)
+    kv_bytes_per_token = identity.layout.full_block_bytes // identity.layout.block_size_tokens
+    previous_lengths: list[int] = []
+    for turn in range(2):
+        into_decode_before = sum(link_bytes_into(h) for h in decode_hosts)
+        bodies = [cluster.complete(c, MAX_TOKENS).json() for c in contexts]
+        into_decode_bytes = sum(link_bytes_into(h) for h in decode_hosts) - into_decode_before
+        expected = reference_tokens(tiny_model_dir, contexts, MAX_TOKENS)
+        for body, want in zip(bodies, expected, strict=True):
+            assert body["choices"][0]["token_ids"] == want, f"turn {turn}: {body}"
+        cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
+        if turn == 0:
+            assert cached == [0, 0, 0]
+            # Every prompt's KV ends on a DE; with no hit, all of it came PE -> DE over a link.
+            num_prompt_tokens = sum(len(c) for c in contexts)
+            assert into_decode_bytes >= num_prompt_tokens * kv_bytes_per_token
+        else:
+            # Turn 1 persisted every full block of its prompt and of its generation (all but
+            # the last token have KV) to the volume; turn 2 finds them there.
+            assert cached == [(n + MAX_TOKENS - 1) // 64 * 64 for n in previous_lengths]
+        previous_lengths = [len(c) for c in contexts]
+        contexts = [
+            c + t + random_ids(100, seed=turn) for c, t in zip(contexts, expected, strict=True)
+        ]
+    for host in gluster_volume.brick_hosts:  # the volume spreads files over its bricks
+        blocks = list((gluster_volume.brick_dir(host) / NAMESPACE).rglob("*.kvb"))
+        assert blocks, f"no block file on {host.name}'s brick"
+
+
+def test_the_ci_benchmark_runs_against_the_cluster(cluster: MultiHostCluster, tmp_path) -> None:
+    out = tmp_path / "offline.json"
+    argv = [sys.executable, "-m", "dualpath.cli", "bench", "offline", "--preset", "ci",
+            "--url", cluster.url, "--served-model-name", "tiny", "--json", str(out)]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())["modes"]["url"]
+    assert figures["num_requests"] > 0 and figures["num_failed"] == 0, figures
+    assert figures["cached_tokens"] > 0, "multi-turn agents should hit the shared store"
+    assert cluster.health()["num_live_engines"] == 3
