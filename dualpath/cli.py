@@ -542,7 +542,28 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--experiment",
         default=None,
-        help="offline-jct, ablation, snic-balance, pd-ratio, scale, append-scaling",
+        help="offline-jct, ablation, snic-balance, pd-ratio, online-capacity, scale, "
+        "append-scaling; or fidelity: profile this machine (local profile), run a real "
+        "'dualpath bench offline --preset ci --seed 1' for basic and dualpath, simulate the "
+        "same and report the JCT errors",
+    )
+    p.add_argument(
+        "--bench-json",
+        type=Path,
+        default=None,
+        help="fidelity: compare with this earlier 'dualpath bench offline' JSON instead of "
+        "running the benchmark",
+    )
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="fidelity: re-measure the local profile even if its JSON exists",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="re-run the fit of the one fitted factor (prefill efficiency) to Table 3's 2P4D "
+        "JCT and print it (dualpath/sim/calibration.py); a few full-size runs",
     )
     p.add_argument("--full", action="store_true", help="the paper's whole grid")
     p.add_argument(
@@ -579,6 +600,15 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from dualpath.sim.agents import workload_agents
 
     start_s = time.perf_counter()
+    if args.calibrate:
+        from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, fit_prefill_efficiency
+
+        for efficiency, jct_s in fit_prefill_efficiency():
+            print(f"prefill_efficiency {efficiency:.4f}: JCT {jct_s:.1f} s")
+        print(f"target {CALIBRATION_TARGET_JCT_S:.0f} s (Table 3, 2P4D)")
+        return 0
+    if args.experiment == "fidelity":
+        return _run_fidelity(args)
     if args.experiment is not None:
         result = experiments.run_experiment(
             args.experiment, scale_down=args.scale_down, full=args.full
@@ -612,6 +642,29 @@ def _run_simulate(args: argparse.Namespace) -> int:
         report.write_json(data, args.json)
     if args.png is not None:
         report.write_png([result], args.png)
+    return 0
+
+
+def _run_fidelity(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+
+    from dualpath.sim.fidelity import FIDELITY_TOLERANCE, run_fidelity
+
+    with tempfile.TemporaryDirectory(prefix="dualpath-fidelity-") as tmp:
+        rows = run_fidelity(
+            work_dir=Path(tmp), bench_json=args.bench_json, reprofile=args.reprofile
+        )
+    print("== fidelity (local profile vs dualpath bench offline --preset ci --seed 1) ==")
+    print("mode | measured JCT s | simulated JCT s | error")
+    for row in rows:
+        verdict = "ok" if abs(row["error"]) <= FIDELITY_TOLERANCE else "MISS"
+        print(
+            f"{row['mode']} | {row['measured_s']:.2f} | {row['simulated_s']:.2f} | "
+            f"{100 * row['error']:+.1f}% ({verdict}, +-{100 * FIDELITY_TOLERANCE:.0f}%)"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"fidelity": rows}, indent=1) + "\n")
     return 0
 
 

@@ -105,3 +105,20 @@ def scaled_append_agents(
         hits = _hits(prompts, outputs, [None] * len(prompts), block_size_tokens)
         agents.append(AgentTrace(index, 0.0, tuple(prompts), hits, tuple(outputs)))
     return agents
+
+
+def copied_agents(agents: list[AgentTrace], num_copies: int) -> list[AgentTrace]:
+    """``num_copies`` copies of ``agents`` with fresh ids (SPEC §7: more trajectories are made
+    by copying; copies are cache-disjoint, which hits within an agent already are). The
+    copies keep every turn; SPEC's prepended 1-token synthetic first turn is left out."""
+    return [
+        AgentTrace(
+            copy * len(agents) + a.agent_id,
+            a.arrival_s,
+            a.prompt_tokens,
+            a.hit_tokens,
+            a.output_tokens,
+        )  # fmt: skip
+        for copy in range(num_copies)
+        for a in agents
+    ]

@@ -7,9 +7,10 @@ Hardware (``HARDWARE``):
   datasheet (989 TFLOPS dense BF16, 3.35 TB/s HBM3, 80 GB); host memory M = 500 GB/s per node
   is SPEC §5's example; the 3FS service bandwidth 6.6 TiB/s is 3FS's published aggregate read
   throughput (180 storage nodes).
-* ``local`` -- this machine as ``dualpath bench offline`` runs it (one CPU process per engine).
-  NOT calibrated yet (TODO(#7): fit from ``engine/profile.py`` microbenchmarks); its figures
-  are placeholders of the right order for a 2-vCPU VM and the tiny model.
+* ``local`` -- this machine as ``dualpath bench offline`` runs it (one CPU process per engine),
+  by name only: its link figures serve ``dualpath plan``'s §5 bounds. A simulation of this
+  machine takes its measured costs and links from ``local.py`` (``RunSpec.local``), which
+  replace these figures and the roofline model.
 
 Models (``MODELS``): KV bytes per token per layer and layer counts from the public configs
 (SPEC §7 "Model facts"); FLOPs from parameter counts (2 FLOPs per active parameter per token)
@@ -95,8 +96,8 @@ HARDWARE: dict[str, HardwareProfile] = {
         storage_service_bytes_per_s=6.6 * TIB,
         gpu_reserved_bytes=10e9,
     ),
-    # TODO(#7): calibrate from microbenchmarks of the real engine (prefill vs (cached, new),
-    # decode step vs batch, measured link rates); these are uncalibrated placeholders.
+    # Order-of-magnitude figures of a 2-vCPU VM for the §5 bounds; simulations use the measured
+    # profile of ``local.py`` instead.
     "local": HardwareProfile(
         name="local",
         num_gpus_per_node=1,
@@ -118,7 +119,7 @@ class ModelProfile:
 
     name: str
     num_layers: int
-    kv_bytes_per_token_per_layer: int  # everything the store keeps (incl. indexer keys)
+    kv_bytes_per_token_per_layer: int  # what the store keeps and the links move
     num_active_params: float  # per token (MoE: shared + routed experts used)
     num_total_params: float
     bytes_per_param: float  # weight precision
@@ -145,8 +146,11 @@ MODELS: dict[str, ModelProfile] = {
     "deepseek-v3.2-660b": ModelProfile(
         name="deepseek-v3.2-660b",
         num_layers=61,
-        # 656 B (FP8 MLA latent 512 + scales + BF16 rope 64) + 128 B indexer key (SPEC §7).
-        kv_bytes_per_token_per_layer=656 + 128,
+        # 656 B: FP8 MLA latent 512 + scales + BF16 rope 64 (SPEC §7). The 128 B indexer key
+        # is not counted as stored or moved KV: with it, our FLOPs give cache-compute ratios of
+        # 15-42 GB/PFLOP (16K-64K, append 429) against SPEC's 13-36 and "about 22"; without
+        # it, 12.2-35.0 and 21.6 at 32K. Decode still reads it (``indexer_bytes_*`` below).
+        kv_bytes_per_token_per_layer=656,
         num_active_params=37e9,
         num_total_params=671e9,
         bytes_per_param=1.0,  # FP8 weights
@@ -165,7 +169,7 @@ MODELS: dict[str, ModelProfile] = {
         name="27b",
         num_layers=30,
         # Assumed the same MLA + DSA cache format as V3.2 (SPEC gives no byte size).
-        kv_bytes_per_token_per_layer=656 + 128,
+        kv_bytes_per_token_per_layer=656,
         # Estimate: 30 layers x (6 routed + 2 shared) experts of 2560x1536x3 ~ 2.8B, attention
         # ~0.8B, embeddings ~0.4B.
         num_active_params=4.0e9,

@@ -41,7 +41,7 @@ def write_png(results: list[ExperimentResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [run for r in results for run in r.runs]
+    runs = [run for r in results for run in r.runs if run["jct_s"] is not None]
     labels = [f"{r['nodes']} {r['agents']} {r['max_len'] // 1024}K\n{r['mode']}" for r in runs]
     values = [r["jct_s"] for r in runs]
     figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(runs)), 4))

@@ -19,6 +19,7 @@ from dualpath.config import SchedulerConfig, mode_settings, parse_node_shape
 from dualpath.scheduler import make_cluster_topology
 from dualpath.sim.agents import AgentTrace, synthetic_agents
 from dualpath.sim.calibration import FROZEN_FACTORS
+from dualpath.sim.cluster import ClusterModel, RequestRecord
 from dualpath.sim.cost import (
     ConstantCostModel,
     CostModel,
@@ -28,9 +29,10 @@ from dualpath.sim.cost import (
     kv_capacity_bytes,
     weight_shard_bytes,
 )
+from dualpath.sim.local import LocalProfile
 from dualpath.sim.metrics import snic_load_balance
 from dualpath.sim.profiles import HARDWARE, MODELS
-from dualpath.sim.simulator import ClusterModel, RequestRecord, Simulator
+from dualpath.sim.simulator import Simulator
 
 PRESET_BY_MAX_LEN = {32_768: "32k", 49_152: "48k", 65_536: "64k"}
 
@@ -54,6 +56,9 @@ class RunSpec:
     # Forces the scheduler ("dualpath" / "round_robin") instead of the mode's (SNIC balance).
     scheduler: str | None = None
     arrivals_s: tuple[float, ...] | None = None  # per agent; None = all at 0 (offline)
+    # Measured costs and links of this machine (``local.py``); replaces the hardware profile
+    # and the roofline model.
+    local: LocalProfile | None = None
     agents: tuple[AgentTrace, ...] | None = field(default=None, compare=False)  # overrides
 
     def __post_init__(self) -> None:
@@ -98,7 +103,6 @@ def build_simulator(spec: RunSpec) -> Simulator:
     hardware = HARDWARE[spec.hardware].scaled_down(spec.scale_down)
     settings = mode_settings(spec.mode)
     num_prefill_nodes, num_decode_nodes = parse_node_shape(spec.nodes)
-    g = hardware.num_gpus_per_node
     block_size = 64
     if spec.agents is not None:
         agents = list(spec.agents)
@@ -110,19 +114,10 @@ def build_simulator(spec: RunSpec) -> Simulator:
             block_size_tokens=block_size,
             arrivals_s=None if spec.arrivals_s is None else list(spec.arrivals_s),
         )
-    kv_bytes_per_token = model.kv_bytes_per_token
-    prefill_weights = weight_shard_bytes(model, num_prefill_nodes * 8)
-    decode_weights = weight_shard_bytes(model, num_decode_nodes * 8)
-    prefill_cost: CostModel
-    decode_cost: CostModel
-    if spec.constant_cost is not None:
-        prefill_cost = decode_cost = spec.constant_cost
-    else:
-        prefill_cost = RooflineCostModel(model, hardware, spec.factors, prefill_weights)
-        decode_cost = RooflineCostModel(model, hardware, spec.factors, decode_weights)
+    machine = _machine(spec, model, hardware, num_prefill_nodes, num_decode_nodes)
+    prefill_cost, decode_cost = machine.prefill_cost, machine.decode_cost
     max_prompt = max(max(a.prompt_tokens) for a in agents)
     predictor = fit_attention_predictor(prefill_cost, max_context_tokens=max_prompt)
-    storage_bytes_per_s = hardware.snic_bytes_per_s * spec.factors.storage_efficiency
     # β (SPEC §6): prompt tokens one GPU prefills in 5 s, profiled on the workload's mean turn.
     num_prompt = sum(sum(a.prompt_tokens) for a in agents)
     num_hit = sum(sum(a.hit_tokens) for a in agents)
@@ -139,23 +134,23 @@ def build_simulator(spec: RunSpec) -> Simulator:
     topology = make_cluster_topology(
         num_prefill_nodes=num_prefill_nodes,
         num_decode_nodes=num_decode_nodes,
-        storage_read_tokens_per_s=storage_bytes_per_s / kv_bytes_per_token,
-        engines_per_node=g,
+        storage_read_tokens_per_s=machine.snic_read_bytes_per_s / machine.kv_bytes_per_token,
+        engines_per_node=machine.num_engines_per_node,
         nodes_per_group=_nodes_per_group(num_prefill_nodes, num_decode_nodes),
     )
     cluster = ClusterModel(
         topology=topology,
         scheduler=scheduler,
         mode=spec.mode,
-        kv_bytes_per_token=kv_bytes_per_token,
-        all_to_all_bytes_per_token=model.num_layers * model.all_to_all_bytes_per_token_per_layer,
-        snic_read_bytes_per_s=storage_bytes_per_s,
-        snic_write_bytes_per_s=storage_bytes_per_s,
-        cnic_bytes_per_s=hardware.cnic_bytes_per_s,
+        kv_bytes_per_token=machine.kv_bytes_per_token,
+        all_to_all_bytes_per_token=machine.all_to_all_bytes_per_token,
+        snic_read_bytes_per_s=machine.snic_read_bytes_per_s,
+        snic_write_bytes_per_s=machine.snic_read_bytes_per_s,
+        cnic_bytes_per_s=machine.cnic_bytes_per_s,
         num_decode_kv_blocks=int(
-            kv_capacity_bytes(hardware, decode_weights) // (block_size * kv_bytes_per_token)
+            machine.decode_kv_capacity_bytes // (block_size * machine.kv_bytes_per_token)
         ),
-        prefill_kv_capacity_bytes=kv_capacity_bytes(hardware, prefill_weights),
+        prefill_kv_capacity_bytes=machine.prefill_kv_capacity_bytes,
     )
     return Simulator(
         cluster,
@@ -163,7 +158,63 @@ def build_simulator(spec: RunSpec) -> Simulator:
         prefill_cost=prefill_cost,
         decode_cost=decode_cost,
         attention_predictor=predictor,
-        num_prefill_layers=model.num_layers,
+        num_prefill_layers=machine.num_layers,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Machine:
+    """What ``build_simulator`` needs of the hardware and cost models, from either source."""
+
+    prefill_cost: CostModel
+    decode_cost: CostModel
+    kv_bytes_per_token: int
+    num_layers: int
+    num_engines_per_node: int
+    all_to_all_bytes_per_token: float
+    snic_read_bytes_per_s: float  # per node, storage efficiency applied
+    cnic_bytes_per_s: float
+    decode_kv_capacity_bytes: float  # per DE
+    prefill_kv_capacity_bytes: float  # per PE
+
+
+def _machine(
+    spec: RunSpec, model, hardware, num_prefill_nodes: int, num_decode_nodes: int
+) -> _Machine:
+    if spec.local is not None:
+        local = spec.local
+        return _Machine(
+            prefill_cost=local.cost,
+            decode_cost=local.cost,
+            kv_bytes_per_token=local.kv_bytes_per_token,
+            num_layers=local.cost.num_layers,
+            num_engines_per_node=1,
+            all_to_all_bytes_per_token=0.0,
+            snic_read_bytes_per_s=local.snic_bytes_per_s,
+            cnic_bytes_per_s=local.cnic_bytes_per_s,
+            decode_kv_capacity_bytes=local.kv_cache_bytes,
+            prefill_kv_capacity_bytes=local.kv_cache_bytes,
+        )
+    prefill_weights = weight_shard_bytes(model, num_prefill_nodes * 8)
+    decode_weights = weight_shard_bytes(model, num_decode_nodes * 8)
+    prefill_cost: CostModel
+    decode_cost: CostModel
+    if spec.constant_cost is not None:
+        prefill_cost = decode_cost = spec.constant_cost
+    else:
+        prefill_cost = RooflineCostModel(model, hardware, spec.factors, prefill_weights)
+        decode_cost = RooflineCostModel(model, hardware, spec.factors, decode_weights)
+    return _Machine(
+        prefill_cost=prefill_cost,
+        decode_cost=decode_cost,
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        num_layers=model.num_layers,
+        num_engines_per_node=hardware.num_gpus_per_node,
+        all_to_all_bytes_per_token=model.num_layers * model.all_to_all_bytes_per_token_per_layer,
+        snic_read_bytes_per_s=hardware.snic_bytes_per_s * spec.factors.storage_efficiency,
+        cnic_bytes_per_s=hardware.cnic_bytes_per_s,
+        decode_kv_capacity_bytes=kv_capacity_bytes(hardware, decode_weights),
+        prefill_kv_capacity_bytes=kv_capacity_bytes(hardware, prefill_weights),
     )
 
 

@@ -23,139 +23,29 @@ no bytes at all. Leaders fetch on a ``fetch_interval_s`` grid when something may
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from dualpath.config import SchedulerConfig, mode_settings
+from dualpath.config import mode_settings
 from dualpath.scheduler import (
     AttentionTimePredictor,
-    ClusterTopology,
     EngineRole,
     EngineSnapshot,
     GroupSnapshot,
     NodeSnapshot,
-    PrefillBatch,
     PrefillBatcher,
     PrefillWork,
     SchedulerRequest,
     make_scheduler,
 )
 from dualpath.sim.agents import AgentTrace
+from dualpath.sim.cluster import ClusterModel, DecodeGroup, PrefillGroup, RequestRecord
 from dualpath.sim.cost import CostModel
-from dualpath.sim.engines import (
-    SimDecodeEngine,
-    SimNode,
-    SimPrefillEngine,
-    SimRequest,
-)
+from dualpath.sim.engines import SimDecodeEngine, SimNode, SimPrefillEngine, SimRequest
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import SimLink, TrafficClass
+from dualpath.sim.prefill_step import HbmCappedPredictor, PrefillSteps
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterModel:
-    """Everything about the simulated cluster that is not the workload or the cost model."""
-
-    topology: ClusterTopology
-    scheduler: SchedulerConfig
-    mode: str
-    kv_bytes_per_token: int
-    all_to_all_bytes_per_token: float  # MoE dispatch + combine over all layers (inference)
-    snic_read_bytes_per_s: float  # per node, storage efficiency applied
-    snic_write_bytes_per_s: float  # per node
-    cnic_bytes_per_s: float  # per engine
-    num_decode_kv_blocks: int  # per DE
-    prefill_kv_capacity_bytes: float  # per PE: HBM left for KV
-    max_inflight_reads_per_node: int = 32  # storage reads in flight per node (I/O depth)
-    snic_window_s: float = 1.0  # SPEC §7: SNIC balance over 1 s windows
-    inference_weight: int = 99
-    kv_weight: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    """One finished request, for metrics (seconds of simulated time)."""
-
-    agent_index: int
-    turn_index: int
-    submit_s: float
-    first_token_s: float
-    decode_start_s: float
-    finish_s: float
-    num_output_tokens: int
-
-
-class _HbmCappedPredictor:
-    """The batcher's predictor plus the PE's HBM limit: a batch whose KV (every token of every
-    chunk, on ``num_layers_held`` layers) would not fit predicts over the quota. Monotone, so
-    the unchanged ``PrefillBatcher`` packs under both limits."""
-
-    __slots__ = ("_inner", "_bytes_per_token", "_capacity_bytes", "_over_s")
-
-    def __init__(
-        self,
-        inner: AttentionTimePredictor,
-        bytes_per_token: float,
-        capacity_bytes: float,
-        quota_s: float,
-    ):
-        self._inner = inner
-        self._bytes_per_token = bytes_per_token
-        self._capacity_bytes = capacity_bytes
-        self._over_s = 2 * quota_s
-
-    def predict_s(self, chunks: Sequence[tuple[int, int]]) -> float:
-        held_tokens = sum(c + n for c, n in chunks)
-        time_s = self._inner.predict_s(chunks)
-        if held_tokens * self._bytes_per_token > self._capacity_bytes:
-            return time_s + self._over_s
-        return time_s
-
-
-class _PrefillStep:
-    """One lockstep step of a PE group: what it computes and what it still waits for."""
-
-    __slots__ = ("group", "batches", "requests", "num_pending", "compute_s")
-
-    def __init__(
-        self,
-        group: _PrefillGroup,
-        batches: list[tuple[SimPrefillEngine, PrefillBatch]],
-        requests: dict[int, SimRequest],
-    ):
-        self.group = group
-        self.batches = batches
-        # The step's requests by id: one may finish decoding before the step ends (basic).
-        self.requests = {
-            chunk.request_id: requests[chunk.request_id]
-            for _, batch in batches
-            for chunk in batch.chunks
-        }
-        self.num_pending = 0  # parts (compute, flows) the current phase still waits for
-        self.compute_s = 0.0
-
-
-class _PrefillGroup:
-    __slots__ = ("group_id", "engines", "nodes", "is_busy", "is_fetch_pending")
-
-    def __init__(self, group_id: int, engines: list, nodes: list):
-        self.group_id = group_id
-        self.engines = engines
-        self.nodes = nodes
-        self.is_busy = False
-        self.is_fetch_pending = False
-
-
-class _DecodeGroup:
-    __slots__ = ("group_id", "engines", "nodes", "is_fetch_pending")
-
-    def __init__(self, group_id: int, engines: list, nodes: list):
-        self.group_id = group_id
-        self.engines = engines
-        self.nodes = nodes
-        self.is_fetch_pending = False
-
-
-class Simulator:
+class Simulator(PrefillSteps):
     """One simulated run. Not reusable: build, ``run()`` once, read the results."""
 
     def __init__(
@@ -181,8 +71,8 @@ class Simulator:
         self.agent_finish_s = [-1.0] * len(self.agents)
         self.num_submitted = 0
         self._requests_in_flight: dict[int, SimRequest] = {}
-        self._prefill_group_of: dict[int, _PrefillGroup] = {}
-        self._decode_group_of: dict[int, _DecodeGroup] = {}
+        self._prefill_group_of: dict[int, PrefillGroup] = {}
+        self._decode_group_of: dict[int, DecodeGroup] = {}
         self._build(attention_predictor, num_prefill_layers, decode_cost)
 
     # --- construction ------------------------------------------------------------------------
@@ -219,8 +109,8 @@ class Simulator:
             self.nodes.append(node)
             node_id_to_node[spec.node_id] = node
         self.engines: dict[int, SimPrefillEngine | SimDecodeEngine] = {}
-        self.prefill_groups: list[_PrefillGroup] = []
-        self.decode_groups: list[_DecodeGroup] = []
+        self.prefill_groups: list[PrefillGroup] = []
+        self.decode_groups: list[DecodeGroup] = []
         for group in c.topology.groups:
             nodes = [node_id_to_node[n] for n in group.node_ids]
             engines = []
@@ -229,7 +119,7 @@ class Simulator:
                 for engine_id in node_spec.engine_ids:
                     cnic = self._link(f"engine{engine_id}.cnic", c.cnic_bytes_per_s)
                     if group.role == EngineRole.PREFILL:
-                        capped = _HbmCappedPredictor(
+                        capped = HbmCappedPredictor(
                             predictor,
                             self._kv_bytes_per_token * layers_held / num_layers,
                             c.prefill_kv_capacity_bytes,
@@ -253,23 +143,30 @@ class Simulator:
                     engines.append(engine)
                     self.engines[engine_id] = engine
             if group.role == EngineRole.PREFILL:
-                prefill_group = _PrefillGroup(group.group_id, engines, nodes)
+                prefill_group = PrefillGroup(group.group_id, engines, nodes)
                 self.prefill_groups.append(prefill_group)
                 self._prefill_group_of.update((e.engine_id, prefill_group) for e in engines)
             else:
-                decode_group = _DecodeGroup(group.group_id, engines, nodes)
+                decode_group = DecodeGroup(group.group_id, engines, nodes)
                 self.decode_groups.append(decode_group)
                 self._decode_group_of.update((e.engine_id, decode_group) for e in engines)
 
     # --- the run -----------------------------------------------------------------------------
 
-    def run(self) -> None:
-        """Replay every agent to its last turn."""
+    def run(self, until_s: float = float("inf")) -> None:
+        """Replay every agent to its last turn, or stop at ``until_s`` (an online probe);
+        requests still in flight then stay in ``requests_in_flight``."""
         for index, agent in enumerate(self.agents):
             self.queue.push(agent.arrival_s, EventPriority.ARRIVAL, self._submit_turn, (index, 0))
-        self.queue.run()
-        unfinished = [i for i, t in enumerate(self.agent_finish_s) if t < 0]
-        assert not unfinished, f"agents {unfinished[:5]} never finished: the simulation stalled"
+        self.queue.run(until_s)
+        if until_s == float("inf"):
+            unfinished = [i for i, t in enumerate(self.agent_finish_s) if t < 0]
+            assert not unfinished, f"agents {unfinished[:5]} never finished: the simulation stalled"
+
+    @property
+    def requests_in_flight(self) -> list[SimRequest]:
+        """Submitted, unfinished requests (empty after a complete run)."""
+        return list(self._requests_in_flight.values())
 
     def _submit_turn(self, entry: tuple[int, int]) -> None:
         agent_index, turn = entry
@@ -308,7 +205,7 @@ class Simulator:
         due_s = (int(self.queue.now_s / interval_s) + 1) * interval_s
         self.queue.push(due_s, EventPriority.FETCH, handler, group)
 
-    def _fetch_prefill(self, group: _PrefillGroup) -> None:
+    def _fetch_prefill(self, group: PrefillGroup) -> None:
         group.is_fetch_pending = False
         if not self.scheduler.num_waiting_prefill:
             return  # nothing to place: the leader's fetch would return empty
@@ -333,7 +230,7 @@ class Simulator:
         for decode_group in self.decode_groups:
             self._request_fetch(decode_group, self._fetch_decode)
 
-    def _fetch_decode(self, group: _DecodeGroup) -> None:
+    def _fetch_decode(self, group: DecodeGroup) -> None:
         group.is_fetch_pending = False
         if not self.scheduler.num_waiting_decode:
             return
@@ -404,160 +301,6 @@ class Simulator:
         if not group.is_busy:
             group.is_busy = True  # claimed now; the step starts as its own event
             self.queue.push(self.queue.now_s, EventPriority.STEP_DONE, self._start_step, group)
-
-    # --- prefill steps -----------------------------------------------------------------------
-
-    def _start_step(self, group: _PrefillGroup) -> None:
-        batches = []
-        for engine in group.engines:
-            if engine.batcher.num_waiting:
-                batch = engine.batcher.next_batch()
-                if batch.chunks:
-                    batches.append((engine, batch))
-        if not batches:
-            group.is_busy = False
-            return
-        step = _PrefillStep(group, batches, self._requests_in_flight)
-        cost = self._prefill_cost
-        step.compute_s = max(
-            cost.prefill_s([(c.num_cached_tokens, c.num_new_tokens) for c in batch.chunks])
-            for _, batch in batches
-        )
-        if self.settings.is_layerwise:
-            self._run_layerwise_step(step)
-        else:
-            self._run_basic_load(step)
-
-    def _hit_bytes(self, request: SimRequest) -> float:
-        return request.num_hit_tokens * self._kv_bytes_per_token
-
-    def _run_layerwise_step(self, step: _PrefillStep) -> None:
-        """Compute, per-layer hit loads and the MoE all-to-all run together; the step ends
-        when the slowest PE's compute and every load are done. KV leaves for the DEs as each
-        layer completes (flows that may outlast the step)."""
-        requests = step.requests
-        step.num_pending = 1
-        for engine, batch in step.batches:
-            load_bytes = 0.0
-            num_new = 0
-            for chunk in batch.chunks:
-                request = requests[chunk.request_id]
-                load_bytes += self._hit_bytes(request)
-                num_new += chunk.num_new_tokens
-                self._send_chunk(request, chunk, self._on_kv_arrived, request)
-            if load_bytes:
-                step.num_pending += 1
-                engine.cnic.start(load_bytes, TrafficClass.KV, self._on_step_part_done, step)
-            if self.cluster.all_to_all_bytes_per_token and num_new:
-                step.num_pending += 1
-                engine.cnic.start(
-                    num_new * self.cluster.all_to_all_bytes_per_token,
-                    TrafficClass.INFERENCE,
-                    self._on_step_part_done,
-                    step,
-                )
-        self.queue.push(
-            self.queue.now_s + step.compute_s,
-            EventPriority.STEP_DONE,
-            self._on_step_part_done,
-            step,
-        )
-
-    def _send_chunk(self, request: SimRequest, chunk, on_done, token) -> None:
-        """PE -> DE buffer: the chunk's new KV, plus the PE-side hit blocks with the first
-        chunk (DE-side hit blocks are already in the DE buffer). The DE's buffer -> HBM copy
-        of the chunk's share of the prompt rides in the same flow on the DE's CNIC (both are
-        RDMA writes into the DE GPU, SPEC §4); it is one flow per chunk instead of two."""
-        bytes_per_token = self._kv_bytes_per_token
-        num_bytes = 2 * chunk.num_new_tokens * bytes_per_token  # sent, then copied
-        if chunk.num_cached_tokens == request.num_hit_tokens:
-            num_bytes += (
-                request.load_plan.num_prefill_side_blocks * self._block_size
-                + request.num_hit_tokens  # the hit's copy into HBM
-            ) * bytes_per_token
-        request.num_pending_kv += 1
-        request.decode_engine.cnic.start(num_bytes, TrafficClass.KV, on_done, token)
-
-    def _on_step_part_done(self, step: _PrefillStep) -> None:
-        step.num_pending -= 1
-        if step.num_pending == 0:
-            self._finish_step(step)
-
-    def _finish_step(self, step: _PrefillStep) -> None:
-        requests = step.requests
-        now_s = self.queue.now_s
-        fetch = False
-        for engine, batch in step.batches:
-            for chunk in batch.chunks:
-                if chunk.is_last_chunk:
-                    request = requests[chunk.request_id]
-                    if request.first_token_s < 0:
-                        request.first_token_s = now_s
-                    engine.num_seqs -= 1
-                    engine.num_tokens -= request.num_prompt_tokens
-                    fetch = True
-                    if self.settings.is_layerwise:
-                        self._on_kv_arrived(request)  # the prefill's own "+1"
-        if fetch and self.scheduler.num_waiting_prefill:
-            self._request_fetch(step.group, self._fetch_prefill)
-        self.queue.push(now_s, EventPriority.STEP_DONE, self._start_step, step.group)
-
-    # basic: load -> compute -> send, one after another
-
-    def _run_basic_load(self, step: _PrefillStep) -> None:
-        """Without layer-wise prefill every layer's hit KV of the batch is copied from the
-        host buffer into HBM before the forward (the copy does not overlap compute)."""
-        requests = step.requests
-        step.num_pending = 0
-        for engine, batch in step.batches:
-            copy_bytes = sum(self._hit_bytes(requests[c.request_id]) for c in batch.chunks)
-            step.num_pending += 1
-            engine.cnic.start(copy_bytes, TrafficClass.KV, self._on_basic_loaded, step)
-
-    def _on_basic_loaded(self, step: _PrefillStep) -> None:
-        step.num_pending -= 1
-        if step.num_pending:
-            return
-        step.num_pending = 1
-        for engine, batch in step.batches:
-            num_new = sum(chunk.num_new_tokens for chunk in batch.chunks)
-            if self.cluster.all_to_all_bytes_per_token and num_new:
-                step.num_pending += 1
-                engine.cnic.start(
-                    num_new * self.cluster.all_to_all_bytes_per_token,
-                    TrafficClass.INFERENCE,
-                    self._on_basic_computed,
-                    step,
-                )
-        self.queue.push(
-            self.queue.now_s + step.compute_s,
-            EventPriority.STEP_DONE,
-            self._on_basic_computed,
-            step,
-        )
-
-    def _on_basic_computed(self, step: _PrefillStep) -> None:
-        step.num_pending -= 1
-        if step.num_pending:
-            return
-        requests = step.requests
-        now_s = self.queue.now_s
-        step.num_pending = 0
-        for _, batch in step.batches:
-            for chunk in batch.chunks:
-                request = requests[chunk.request_id]
-                if chunk.is_last_chunk:
-                    request.first_token_s = now_s
-                step.num_pending += 1
-                self._send_chunk(request, chunk, self._on_basic_sent, (step, request))
-
-    def _on_basic_sent(self, entry: tuple[_PrefillStep, SimRequest]) -> None:
-        """A send left the PE's HBM; the step ends (and frees HBM) when all of them have."""
-        step, request = entry
-        self._on_kv_arrived(request)
-        step.num_pending -= 1
-        if step.num_pending == 0:
-            self._finish_step(step)
 
     # --- PE -> DE, decode --------------------------------------------------------------------
 

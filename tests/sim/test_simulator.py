@@ -163,7 +163,8 @@ def test_decode_steps_are_hand_computable_with_the_constant_model():
 
 def test_sim_imports_no_torch():
     code = (
-        "import sys, dualpath.sim.runner, dualpath.sim.experiments, dualpath.sim.plan; "
+        "import sys, dualpath.sim.runner, dualpath.sim.experiments, dualpath.sim.plan, "
+        "dualpath.sim.online, dualpath.sim.fidelity, dualpath.sim.local; "
         "sys.exit(3 if 'torch' in sys.modules else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,0 +1,70 @@
+"""The simulated cluster's description and its engine groups (plain state, no behaviour).
+
+``ClusterModel`` is everything ``Simulator`` needs that is not the workload or a cost model;
+``RequestRecord`` is what a finished request leaves for the metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.config import SchedulerConfig
+from dualpath.scheduler import ClusterTopology
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterModel:
+    """Everything about the simulated cluster that is not the workload or the cost model."""
+
+    topology: ClusterTopology
+    scheduler: SchedulerConfig
+    mode: str
+    kv_bytes_per_token: int
+    all_to_all_bytes_per_token: float  # MoE dispatch + combine over all layers (inference)
+    snic_read_bytes_per_s: float  # per node, storage efficiency applied
+    snic_write_bytes_per_s: float  # per node
+    cnic_bytes_per_s: float  # per engine
+    num_decode_kv_blocks: int  # per DE
+    prefill_kv_capacity_bytes: float  # per PE: HBM left for KV
+    max_inflight_reads_per_node: int = 32  # storage reads in flight per node (I/O depth)
+    snic_window_s: float = 1.0  # SPEC §7: SNIC balance over 1 s windows
+    inference_weight: int = 99
+    kv_weight: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, for metrics (seconds of simulated time)."""
+
+    agent_index: int
+    turn_index: int
+    submit_s: float
+    first_token_s: float
+    decode_start_s: float
+    finish_s: float
+    num_output_tokens: int
+
+
+class PrefillGroup:
+    """The PEs of one scheduler group: they fetch together and step in lockstep."""
+
+    __slots__ = ("group_id", "engines", "nodes", "is_busy", "is_fetch_pending")
+
+    def __init__(self, group_id: int, engines: list, nodes: list):
+        self.group_id = group_id
+        self.engines = engines
+        self.nodes = nodes
+        self.is_busy = False
+        self.is_fetch_pending = False
+
+
+class DecodeGroup:
+    """The DEs of one scheduler group: they fetch together."""
+
+    __slots__ = ("group_id", "engines", "nodes", "is_fetch_pending")
+
+    def __init__(self, group_id: int, engines: list, nodes: list):
+        self.group_id = group_id
+        self.engines = engines
+        self.nodes = nodes
+        self.is_fetch_pending = False

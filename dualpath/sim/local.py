@@ -1,0 +1,107 @@
+"""The ``local`` profile: this machine as ``dualpath bench offline`` runs it, from measurements.
+
+``dualpath.bench.sim_profile`` times the real engine's model (prefill vs (cached, new),
+decode step vs batch, a host copy rate) and writes a JSON file; ``load_local_profile`` reads
+it into a ``LocalProfile``: a ``ProfiledCostModel`` plus the links of the emulated cluster.
+
+Assumptions, stated (nothing is fitted to a benchmark run):
+
+* one engine per node (``dualpath serve --nodes 1P2D`` runs one engine process per node);
+* the SNIC is the benchmark's emulated cap (a token bucket: exact, so no storage efficiency);
+  the CNIC is the measured host copy rate (engines on one host move KV through shared
+  memory);
+* **engines share the machine's cores**: ``num_engines`` processes of one torch thread each on
+  ``num_cores`` cores, so every measured time is divided by ``min(1, num_cores /
+  num_engines)`` (all engines busy is the offline benchmark's steady state).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PROFILE_PATH = Path(__file__).with_name("local_profile.json")
+
+
+@dataclass(frozen=True, slots=True)
+class ProfiledCostModel:
+    """Fitted costs of the real engine (``CostModel`` interface), seconds on one engine."""
+
+    num_layers: int
+    prefill_fixed_s: float
+    prefill_s_per_new_token: float
+    prefill_s_per_pair: float  # per (new token, key) pair, keys = cached + new / 2
+    decode_fixed_s: float
+    decode_s_per_seq: float
+    decode_s_per_context_token: float
+    slowdown: float = 1.0  # core sharing: every time is multiplied by this (>= 1)
+
+    def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        if not chunks:
+            return 0.0
+        work_s = sum(
+            self.prefill_s_per_new_token * n + self.prefill_s_per_pair * n * (c + n / 2)
+            for c, n in chunks
+        )
+        return self.slowdown * (self.prefill_fixed_s + work_s)
+
+    def attention_layer_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        # One layer's share of the forward without its fixed part (the engine's predictor
+        # times a whole layer too, ``engine/profile.py``).
+        return (self.prefill_s(chunks) - self.slowdown * self.prefill_fixed_s) / self.num_layers
+
+    def decode_step_s(self, num_seqs: int, num_context_tokens: int) -> float:
+        if num_seqs == 0:
+            return 0.0
+        return self.slowdown * (
+            self.decode_fixed_s
+            + self.decode_s_per_seq * num_seqs
+            + self.decode_s_per_context_token * num_context_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LocalProfile:
+    """The cost model and link rates of one host emulating a cluster."""
+
+    cost: ProfiledCostModel
+    kv_bytes_per_token: int
+    snic_bytes_per_s: float  # per node: the benchmark's emulated cap
+    cnic_bytes_per_s: float  # per engine: the measured host copy rate
+    kv_cache_bytes: float  # per engine (``dualpath serve``'s KV cache)
+
+
+def load_local_profile(
+    path: Path | None = None,
+    *,
+    snic_bytes_per_s: float,
+    kv_cache_bytes: float,
+    num_engines: int,
+    num_cores: int,
+) -> LocalProfile:
+    """``LocalProfile`` from ``dualpath.bench.sim_profile``'s JSON (``ValueError`` if a field
+    is missing)."""
+    data = json.loads(Path(path or DEFAULT_PROFILE_PATH).read_text())
+    try:
+        prefill, decode = data["prefill"], data["decode"]
+        cost = ProfiledCostModel(
+            num_layers=int(data["num_layers"]),
+            prefill_fixed_s=prefill["fixed_s"],
+            prefill_s_per_new_token=prefill["per_new_token_s"],
+            prefill_s_per_pair=prefill["per_pair_s"],
+            decode_fixed_s=decode["fixed_s"],
+            decode_s_per_seq=decode["per_seq_s"],
+            decode_s_per_context_token=decode["per_context_token_s"],
+            slowdown=max(1.0, num_engines / num_cores),
+        )
+        return LocalProfile(
+            cost=cost,
+            kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+            snic_bytes_per_s=snic_bytes_per_s,
+            cnic_bytes_per_s=float(data["copy_bytes_per_s"]),
+            kv_cache_bytes=kv_cache_bytes,
+        )
+    except KeyError as exc:
+        raise ValueError(f"{path}: not a local profile (missing {exc})") from exc

@@ -1,0 +1,230 @@
+"""Prefill steps of the simulator: one lockstep step of a PE group, layer-wise or not.
+
+``PrefillSteps`` holds ``Simulator``'s step methods (it is a base class of ``Simulator`` and
+uses its state: the queue, the cost model, the requests in flight). A step takes every PE's
+next ``PrefillBatcher`` batch and lasts as long as the slowest PE's compute:
+
+* layer-wise (every mode but ``basic``): compute, the per-layer hit-KV loads and the MoE
+  all-to-all run together; KV leaves for the DEs as layers complete;
+* ``basic``: load the hit KV into HBM, then compute, then send to the DEs, one after another;
+  HBM is freed when the sends are done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dualpath.scheduler import AttentionTimePredictor, PrefillBatch
+from dualpath.sim.engines import SimPrefillEngine, SimRequest
+from dualpath.sim.events import EventPriority
+from dualpath.sim.links import TrafficClass
+
+if TYPE_CHECKING:
+    from dualpath.sim.cluster import PrefillGroup
+
+
+class HbmCappedPredictor:
+    """The batcher's predictor plus the PE's HBM limit: a batch whose KV (every token of every
+    chunk, on ``num_layers_held`` layers) would not fit predicts over the quota. Monotone, so
+    the unchanged ``PrefillBatcher`` packs under both limits."""
+
+    __slots__ = ("_inner", "_bytes_per_token", "_capacity_bytes", "_over_s")
+
+    def __init__(
+        self,
+        inner: AttentionTimePredictor,
+        bytes_per_token: float,
+        capacity_bytes: float,
+        quota_s: float,
+    ):
+        self._inner = inner
+        self._bytes_per_token = bytes_per_token
+        self._capacity_bytes = capacity_bytes
+        self._over_s = 2 * quota_s
+
+    def predict_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        held_tokens = sum(c + n for c, n in chunks)
+        time_s = self._inner.predict_s(chunks)
+        if held_tokens * self._bytes_per_token > self._capacity_bytes:
+            return time_s + self._over_s
+        return time_s
+
+
+class PrefillStep:
+    """One lockstep step of a PE group: what it computes and what it still waits for."""
+
+    __slots__ = ("group", "batches", "requests", "num_pending", "compute_s")
+
+    def __init__(
+        self,
+        group: PrefillGroup,
+        batches: list[tuple[SimPrefillEngine, PrefillBatch]],
+        requests: dict[int, SimRequest],
+    ):
+        self.group = group
+        self.batches = batches
+        # The step's requests by id: one may finish decoding before the step ends (basic).
+        self.requests = {
+            chunk.request_id: requests[chunk.request_id]
+            for _, batch in batches
+            for chunk in batch.chunks
+        }
+        self.num_pending = 0  # parts (compute, flows) the current phase still waits for
+        self.compute_s = 0.0
+
+
+class PrefillSteps:
+    """``Simulator``'s prefill-step methods (see the module docstring)."""
+
+    def _start_step(self, group: PrefillGroup) -> None:
+        batches = []
+        for engine in group.engines:
+            if engine.batcher.num_waiting:
+                batch = engine.batcher.next_batch()
+                if batch.chunks:
+                    batches.append((engine, batch))
+        if not batches:
+            group.is_busy = False
+            return
+        step = PrefillStep(group, batches, self._requests_in_flight)
+        cost = self._prefill_cost
+        step.compute_s = max(
+            cost.prefill_s([(c.num_cached_tokens, c.num_new_tokens) for c in batch.chunks])
+            for _, batch in batches
+        )
+        if self.settings.is_layerwise:
+            self._run_layerwise_step(step)
+        else:
+            self._run_basic_load(step)
+
+    def _hit_bytes(self, request: SimRequest) -> float:
+        return request.num_hit_tokens * self._kv_bytes_per_token
+
+    def _run_layerwise_step(self, step: PrefillStep) -> None:
+        """Compute, per-layer hit loads and the MoE all-to-all run together; the step ends
+        when the slowest PE's compute and every load are done. KV leaves for the DEs as each
+        layer completes (flows that may outlast the step)."""
+        requests = step.requests
+        step.num_pending = 1
+        for engine, batch in step.batches:
+            load_bytes = 0.0
+            num_new = 0
+            for chunk in batch.chunks:
+                request = requests[chunk.request_id]
+                load_bytes += self._hit_bytes(request)
+                num_new += chunk.num_new_tokens
+                self._send_chunk(request, chunk, self._on_kv_arrived, request)
+            if load_bytes:
+                step.num_pending += 1
+                engine.cnic.start(load_bytes, TrafficClass.KV, self._on_step_part_done, step)
+            if self.cluster.all_to_all_bytes_per_token and num_new:
+                step.num_pending += 1
+                engine.cnic.start(
+                    num_new * self.cluster.all_to_all_bytes_per_token,
+                    TrafficClass.INFERENCE,
+                    self._on_step_part_done,
+                    step,
+                )
+        self.queue.push(
+            self.queue.now_s + step.compute_s,
+            EventPriority.STEP_DONE,
+            self._on_step_part_done,
+            step,
+        )
+
+    def _send_chunk(self, request: SimRequest, chunk, on_done, token) -> None:
+        """PE -> DE buffer: the chunk's new KV, plus the PE-side hit blocks with the first
+        chunk (DE-side hit blocks are already in the DE buffer). The DE's buffer -> HBM copy
+        of the chunk's share of the prompt rides in the same flow on the DE's CNIC (both are
+        RDMA writes into the DE GPU, SPEC §4); it is one flow per chunk instead of two."""
+        bytes_per_token = self._kv_bytes_per_token
+        num_bytes = 2 * chunk.num_new_tokens * bytes_per_token  # sent, then copied
+        if chunk.num_cached_tokens == request.num_hit_tokens:
+            num_bytes += (
+                request.load_plan.num_prefill_side_blocks * self._block_size
+                + request.num_hit_tokens  # the hit's copy into HBM
+            ) * bytes_per_token
+        request.num_pending_kv += 1
+        request.decode_engine.cnic.start(num_bytes, TrafficClass.KV, on_done, token)
+
+    def _on_step_part_done(self, step: PrefillStep) -> None:
+        step.num_pending -= 1
+        if step.num_pending == 0:
+            self._finish_step(step)
+
+    def _finish_step(self, step: PrefillStep) -> None:
+        requests = step.requests
+        now_s = self.queue.now_s
+        fetch = False
+        for engine, batch in step.batches:
+            for chunk in batch.chunks:
+                if chunk.is_last_chunk:
+                    request = requests[chunk.request_id]
+                    if request.first_token_s < 0:
+                        request.first_token_s = now_s
+                    engine.num_seqs -= 1
+                    engine.num_tokens -= request.num_prompt_tokens
+                    fetch = True
+                    if self.settings.is_layerwise:
+                        self._on_kv_arrived(request)  # the prefill's own "+1"
+        if fetch and self.scheduler.num_waiting_prefill:
+            self._request_fetch(step.group, self._fetch_prefill)
+        self.queue.push(now_s, EventPriority.STEP_DONE, self._start_step, step.group)
+
+    # basic: load -> compute -> send, one after another
+
+    def _run_basic_load(self, step: PrefillStep) -> None:
+        """Without layer-wise prefill every layer's hit KV of the batch is copied from the
+        host buffer into HBM before the forward (the copy does not overlap compute)."""
+        requests = step.requests
+        step.num_pending = 0
+        for engine, batch in step.batches:
+            copy_bytes = sum(self._hit_bytes(requests[c.request_id]) for c in batch.chunks)
+            step.num_pending += 1
+            engine.cnic.start(copy_bytes, TrafficClass.KV, self._on_basic_loaded, step)
+
+    def _on_basic_loaded(self, step: PrefillStep) -> None:
+        step.num_pending -= 1
+        if step.num_pending:
+            return
+        step.num_pending = 1
+        for engine, batch in step.batches:
+            num_new = sum(chunk.num_new_tokens for chunk in batch.chunks)
+            if self.cluster.all_to_all_bytes_per_token and num_new:
+                step.num_pending += 1
+                engine.cnic.start(
+                    num_new * self.cluster.all_to_all_bytes_per_token,
+                    TrafficClass.INFERENCE,
+                    self._on_basic_computed,
+                    step,
+                )
+        self.queue.push(
+            self.queue.now_s + step.compute_s,
+            EventPriority.STEP_DONE,
+            self._on_basic_computed,
+            step,
+        )
+
+    def _on_basic_computed(self, step: PrefillStep) -> None:
+        step.num_pending -= 1
+        if step.num_pending:
+            return
+        requests = step.requests
+        now_s = self.queue.now_s
+        step.num_pending = 0
+        for _, batch in step.batches:
+            for chunk in batch.chunks:
+                request = requests[chunk.request_id]
+                if chunk.is_last_chunk:
+                    request.first_token_s = now_s
+                step.num_pending += 1
+                self._send_chunk(request, chunk, self._on_basic_sent, (step, request))
+
+    def _on_basic_sent(self, entry: tuple[PrefillStep, SimRequest]) -> None:
+        """A send left the PE's HBM; the step ends (and frees HBM) when all of them have."""
+        step, request = entry
+        self._on_kv_arrived(request)
+        step.num_pending -= 1
+        if step.num_pending == 0:
+            self._finish_step(step)
