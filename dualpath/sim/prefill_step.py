@@ -118,20 +118,25 @@ class PrefillSteps:
             if load_bytes:
                 step.num_pending += 1
                 engine.cnic.start(load_bytes, TrafficClass.KV, self._on_step_part_done, step)
-            if self.cluster.all_to_all_bytes_per_token and num_new:
-                step.num_pending += 1
-                engine.cnic.start(
-                    num_new * self.cluster.all_to_all_bytes_per_token,
-                    TrafficClass.INFERENCE,
-                    self._on_step_part_done,
-                    step,
-                )
+            self._start_all_to_all(engine, num_new, step, self._on_step_part_done)
         self.queue.push(
             self.queue.now_s + step.compute_s,
             EventPriority.STEP_DONE,
             self._on_step_part_done,
             step,
         )
+
+    def _start_all_to_all(self, engine, num_new: int, step: PrefillStep, on_done) -> None:
+        """The step's expert-parallel all-to-all on the engine's CNIC (inference class), if
+        the model has one; ``on_done(step)`` when it ends."""
+        if self.cluster.all_to_all_bytes_per_token and num_new:
+            step.num_pending += 1
+            engine.cnic.start(
+                num_new * self.cluster.all_to_all_bytes_per_token,
+                TrafficClass.INFERENCE,
+                on_done,
+                step,
+            )
 
     def _send_chunk(self, request: SimRequest, chunk, on_done, token) -> None:
         """PE -> DE buffer: the chunk's new KV, plus the PE-side hit blocks with the first
@@ -191,14 +196,7 @@ class PrefillSteps:
         step.num_pending = 1
         for engine, batch in step.batches:
             num_new = sum(chunk.num_new_tokens for chunk in batch.chunks)
-            if self.cluster.all_to_all_bytes_per_token and num_new:
-                step.num_pending += 1
-                engine.cnic.start(
-                    num_new * self.cluster.all_to_all_bytes_per_token,
-                    TrafficClass.INFERENCE,
-                    self._on_basic_computed,
-                    step,
-                )
+            self._start_all_to_all(engine, num_new, step, self._on_basic_computed)
         self.queue.push(
             self.queue.now_s + step.compute_s,
             EventPriority.STEP_DONE,
