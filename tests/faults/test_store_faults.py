@@ -116,8 +116,13 @@ def test_corrupt_and_truncated_blocks_are_recomputed_and_replaced(cluster, glust
     print(f"corrupt + truncated block: full hits again {recovery_s:.1f} s later")
     assert cluster.health()["store"]["corrupt_blocks"] > damaged_before
     assert cluster.metric("dualpath_store_corrupt_blocks_total") > damaged_before
+    # Rewritten whole, through another host's mount: this host's FUSE client may show the old
+    # size for a moment (attribute caching), so look until a deadline.
     size = written[2].stat().st_size
-    assert corrupt.stat().st_size == truncated.stat().st_size == size  # rewritten whole
+    deadline_s = time.monotonic() + 15
+    while not corrupt.stat().st_size == truncated.stat().st_size == size:
+        assert time.monotonic() < deadline_s, (corrupt.stat(), truncated.stat(), size)
+        time.sleep(0.2)
 
 
 def test_a_stopped_brick_costs_hits_not_answers_and_its_return_restores_them(
