@@ -286,13 +286,22 @@ class Coordinator:
             if writer_id is not None:
                 self.persisting.wait(writer_id, state)
                 return True
-            # Not being written: absent, or written since the last lookup (then look again).
-            num_more = self._lookup(keys[num_hit:])
+            # Not being written: absent, or written since the submit's lookup. A bare presence
+            # check first, so the common miss is not counted as a second lookup in the store's
+            # statistics (the scheduler's hit/miss metrics).
+            num_more = self._lookup(keys[num_hit:]) if self._contains(keys[num_hit]) else 0
             if not num_more:
                 break
             num_hit += num_more
             state.num_cached_tokens = num_hit * self.block_size
         return False
+
+    def _contains(self, key: BlockKey) -> bool:
+        try:
+            return self.store.contains(key)
+        except KVStoreError as exc:
+            logger.warning("store lookup failed, treating the block as a miss: %s", exc)
+            return False
 
     def _enqueue_all(self, states: list[_RequestState]) -> None:
         """Queue requests released from waiting (those not cancelled meanwhile)."""
