@@ -156,6 +156,9 @@ class _EngineProcess:
             allocate=None if is_cuda else self.transport.allocate_host_buffer,
         )
         self.buffer_descriptor = self.transport.register("kv-buffer", self.buffer.array)
+        self.client = ControlClient(
+            config.scheduler_endpoint, f"engine-{config.engine_id}", config.token
+        )
         self.prefill: PrefillEngine | None = None
         self.decode: DecodeEngine | None = None
         if is_prefill:
@@ -181,6 +184,7 @@ class _EngineProcess:
                 device=loaded.device,
                 is_layerwise=cluster.settings.is_layerwise,
                 mover=self._move,
+                on_read_done=self.client.wake,
                 batcher=PrefillBatcher(
                     profile_layer_time(
                         loaded.model,
@@ -201,11 +205,10 @@ class _EngineProcess:
             )
         else:
             llm_engine = LLMEngine(loaded, engine_config, config.store, mover=self._move)
-            self.decode = DecodeEngine(llm_engine, self.buffer, mover=self._move)
+            self.decode = DecodeEngine(
+                llm_engine, self.buffer, mover=self._move, on_read_done=self.client.wake
+            )
         self.remotes: dict[int, TransportRemoteBuffer] = {}
-        self.client = ControlClient(
-            config.scheduler_endpoint, f"engine-{config.engine_id}", config.token
-        )
         self.last_heard_s = time.monotonic()
         self.last_report_s = 0.0
         self.busy_s = 0.0  # wall time spent in prefill batches or decode steps

@@ -11,9 +11,11 @@ Every receive takes an explicit ``timeout_s``; nothing here blocks forever.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import logging
+import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -224,7 +226,22 @@ class ControlClient:
         self._socket.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+        # ``wake`` writes a byte here to end a ``poll`` early: work that finished on another
+        # thread (a storage read) is taken up now, not at the poll's timeout.
+        self._wake_read_fd, self._wake_write_fd = os.pipe()
+        os.set_blocking(self._wake_read_fd, False)
+        os.set_blocking(self._wake_write_fd, False)
+        self._poller.register(self._wake_read_fd, zmq.POLLIN)
         self.endpoint = endpoint
+
+    def wake(self) -> None:
+        """End the current or next ``poll`` early, from any thread (it then returns what has
+        arrived, possibly nothing). Cheap, never blocks; many wakes before a poll count as one."""
+        fd = self._wake_write_fd
+        if fd < 0:
+            return  # closed: the engine is shutting down
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake is pending
+            os.write(fd, b"\0")
 
     def connect(self, timeout_s: float) -> None:
         """Say hello; ``PeerUnavailable`` if rejected, ``TransferTimeout`` if no answer."""
@@ -248,10 +265,16 @@ class ControlClient:
         self._socket.send(data)
 
     def poll(self, timeout_s: float) -> list[object]:
-        """Messages that arrived within ``timeout_s``; malformed ones are logged and dropped."""
+        """Messages that arrived within ``timeout_s`` (sooner after a ``wake``); malformed
+        ones are logged and dropped."""
         received: list[object] = []
-        if not self._poller.poll(max(0, int(timeout_s * 1000))):
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        if not events:
             return received
+        if self._wake_read_fd in events:
+            with contextlib.suppress(BlockingIOError):  # drained
+                while os.read(self._wake_read_fd, 4096):
+                    pass
         while True:
             try:
                 data = self._socket.recv(zmq.NOBLOCK)
@@ -264,3 +287,8 @@ class ControlClient:
 
     def close(self) -> None:
         self._socket.close(linger=0)
+        write_fd, self._wake_write_fd = self._wake_write_fd, -1
+        if write_fd >= 0:
+            self._poller.unregister(self._wake_read_fd)
+            os.close(self._wake_read_fd)
+            os.close(write_fd)

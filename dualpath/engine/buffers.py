@@ -107,11 +107,21 @@ class StoreReader:
     node's SNIC (the mover), counting the bytes: either engine's side of SPEC §2's reads."""
 
     def __init__(
-        self, store: KVStore | None, buffer: KVBuffer, mover: _Mover, *, num_threads: int, name: str
+        self,
+        store: KVStore | None,
+        buffer: KVBuffer,
+        mover: _Mover,
+        *,
+        num_threads: int,
+        name: str,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
+        """``on_done`` is called on the reading thread after each ``submit``'s reads end (an
+        engine loop uses it to stop waiting for messages and take the request up at once)."""
         self.store = store
         self.buffer = buffer
         self.mover = mover
+        self.on_done = on_done
         self.num_read_bytes = 0  # hit-KV bytes read so far (this side's path_bytes)
         # Blocks submitted and not yet read or given up: this engine's share of read_q.
         self.num_queued_blocks = 0
@@ -123,7 +133,11 @@ class StoreReader:
         were read. A block that cannot be read stops the run there (it is recomputed)."""
         with self._lock:
             self.num_queued_blocks += len(keys)
-        return self._pool.submit(self._read, list(keys), list(slots), what)
+        future = self._pool.submit(self._read, list(keys), list(slots), what)
+        if self.on_done is not None:
+            on_done = self.on_done
+            future.add_done_callback(lambda _: on_done())
+        return future
 
     def _read(self, keys: list[BlockKey], slots: list[int], what: str) -> int:
         for index, (key, slot) in enumerate(zip(keys, slots, strict=True)):

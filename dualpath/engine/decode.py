@@ -18,6 +18,7 @@ waits for free device blocks before it is adopted; both are released as requests
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -66,14 +67,22 @@ class DecodeEngine:
         *,
         mover: Mover = direct_move,
         num_io_threads: int = 4,
+        on_read_done: Callable[[], None] | None = None,
     ) -> None:
+        """``on_read_done`` is called from a reading thread when a request's DE-side reads
+        end (the engine loop then stops waiting for messages)."""
         self.engine = engine
         self.buffer = buffer
         self.block_size = engine.block_size
         self.store = None if engine.store_io is None else engine.store_io.store
         self.mover = mover
         self.reader = StoreReader(
-            self.store, buffer, mover, num_threads=num_io_threads, name="de-read"
+            self.store,
+            buffer,
+            mover,
+            num_threads=num_io_threads,
+            name="de-read",
+            on_done=on_read_done,
         )
         self.requests: dict[int, DecodeRequest] = {}
         self._waiting_for_buffer: list[DecodeRequest] = []

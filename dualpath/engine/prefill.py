@@ -137,8 +137,10 @@ class PrefillEngine:
         mover: Mover = direct_move,
         num_io_threads: int = 4,
         batcher: PrefillBatcher | None = None,
+        on_read_done: Callable[[], None] | None = None,
     ) -> None:
-        """``batcher`` packs the batches (``None``: no quota, every ready request at once)."""
+        """``batcher`` packs the batches (``None``: no quota, every ready request at once);
+        ``on_read_done`` is called from a reading thread when a request's PE-side reads end."""
         self.model = model
         self.identity = identity
         self.layout = identity.layout
@@ -149,7 +151,9 @@ class PrefillEngine:
         self.device = device
         self.is_layerwise = is_layerwise
         self.mover = mover
-        self.reader = StoreReader(store, buffer, mover, num_threads=num_io_threads, name="pe-read")
+        self.reader = StoreReader(
+            store, buffer, mover, num_threads=num_io_threads, name="pe-read", on_done=on_read_done
+        )
         # Loads the next layer's hit KV while the current layer computes.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="pe-layer-load")
         self.requests: dict[int, PrefillRequest] = {}

@@ -239,3 +239,28 @@ def test_poll_returns_after_max_messages_while_more_keep_coming(server) -> None:
             break
     assert [msg.seq for _, msg in got] == list(range(30))
     client.close()
+
+
+def test_wake_ends_a_poll_early_and_messages_still_arrive(server) -> None:
+    import threading
+
+    srv, token = server
+    client = ControlClient(srv.endpoint, "engine-0", token)
+    _handshake(srv, client)
+    timer = threading.Timer(0.05, client.wake)
+    timer.start()
+    start_s = time.monotonic()
+    assert client.poll(30.0) == []  # woken, nothing arrived
+    assert time.monotonic() - start_s < 15.0  # well before the 30 s timeout
+    for _ in range(100):
+        client.wake()  # wakes coalesce: the pipe never blocks the waker
+    srv.send("engine-0", Ping(1, b"", ()))
+    got = []
+    for _ in range(50):
+        got += client.poll(0.1)
+        if got:
+            break
+    assert got == [Ping(1, b"", ())]
+    assert client.poll(0.0) == []  # the earlier wakes were drained with it
+    client.close()
+    client.wake()  # after close: a no-op, not an error

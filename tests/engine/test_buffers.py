@@ -50,7 +50,16 @@ def test_store_reader_counts_queued_blocks_until_read_or_given_up() -> None:
     for key in keys[:3]:  # blocks 3 and 4 are missing
         store.write(key, np.full(LAYOUT.full_block_shape, 7, dtype=np.uint8))
     buffer = KVBuffer(LAYOUT, capacity_bytes=5 * LAYOUT.full_block_bytes)
-    reader = StoreReader(store, buffer, lambda link, n, move: move(), num_threads=1, name="t")
+    done_calls = []
+    told = __import__("threading").Event()
+    reader = StoreReader(
+        store,
+        buffer,
+        lambda link, n, move: move(),
+        num_threads=1,
+        name="t",
+        on_done=lambda: (done_calls.append(reader.num_queued_blocks), told.set()),
+    )
     gate = __import__("threading").Event()
     blocker = reader._pool.submit(gate.wait)  # hold the pool so the count is observable
     future = reader.submit(keys, [0, 1, 2, 3, 4], "test")
@@ -58,6 +67,8 @@ def test_store_reader_counts_queued_blocks_until_read_or_given_up() -> None:
     gate.set()
     blocker.result()
     assert future.result() == 3  # stops at the first missing block
+    assert told.wait(10.0)
+    assert done_calls == [0]  # told once, after the count was settled
     assert reader.num_queued_blocks == 0
     assert reader.num_read_bytes == 3 * LAYOUT.full_block_bytes
     assert np.all(buffer.full_block(2) == 7)
