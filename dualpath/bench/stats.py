@@ -38,8 +38,16 @@ def summarize_turns(records: Sequence[TurnRecord]) -> dict:
     num_prompt = sum(r.num_prompt_tokens for r in ok)
     num_cached = sum(r.num_cached_tokens for r in ok)
     num_output = sum(r.num_output_tokens for r in ok)
+    session_to_span_s: dict[int, tuple[float, float]] = {}
+    for r in records:
+        first_s, last_s = session_to_span_s.get(r.session, (r.arrival_s, r.finish_s))
+        session_to_span_s[r.session] = (min(first_s, r.arrival_s), max(last_s, r.finish_s))
     return {
         "jct_s": jct_s,
+        # Each agent's own JCT (its first request to its last answer). Offline, the run's JCT
+        # is the slowest agent's; the spread tells a throughput-bound run (agents end
+        # together) from one whose last agents' chains of turns set the JCT.
+        "agent_jct_s": percentiles([last - first for first, last in session_to_span_s.values()]),
         "num_requests": len(records),
         "num_failed": len(records) - len(ok),
         "prompt_tokens": num_prompt,

@@ -36,6 +36,8 @@ def test_turn_latencies_and_run_figures() -> None:
     assert summary["tokens_per_s"] == pytest.approx((2100 - 960 + 14) / 2.5)
     assert summary["ttft_s"]["p50"] == pytest.approx(0.35)
     assert summary["tpot_s"]["p50"] == pytest.approx((0.1 + 0.8 / 3) / 2)
+    # Agent 0 ran 10.0 -> 12.5, agent 1 10.0 -> 10.2 (its failed turn still ends it).
+    assert summary["agent_jct_s"]["p50"] == pytest.approx((2.5 + 0.2) / 2)
 
 
 def test_percentiles_of_nothing_are_none() -> None:
