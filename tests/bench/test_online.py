@@ -10,6 +10,7 @@ from dualpath.bench.agents import TurnRecord
 from dualpath.bench.online import (
     MAX_PROBES,
     capacity_of,
+    capacity_ratios,
     is_attained,
     next_probe,
     run_online,
@@ -38,6 +39,23 @@ def test_capacity_search_brackets_then_bisects_within_six_probes() -> None:
     # Stops as soon as the bracket is within 5%.
     assert next_probe([(1.0, True), (1.04, False)]) is None
     assert capacity_of([(1.0, False), (0.5, False)]) is None
+
+
+def test_capacity_ratio_is_a_lower_bound_when_basic_never_attains() -> None:
+    both = {
+        "basic": {"capacity_aps": 0.5, "capacity_below_aps": None},
+        "dualpath": {"capacity_aps": 1.5, "capacity_below_aps": None},
+    }
+    assert capacity_ratios(both) == {"dualpath_vs_basic_capacity": pytest.approx(3.0)}
+    basic_none = {
+        "basic": {"capacity_aps": None, "capacity_below_aps": 0.25},
+        "dualpath": {"capacity_aps": 1.0, "capacity_below_aps": None},
+        "oracle": {"capacity_aps": None, "capacity_below_aps": 0.5},
+    }
+    assert capacity_ratios(basic_none) == {
+        "dualpath_vs_basic_capacity_at_least": pytest.approx(4.0)
+    }
+    assert capacity_ratios({"dualpath": {"capacity_aps": 1.0}}) == {}
 
 
 def _turn(arrival, first, finish, out=4, error=None) -> TurnRecord:
