@@ -15,8 +15,12 @@ assembled from their latest reports; a leader that speaks for its group (``Group
 
 An engine that stops reporting for ``heartbeat_timeout_s`` is declared dead (checked once per
 heartbeat period, ``heartbeat_timeout_s / 4``): the policy sees it as overloaded (a PE above
-beta, a DE with no free memory) so nothing more is placed on it, and its in-flight requests
-fail with a message that names it.
+beta, a DE with no free memory) so nothing more is placed on it. Its requests that have not
+produced a token yet are placed again (SPEC §8), at most ``MAX_PLACEMENTS`` times in all, under
+a fresh internal id so that a late message about the lost attempt finds nothing; the caller
+keeps its id. So are those a PE gave up on because their DE failed mid-transfer
+(``RequestFailed.is_retryable``), which a PE may notice before the heartbeat does. Those already streaming fail with a message that names the engine (their output
+so far cannot be taken back).
 
 A request whose hit prefix stops at a block a DE is still writing (an agent's next turn, sent
 the moment the last one finished) waits for that write rather than being placed with a short
@@ -74,6 +78,10 @@ from dualpath.types import SamplingParams, sampling_params_to_dict
 
 logger = logging.getLogger(__name__)
 
+# How many times one request may be placed: the first placement and re-placements after the
+# loss of an engine (a request that keeps landing on dying engines fails in the end).
+MAX_PLACEMENTS = 3
+
 
 @dataclass(frozen=True, slots=True)
 class RequestEvent:
@@ -100,7 +108,15 @@ class _RequestState:
     block_keys: list[BlockKey] | None = None
     prefill_engine_id: int | None = None
     decode_engine_id: int | None = None
-    is_prefill_done: bool = False
+    is_prefill_done: bool = False  # the first token was sent out: no re-placement from here
+    # The id the caller knows; ``request_id`` is this placement's (they differ after a
+    # re-placement, so that messages about an abandoned placement match nothing).
+    client_request_id: int = -1
+    num_placements: int = 1
+
+    def __post_init__(self) -> None:
+        if self.client_request_id < 0:
+            self.client_request_id = self.request_id
 
 
 @dataclass
@@ -159,11 +175,16 @@ class Coordinator:
         self._client_id_to_engine_id: dict[str, int] = {}
         self._is_peer_table_stale = False  # membership changed: announce once this loop turn
         self._requests: dict[int, _RequestState] = {}
+        # Caller's id -> current placement's id, for re-placed requests only.
+        self._client_id_to_request_id: dict[int, int] = {}
+        # (when, request): re-placements that wait for a lost peer to be declared dead.
+        self._delayed_placements: list[tuple[float, _RequestState]] = []
         self._submissions: queue.SimpleQueue[_RequestState] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[RequestEvent] = queue.SimpleQueue()
         self._request_ids = itertools.count()
         self._last_heartbeat_s = 0.0
         self.num_assigned = 0
+        self.num_replaced = 0  # placements abandoned with a lost engine and made again
         self.persisting: PersistingBlocks[_RequestState] = PersistingBlocks(
             cluster.persist_wait_s if store is not None else 0.0
         )
@@ -204,6 +225,12 @@ class Coordinator:
             )
         )
         return request_id
+
+    def placement(self, request_id: int) -> tuple[int | None, int | None] | None:
+        """(PE, DE) engine ids of a request (the caller's id) that is in flight, None for an
+        engine not chosen yet; None once it is done. Any thread: a snapshot, for tools."""
+        state = self._requests.get(self._client_id_to_request_id.get(request_id, request_id))
+        return None if state is None else (state.prefill_engine_id, state.decode_engine_id)
 
     def _prompt_block_keys(self, prompt_token_ids: array.array) -> list[BlockKey]:
         """Keys of the whole blocks a hit may cover: all but the prompt's last token, which
@@ -255,6 +282,8 @@ class Coordinator:
         for client_id, msg in self.server.receive(timeout_s):  # each handled, then dropped
             self._handle(client_id, msg)
         self._check_liveness()
+        if self._delayed_placements:
+            self._place_delayed()
         if self.persisting:
             self._enqueue_all(self.persisting.expire(self.clock()))
         if self._is_peer_table_stale:
@@ -337,7 +366,7 @@ class Coordinator:
                 state.is_prefill_done = True
                 self._events.put(
                     RequestEvent(
-                        msg.request_id,
+                        state.client_request_id,
                         (msg.first_token_id,),
                         None,
                         msg.num_cached_tokens,
@@ -353,7 +382,12 @@ class Coordinator:
         elif isinstance(msg, KVPersisted):
             self._enqueue_all(self.persisting.written(msg.request_ids))
         elif isinstance(msg, RequestFailed):
-            self._fail(msg.request_id, msg.reason)
+            state = self._requests.get(msg.request_id)
+            if msg.is_retryable and state is not None and self._may_place_again(state):
+                # Later: by then a peer that died has been declared dead (not placed on again).
+                self._place_again(state, msg.reason, at_s=now_s + self.cluster.heartbeat_timeout_s)
+            else:
+                self._fail(msg.request_id, msg.reason)
         else:
             logger.warning("unexpected %s from %s", type(msg).__name__, client_id)
 
@@ -493,11 +527,12 @@ class Coordinator:
             self._fail(request_id, str(exc))
 
     def _on_tokens(self, msg: TokenUpdate, now_s: float) -> None:
-        if msg.request_id not in self._requests:
+        state = self._requests.get(msg.request_id)
+        if state is None:
             return
         self._events.put(
             RequestEvent(
-                msg.request_id,
+                state.client_request_id,
                 msg.token_ids,
                 msg.finish_reason,
                 msg.num_cached_tokens,
@@ -506,33 +541,88 @@ class Coordinator:
             )
         )
         if msg.finish_reason is not None:
-            state = self._requests.pop(msg.request_id)
+            self._pop(msg.request_id)
             if msg.persisting_keys and state.decode_engine_id is not None:
                 self.persisting.add(
                     msg.request_id, state.decode_engine_id, msg.persisting_keys, now_s
                 )
 
     def cancel(self, request_id: int) -> None:
-        """Stop a request wherever it is; its engines free its buffers and KV."""
-        state = self._requests.pop(request_id, None)
+        """Stop a request (the caller's id) wherever it is; its engines free its buffers and
+        KV."""
+        state = self._pop(self._client_id_to_request_id.get(request_id, request_id))
         if state is None:
             return
         for engine_id in (state.prefill_engine_id, state.decode_engine_id):
             if engine_id is not None:
                 with contextlib.suppress(PeerUnavailable):  # a dead engine frees nothing
-                    self._send_to_engine(engine_id, CancelRequest(request_id))
+                    self._send_to_engine(engine_id, CancelRequest(state.request_id))
+
+    def _pop(self, request_id: int) -> _RequestState | None:
+        """Forget a placement's request (finished, failed or cancelled)."""
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.client_request_id != request_id:
+            del self._client_id_to_request_id[state.client_request_id]
+        return state
 
     def _fail(self, request_id: int, reason: str) -> None:
-        state = self._requests.pop(request_id, None)
+        state = self._pop(request_id)
         if state is None:
             return
-        logger.warning("request %d failed: %s", request_id, reason)
+        logger.warning("request %d failed: %s", state.client_request_id, reason)
         self._events.put(
-            RequestEvent(request_id, (), "error", state.num_cached_tokens, error=reason)
+            RequestEvent(
+                state.client_request_id, (), "error", state.num_cached_tokens, error=reason
+            )
         )
+        self._cancel_on_live_engines(state)
+
+    def _cancel_on_live_engines(self, state: _RequestState) -> None:
         for engine_id in (state.prefill_engine_id, state.decode_engine_id):
             if engine_id is not None and self._is_alive(engine_id):
-                self._send_to_engine(engine_id, CancelRequest(request_id))
+                self._send_to_engine(engine_id, CancelRequest(state.request_id))
+
+    @staticmethod
+    def _may_place_again(state: _RequestState) -> bool:
+        return not state.is_prefill_done and state.num_placements < MAX_PLACEMENTS
+
+    def _place_again(self, state: _RequestState, why: str, *, at_s: float = 0.0) -> None:
+        """Abandon this placement (its live engines free it) and queue the request again under
+        a fresh id, now or at ``at_s``, its hit looked up anew; see the module docstring."""
+        self._cancel_on_live_engines(state)
+        del self._requests[state.request_id]
+        state.request_id = next(self._request_ids)
+        self._requests[state.request_id] = state
+        self._client_id_to_request_id[state.client_request_id] = state.request_id
+        state.prefill_engine_id = state.decode_engine_id = None
+        state.num_placements += 1
+        logger.warning(
+            "request %d placed again (placement %d): %s",
+            state.client_request_id,
+            state.num_placements,
+            why,
+        )
+        self.num_replaced += 1
+        if at_s > self.clock():
+            self._delayed_placements.append((at_s, state))
+        else:
+            self._enqueue_again(state)
+
+    def _enqueue_again(self, state: _RequestState) -> None:
+        if state.request_id not in self._requests:
+            return  # cancelled meanwhile
+        keys = self._prompt_block_keys(state.prompt_token_ids)
+        state.num_cached_tokens = self._lookup(keys) * self.block_size if keys else 0
+        state.block_keys = keys if self.persisting.is_enabled else None
+        self._enqueue(state)
+
+    def _place_delayed(self) -> None:
+        now_s = self.clock()
+        due = [state for at_s, state in self._delayed_placements if at_s <= now_s]
+        if due:
+            self._delayed_placements = [(t, st) for t, st in self._delayed_placements if t > now_s]
+            for state in due:
+                self._enqueue_again(state)
 
     def _is_alive(self, engine_id: int) -> bool:
         state = self._engines.get(engine_id)
@@ -560,12 +650,17 @@ class Coordinator:
         if not any(e.is_alive and e.client is state.client for e in self._engines.values()):
             self.server.forget(state.client.client_id)  # it speaks for no live engine any more
         logger.error("engine %d declared dead: %s", engine_id, why)
-        for request_id, request in list(self._requests.items()):
-            if engine_id in (request.prefill_engine_id, request.decode_engine_id):
-                self._fail(request_id, f"engine {engine_id} ({state.info.role}) died: {why}")
-        # Requests only queued for it (not yet sent to any engine) are placed again.
+        # Requests only queued for it (not yet sent to any engine) are placed again; first,
+        # so that the policy places nothing more on it.
         for request in self.policy.withdraw_engine(engine_id):
             self.policy.submit(request)
+        lost = f"engine {engine_id} ({state.info.role}) died: {why}"
+        for request_id, request in list(self._requests.items()):
+            if engine_id in (request.prefill_engine_id, request.decode_engine_id):
+                if self._may_place_again(request):
+                    self._place_again(request, lost)
+                else:
+                    self._fail(request_id, lost)
         self._enqueue_all(self.persisting.engine_lost(engine_id))
         self._is_peer_table_stale = True
 

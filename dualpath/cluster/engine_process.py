@@ -325,7 +325,11 @@ class _EngineProcess:
             except DualPathError as exc:  # a DE died or timed out mid-transfer
                 logger.error("prefill batch failed: %s", exc)  # its requests are cancelled
                 for request, _ in batch:
-                    self._send(RequestFailed(request.request_id, f"prefill failed: {exc}"))
+                    self._send(
+                        RequestFailed(
+                            request.request_id, f"prefill failed: {exc}", is_retryable=True
+                        )
+                    )
                 return True
             for done in finished:
                 self._send(done)

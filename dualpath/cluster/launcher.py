@@ -82,6 +82,8 @@ class ClusterSnapshot:
     # finished requests whose writes were never confirmed in time; both since the start.
     num_persist_waits: int = 0
     num_persist_expired: int = 0
+    # Requests placed again after losing an engine before their first token (SPEC §8).
+    num_replaced: int = 0
     # engine id -> cumulative bytes by "link.class" (e.g. "node0.snic.kv"), plus
     # "store_read_bytes" (hit KV the engine read from the store); empty until it reports.
     link_bytes: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -303,6 +305,7 @@ class LocalCluster:
             num_assigned=coordinator.num_assigned,
             num_persist_waits=coordinator.persisting.num_waits,
             num_persist_expired=coordinator.persisting.num_expired,
+            num_replaced=coordinator.num_replaced,
             link_bytes=coordinator.link_bytes(),
         )
 

@@ -266,6 +266,9 @@ class KVPersisted:
 class RequestFailed:
     request_id: int
     reason: str
+    # The request itself is fine and another placement may succeed (a peer engine died or
+    # timed out mid-transfer); the scheduler places it again if it has no output yet.
+    is_retryable: bool = False
 
 
 @message("cancel")

@@ -251,6 +251,12 @@ class ClusterCollector(Collector):
             "(their waiters were placed with what the store held).",
             value=snapshot.num_persist_expired,
         )
+        yield CounterMetricFamily(
+            "dualpath_scheduler_replaced_requests",
+            "Requests placed again because an engine they were on died before their first "
+            "token (those already streaming fail instead).",
+            value=snapshot.num_replaced,
+        )
         yield from self._link_metrics(snapshot)
         yield from self._store_metrics(snapshot)
 

@@ -17,6 +17,7 @@ from dualpath.cluster.messages import (
     KVPersisted,
     PeerTable,
     PrefillDone,
+    RequestFailed,
     TokenUpdate,
 )
 from dualpath.config import ClusterConfig, SchedulerConfig
@@ -128,19 +129,27 @@ def test_request_is_placed_relayed_and_finished(cluster) -> None:
     assert coordinator.link_bytes()[0] == {"snic": 1}
 
 
-def test_a_silent_engine_is_declared_dead_and_its_requests_fail(cluster) -> None:
+def _silence(coordinator, engines, clock, dead_engine_id: int) -> None:
+    """Every engine but ``dead_engine_id`` reports at 3 s; at 6 s it has been silent > 5 s."""
+    clock.now_s = 3.0
+    for engine in engines:
+        if engine.engine_id != dead_engine_id:
+            engine.report()
+    spin(coordinator, 5)
+    clock.now_s = 6.0
+    spin(coordinator, 5)
+
+
+def test_a_silent_engine_is_declared_dead_and_its_streaming_requests_fail(cluster) -> None:
     coordinator, engines, clock, _ = cluster
     request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
     (assignment,) = engines[0].receive(Assignment)
     de = assignment.decode_engine_id
-    clock.now_s = 3.0
-    for engine in engines:
-        if engine.engine_id != de:
-            engine.report()
+    engines[0].client.send(PrefillDone(request_id, 42, None, 0))  # the first token is out
     spin(coordinator, 5)
-    clock.now_s = 6.0  # the DE has been silent for 6 s > 5 s
-    spin(coordinator, 5)
-    (event,) = coordinator.drain_events()
+    _silence(coordinator, engines, clock, de)
+    first, event = coordinator.drain_events()
+    assert first.token_ids == (42,)
     assert event.request_id == request_id and event.finish_reason == "error"
     assert f"engine {de} (decode) died" in event.error
     assert engines[0].receive(CancelRequest) == [CancelRequest(request_id)]
@@ -151,6 +160,89 @@ def test_a_silent_engine_is_declared_dead_and_its_requests_fail(cluster) -> None
     _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
     (again,) = engines[0].receive(Assignment)
     assert again.decode_engine_id != de
+
+
+def test_a_request_without_output_is_placed_again_when_its_engine_dies(cluster) -> None:
+    coordinator, engines, clock, store = cluster
+    prompt = list(range(1, 14))
+    request_id = _place(coordinator, engines, prompt, SamplingParams(max_tokens=2))
+    (first,) = engines[0].receive(Assignment)
+    de = first.decode_engine_id
+    other_de = 3 - de
+    # The lost DE had persisted the prompt's first block meanwhile: the new placement hits it.
+    store.write(block_keys(prompt[:4], 4, IDENTITY.fingerprint)[0], bytes(LAYOUT.full_block_bytes))
+    _silence(coordinator, engines, clock, de)
+    assert coordinator.drain_events() == []  # no error: the caller sees nothing of it
+    assert coordinator.num_replaced == 1
+    assert engines[0].receive(CancelRequest) == [CancelRequest(request_id)]  # PE frees it
+    engines[0].report()
+    spin(coordinator, 5)
+    engines[other_de].report()
+    spin(coordinator, 5)
+    (again,) = engines[0].receive(Assignment)
+    assert engines[other_de].receive(Assignment) == [again]
+    assert again.request_id != request_id  # a fresh id: late messages about the first match nothing
+    assert (again.decode_engine_id, again.num_hit_blocks) == (other_de, 1)
+    assert again.prompt_token_ids.tolist() == prompt
+    # A late PrefillDone of the abandoned placement is ignored; the new one streams under the
+    # caller's id.
+    engines[0].client.send(PrefillDone(request_id, 99, None, 0))
+    engines[0].client.send(PrefillDone(again.request_id, 42, None, 4))
+    spin(coordinator, 5)
+    assert [m.first_token_id for m in engines[other_de].receive(PrefillDone)] == [42]
+    engines[other_de].client.send(TokenUpdate(again.request_id, (7,), "length", 4))
+    spin(coordinator, 5)
+    events = coordinator.drain_events()
+    assert [(e.request_id, e.token_ids, e.finish_reason) for e in events] == [
+        (request_id, (42,), None),
+        (request_id, (7,), "length"),
+    ]
+    coordinator.cancel(request_id)  # finished: a no-op, nothing is sent
+    assert engines[0].receive(CancelRequest) == []
+
+
+def test_a_retryable_prefill_failure_is_placed_again_and_others_fail(cluster) -> None:
+    coordinator, engines, clock, _ = cluster
+    retried = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
+    failed = _place(coordinator, engines, list(range(20)), SamplingParams(max_tokens=2))
+    first = {a.request_id: a for a in engines[0].receive(Assignment)}
+    assert set(first) == {retried, failed}
+    engines[0].client.send(RequestFailed(retried, "prefill failed: DE timed out", True))
+    engines[0].client.send(RequestFailed(failed, "bad request"))
+    spin(coordinator, 5)
+    (event,) = coordinator.drain_events()
+    assert (event.request_id, event.finish_reason, event.error) == (failed, "error", "bad request")
+    assert coordinator.num_replaced == 1
+    # Placed again one heartbeat timeout later (a dead peer is declared dead by then).
+    clock.now_s = 4.0
+    for engine in engines:
+        engine.report()
+    spin(coordinator, 5)
+    assert engines[0].receive(Assignment) == []
+    clock.now_s = 5.0
+    for _ in range(2):
+        for engine in engines:
+            engine.report()
+        spin(coordinator, 5)
+    (again,) = engines[0].receive(Assignment)
+    assert again.request_id not in (retried, failed)
+    assert again.prompt_token_ids.tolist() == list(range(10))
+
+
+def test_a_re_placed_request_is_cancelled_under_the_callers_id(cluster) -> None:
+    coordinator, engines, clock, _ = cluster
+    request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
+    (first,) = engines[0].receive(Assignment)
+    _silence(coordinator, engines, clock, first.decode_engine_id)
+    engines[0].receive(CancelRequest)
+    engines[0].report()
+    spin(coordinator, 5)
+    engines[3 - first.decode_engine_id].report()
+    spin(coordinator, 5)
+    (again,) = engines[0].receive(Assignment)
+    coordinator.cancel(request_id)
+    spin(coordinator, 5)
+    assert engines[0].receive(CancelRequest) == [CancelRequest(again.request_id)]
 
 
 def test_cancel_reaches_both_engines(cluster) -> None:

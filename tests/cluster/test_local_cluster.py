@@ -146,6 +146,32 @@ def test_killing_a_decode_engine_fails_only_its_requests(
         assert all(len(o.token_ids) == 8 for o in after)
 
 
+def test_requests_without_output_survive_the_loss_of_their_decode_engine(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [random_ids(1500, seed=20 + s) for s in range(6)]
+    with LocalCluster(
+        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=2, heartbeat_timeout_s=2.0),
+        model_dir=tiny_model_dir,
+        store=KVStoreConfig(root_dir=tmp_path / "kv"),
+        log_dir=tmp_path / "logs",
+    ) as cluster:
+        request_ids = [cluster.submit(p, params) for p in prompts]
+        deadline_s = time.monotonic() + 30
+        while not any((cluster.coordinator.placement(r) or (0, 0))[1] == 2 for r in request_ids):
+            assert time.monotonic() < deadline_s, "nothing was placed on decode engine 2"
+            time.sleep(0.001)
+        os.kill(cluster.engine_pids[2], signal.SIGKILL)  # placed there, no token out yet
+        outcomes = [cluster.result(r, timeout_s=90) for r in request_ids]
+        assert [o.error for o in outcomes] == [None] * len(prompts)
+        assert cluster.coordinator.num_replaced >= 1, "no request was on the killed engine"
+        # The same tokens as the survivors make for the same prompts now.
+        again = cluster.generate(prompts, params)
+    for i, (first, second) in enumerate(zip(again, outcomes, strict=True)):
+        assert_same_tokens(first, second, label=f"request {i}")
+
+
 def test_the_shared_memory_transport_serves_a_conversation(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
