@@ -454,6 +454,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         ),
         engine=_serve_engine_config(s, dtype),
         transport=s.transport,
+        prefill_tokens_per_s=s.prefill_tokens_per_s,
         log_dir=s.engine_log_dir or data_home() / "logs",
         spawn_engines=not s.external_engines,
         token=token,

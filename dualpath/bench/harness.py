@@ -46,6 +46,9 @@ class ModeRun:
     cnic_bandwidth_gbps: float = 0.0
     read_path: str | None = None  # force one read path (None: the mode's)
     transport: str = "nixl"
+    # Prompt tokens a PE gets through per second (the scheduler's beta = 5 s of it); None:
+    # the server's default.
+    prefill_tokens_per_s: float | None = None
     extra_serve_args: tuple[str, ...] = ()
 
 
@@ -65,6 +68,8 @@ def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
     ]  # fmt: skip
     if run.read_path is not None:
         args += ["--read-path", run.read_path]
+    if run.prefill_tokens_per_s is not None:
+        args += ["--prefill-tokens-per-s", f"{run.prefill_tokens_per_s:.1f}"]
     return args + list(run.extra_serve_args)
 
 

@@ -8,9 +8,13 @@ cluster's SNICs on one host (SPEC §4), so every figure depends on the caps, whi
 records.
 
 **Calibrated caps (``paper-ratio``, ``--rho``).** The paper's regime is a PE whose storage
-reads, not its compute, limit Basic. Before the capped runs, ``oracle`` runs uncapped (its
-results are the oracle's): the hit-KV bytes it read over the PE's busy time give the rate a
-PE consumes hit KV at its prefill speed, and each node's SNIC cap is set to that rate / rho.
+reads, not its compute, limit Basic. Before the timed runs, a calibration run of ``oracle``
+(uncapped) measures the PE: the hit-KV bytes it read over the PE's busy time give the rate a
+PE consumes hit KV at its prefill speed, and each node's SNIC cap is set to that rate / rho;
+the prompt tokens it got through per busy second set the scheduler's beta (5 s of work a PE
+may hold, ``--prefill-tokens-per-s``; the server's fixed default would let a PE hold a
+fraction of a second of this workload and idle while reads are in flight). Every mode,
+``oracle`` included, then runs with both.
 With 1P2D, Basic puts the whole demand on one SNIC (rho = 2: about 2x slower than Oracle)
 while DualPath spreads it over three (rho / 3 < 1: about Oracle's speed); the ideal speedup
 is max(1, rho) / max(1, rho / 3).
@@ -19,7 +23,8 @@ JSON (``modes.<mode>``): ``jct_s``, ``tokens_per_s``, ``ttft_s``/``ttst_s``/``tp
 percentiles, ``hit_ratio``, ``snic_bytes`` (per SNIC), ``path_bytes.{pe,de}`` (hit KV read by
 each side), ``snic_load_balance``, ``pe_busy_fraction``, ``token_mismatches`` (turns whose
 tokens differ from the first mode's); top level ``ratios``, ``rho``, ``snic_caps_gbps``,
-``prefill_tokens_per_s``, ``kv_bytes_per_token``, ``workload`` (its statistics).
+``prefill_tokens_per_s``, ``prompt_tokens_per_busy_s``, ``kv_bytes_per_token``, ``workload``
+(its statistics).
 """
 
 from __future__ import annotations
@@ -149,9 +154,11 @@ def run_offline(
             oracle = run_mode(base, workload, work_dir=root / "calibration", progress=progress)
             calibration = calibrate(oracle, preset.rho, model_dir)
             report.update(calibration)
-            base = replace(base, snic_bandwidth_gbps=calibration["snic_caps_gbps"])
-            if "oracle" in modes:
-                results["oracle"] = oracle
+            base = replace(
+                base,
+                snic_bandwidth_gbps=calibration["snic_caps_gbps"],
+                prefill_tokens_per_s=calibration["prompt_tokens_per_busy_s"],
+            )
         for mode in modes:
             if mode not in results:
                 run = replace(base, mode=mode)
@@ -180,6 +187,9 @@ def calibrate(oracle: dict, rho: float, model_dir: Path) -> dict:
         "snic_caps_gbps": bytes_per_s_to_gbps(demand_bytes_per_s / rho),
         "pe_hit_kv_demand_gbps": bytes_per_s_to_gbps(demand_bytes_per_s),
         "prefill_tokens_per_s": (oracle["prompt_tokens"] - oracle["cached_tokens"]) / busy_s,
+        # Prompt tokens (cached + new) per PE-busy second: the unit of the scheduler's tok_e,
+        # so beta (5 s of it) lets a PE hold 5 s of this workload's work.
+        "prompt_tokens_per_busy_s": oracle["prompt_tokens"] / busy_s,
         "kv_bytes_per_token": kv_bytes_per_token,
         "ideal_speedup": ideal_speedup(rho),
     }

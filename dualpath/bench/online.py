@@ -198,7 +198,11 @@ def run_online(
             )
             calibration = calibrate(oracle, preset.rho, model_dir)
             report.update(calibration)
-            base = replace(base, snic_bandwidth_gbps=calibration["snic_caps_gbps"])
+            base = replace(
+                base,
+                snic_bandwidth_gbps=calibration["snic_caps_gbps"],
+                prefill_tokens_per_s=calibration["prompt_tokens_per_busy_s"],
+            )
         report["snic_caps_gbps"] = base.snic_bandwidth_gbps
         report["min_agents"] = min_agents
         # One agent alone on Basic with the run's caps: what the SLO basis "basic" uses.

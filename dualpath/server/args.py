@@ -208,6 +208,15 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
         "instead of recomputing from there; 0 never waits (default 5)",
     )
     group.add_argument(
+        "--prefill-tokens-per-s",
+        type=positive_float,
+        default=2000.0,
+        help="prompt tokens (cached + new) one prefill engine gets through per second on the "
+        "served workload; the scheduler's beta, the work a PE may hold, is 5 s of it (SPEC "
+        "§6). Too low leaves a PE idle while its requests' KV is read; `dualpath bench "
+        "offline` measures it (prompt_tokens_per_busy_s) (default 2000)",
+    )
+    group.add_argument(
         "--engine-log-dir",
         type=Path,
         default=None,

@@ -78,3 +78,17 @@ def test_every_flag_is_documented_in_help(capsys: pytest.CaptureFixture[str]) ->
         assert action.help, f"{action.option_strings} has no help"
         for option in action.option_strings:
             assert option in text
+
+
+def test_prefill_rate_sets_the_schedulers_beta_and_must_be_positive() -> None:
+    from dualpath.bench.harness import ModeRun, serve_args
+
+    assert serve_settings("--prefill-tokens-per-s", "31000").prefill_tokens_per_s == 31000.0
+    run = ModeRun("dualpath", Path("m"), "1P2D", 0.2, prefill_tokens_per_s=31153.86)
+    args = serve_args(run, Path("kv"), Path("logs"))
+    assert args[args.index("--prefill-tokens-per-s") + 1] == "31153.9"
+    assert "--prefill-tokens-per-s" not in serve_args(
+        ModeRun("dualpath", Path("m"), "1P2D", 0.2), Path("kv"), Path("logs")
+    )
+    with pytest.raises(SystemExit):
+        serve_settings("--prefill-tokens-per-s", "0")
