@@ -94,7 +94,7 @@ class EngineConfig:
 
 
 SCHEDULER_NAMES = ("dualpath", "round_robin")
-READ_PATHS = ("dual", "split", "pe", "de")
+READ_PATHS = ("dual", "split", "pe", "de", "round_robin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +105,9 @@ class SchedulerConfig:
     scheduler: str = "dualpath"
     # "dual": whole request on the side with the shorter read queue (tie -> DE side);
     # "split": hit blocks divided so both sides finish together (our extension, SPEC §8);
-    # "pe" / "de": always that side ("pe" is Basic's classic path).
+    # "pe" / "de": always that side ("pe" is Basic's classic path);
+    # "round_robin": whole requests on the PE side, then the DE side, in turn, ignoring the
+    # queues (the load-oblivious baseline of the ablation's "+dual path" step).
     read_path: str = "dual"
     # Tokens per Full Block (SPEC §3). Hits are whole blocks, DE free memory is counted in
     # blocks, and split reads divide a request at block boundaries.
@@ -226,7 +228,10 @@ def mode_settings(mode: str) -> ModeSettings:
     table = {
         "basic": ("round_robin", "pe", False, False),
         "layerwise": ("round_robin", "pe", True, False),
-        "layerwise+dual": ("round_robin", "dual", True, False),
+        # "+dual path": both read paths are used, but every choice is still round robin, the
+        # read side included (PE, DE, PE, ... per node pair, ignoring the queues).
+        "layerwise+dual": ("round_robin", "round_robin", True, False),
+        # "+scheduler": DualPath's load-aware PE/DE placement and shorter-read_q read side.
         "dualpath": ("dualpath", "dual", True, False),
         "oracle": ("dualpath", "dual", True, True),
     }

@@ -21,7 +21,7 @@ def test_modes_build_on_each_other() -> None:
     assert [(s.scheduler, s.read_path, s.is_layerwise, s.is_io_free) for s in settings] == [
         ("round_robin", "pe", False, False),
         ("round_robin", "pe", True, False),
-        ("round_robin", "dual", True, False),
+        ("round_robin", "round_robin", True, False),
         ("dualpath", "dual", True, False),
         ("dualpath", "dual", True, True),
     ]

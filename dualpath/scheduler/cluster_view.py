@@ -1,7 +1,9 @@
 """What the scheduler believes about the cluster between two reports (internal, mutable).
 
 Both placement policies share it: the topology's lookup tables, each node's storage read
-queue and the read-path decision. A node's ``read_q`` is the value its group leader last
+queue and the read-path decision, with the one piece of read-path state: per (PE node, DE
+node) pair, how many requests with a hit were planned on it (the turn of the ``"round_robin"``
+read path; the planners themselves are pure). A node's ``read_q`` is the value its group leader last
 reported plus every read the scheduler has planned on that node since, so that decisions in
 one fetch, and fetches of other groups before the next report, see the reads already planned
 (our choice; SPEC §6 says only "the latest read_q"). A node not yet reported counts as idle.
@@ -44,6 +46,9 @@ class ClusterView:
         # Per node index: read_q as last reported plus planned since (tokens), read rate, α.
         self.read_queue_tokens: list[int] = [0] * len(topology.nodes)
         self.read_tokens_per_s = [node.storage_read_tokens_per_s for node in topology.nodes]
+        # Per (PE node, DE node) pair, at prefill_node_index * num_nodes + decode_node_index:
+        # requests with a hit planned on it so far.
+        self._num_plans_by_pair = [0] * (len(topology.nodes) ** 2)
         self.alpha_tokens = [
             resolve_alpha_tokens(config, node.storage_read_tokens_per_s) for node in topology.nodes
         ]
@@ -97,15 +102,22 @@ class ClusterView:
     def plan_load(
         self, request: SchedulerRequest, prefill_node_index: int, decode_node_index: int
     ) -> LoadPlan:
-        """Fix the request's read plan from both nodes' ``read_q`` and queue its reads there."""
+        """Fix the request's read plan from both nodes' ``read_q`` (and the pair's turn) and
+        queue its reads there."""
         block_size_tokens = self.block_size_tokens
         read_queue_tokens = self.read_queue_tokens
+        num_hit_blocks = request.num_cached_tokens // block_size_tokens
+        pair = prefill_node_index * len(read_queue_tokens) + decode_node_index
+        num_earlier_plans = self._num_plans_by_pair[pair]
+        if num_hit_blocks:
+            self._num_plans_by_pair[pair] = num_earlier_plans + 1
         plan = self._load_planner.plan(
-            request.num_cached_tokens // block_size_tokens,
+            num_hit_blocks,
             read_queue_tokens[prefill_node_index],
             read_queue_tokens[decode_node_index],
             self.read_tokens_per_s[prefill_node_index],
             self.read_tokens_per_s[decode_node_index],
+            num_earlier_plans=num_earlier_plans,
         )
         read_queue_tokens[prefill_node_index] += plan.num_prefill_side_blocks * block_size_tokens
         read_queue_tokens[decode_node_index] += plan.num_decode_side_blocks * block_size_tokens

@@ -1,9 +1,10 @@
 """The LoadPlanner: which side reads a request's hit KV from storage (SPEC §2, §6).
 
 STYLE principle 2: the planner decides, the mover moves. A planner is pure: it gets the number
-of hit Full Blocks and both nodes' storage read queues, and returns a ``LoadPlan``. The engine's
-traffic manager (or the simulator's flows) executes the plan and reports back; the scheduler
-only adds the planned tokens to its view of each node's ``read_q`` until the next report.
+of hit Full Blocks, both nodes' storage read queues and how many reads the scheduler planned
+before on the same pair of nodes, and returns a ``LoadPlan``. The engine's traffic manager (or
+the simulator's flows) executes the plan and reports back; the scheduler only adds the planned
+tokens to its view of each node's ``read_q`` until the next report.
 
 Policies, by the name ``SchedulerConfig.read_path`` uses:
 
@@ -13,6 +14,14 @@ Policies, by the name ``SchedulerConfig.read_path`` uses:
   queues finish together, given each node's storage read rate; the two finish times differ by
   at most one block's read time.
 * ``"pe"`` / ``"de"`` -- always that side; ``"pe"`` is Basic's classic path.
+* ``"round_robin"`` -- the load-oblivious baseline's choice (our reading of the paper's round
+  robin, SPEC §7, the ablation's "+dual path" step): the whole request on the PE side, then
+  the DE side, in turn, ignoring both queues. The turn counts the requests with a hit that the
+  scheduler planned before on the same (PE node, DE node) pair (``ClusterView`` keeps the
+  counts, the planner stays pure), so each pair splits its reads evenly between the two SNICs
+  and no regular placement pattern (e.g. a DE group placing an even number of requests per
+  fetch on alternating nodes) can put every DE-side turn on the same node. On 1P2D the PE
+  node then reads half of the requests and each DE node a quarter (SNIC max/avg ~1.5).
 """
 
 from __future__ import annotations
@@ -59,8 +68,14 @@ class LoadPlanner(Protocol):
         decode_read_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
+        *,
+        num_earlier_plans: int,
     ) -> LoadPlan:
-        """The plan for ``num_hit_blocks`` given each node's queued read tokens and read rate."""
+        """The plan for ``num_hit_blocks`` given each node's queued read tokens and read rate.
+
+        ``num_earlier_plans``: requests with a hit planned before this one on the same (PE
+        node, DE node) pair; only the turn-taking ``"round_robin"`` planner reads it.
+        """
         ...
 
 
@@ -78,6 +93,8 @@ class FixedSideLoadPlanner:
         decode_read_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
+        *,
+        num_earlier_plans: int = 0,
     ) -> LoadPlan:
         return self._plans[num_hit_blocks]
 
@@ -100,6 +117,8 @@ class ShorterQueueLoadPlanner:
         decode_read_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
+        *,
+        num_earlier_plans: int = 0,
     ) -> LoadPlan:
         if prefill_read_queue_tokens < decode_read_queue_tokens:
             return self._prefill_side_plans[num_hit_blocks]
@@ -132,6 +151,8 @@ class SplitLoadPlanner:
         decode_read_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
+        *,
+        num_earlier_plans: int = 0,
     ) -> LoadPlan:
         n = num_hit_blocks
         if n == 0:
@@ -150,6 +171,30 @@ class SplitLoadPlanner:
                 if finish_s < best_finish_s:
                     best_k, best_finish_s = k, finish_s
         return LoadPlan(best_k, n - best_k)
+
+
+class RoundRobinLoadPlanner:
+    """The baseline's turn-taking choice: the whole request on the PE side on even turns, on
+    the DE side on odd ones, whatever the queues (module docstring). Pure: the caller passes
+    the turn."""
+
+    def __init__(self) -> None:
+        self._prefill_side_plans = _WholeRequestPlans(on_prefill_side=True)
+        self._decode_side_plans = _WholeRequestPlans(on_prefill_side=False)
+
+    def plan(
+        self,
+        num_hit_blocks: int,
+        prefill_read_queue_tokens: float,
+        decode_read_queue_tokens: float,
+        prefill_read_tokens_per_s: float,
+        decode_read_tokens_per_s: float,
+        *,
+        num_earlier_plans: int,
+    ) -> LoadPlan:
+        if num_earlier_plans % 2 == 0:
+            return self._prefill_side_plans[num_hit_blocks]
+        return self._decode_side_plans[num_hit_blocks]
 
 
 class _WholeRequestPlans(dict[int, LoadPlan]):
@@ -180,4 +225,6 @@ def make_load_planner(read_path: str, *, block_size_tokens: int) -> LoadPlanner:
         return FixedSideLoadPlanner(on_prefill_side=True)
     if read_path == "de":
         return FixedSideLoadPlanner(on_prefill_side=False)
+    if read_path == "round_robin":
+        return RoundRobinLoadPlanner()
     raise ValueError(f"read_path must be one of {READ_PATHS}, got {read_path!r}")

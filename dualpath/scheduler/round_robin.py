@@ -8,7 +8,9 @@ takes the next DE in cluster order. Neither choice looks at load. Fitted into th
 * a DE group's fetch places its requests FIFO while the chosen DE has room for the head request
   (``len_r`` in Full Blocks, as SPEC §6's memory gate); the first that does not fit ends the
   fetch and everything behind it waits (head-of-line blocking, as a Basic DE queue would);
-* the read plan is fixed at DE placement by the configured planner; Basic uses ``read_path="pe"``.
+* the read plan is fixed at DE placement by the configured planner; Basic uses ``read_path="pe"``,
+  the ablation's "+dual path" step ``read_path="round_robin"`` (PE side, DE side, in turn per
+  node pair, ignoring the queues: ``load_planner.py``).
 """
 
 from __future__ import annotations

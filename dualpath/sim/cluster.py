@@ -48,7 +48,15 @@ class RequestRecord:
 class PrefillGroup:
     """The PEs of one scheduler group: they fetch together and step in lockstep."""
 
-    __slots__ = ("group_id", "engines", "nodes", "is_busy", "is_fetch_pending")
+    __slots__ = (
+        "group_id",
+        "engines",
+        "nodes",
+        "is_busy",
+        "is_fetch_pending",
+        "engine_snapshots",
+        "fetch_phase_s",
+    )
 
     def __init__(self, group_id: int, engines: list, nodes: list):
         self.group_id = group_id
@@ -56,15 +64,26 @@ class PrefillGroup:
         self.nodes = nodes
         self.is_busy = False
         self.is_fetch_pending = False
+        self.engine_snapshots: tuple | None = None  # the last report's; None = an engine changed
+        self.fetch_phase_s = 0.0  # its leader fetches at fetch_phase_s + k * fetch_interval_s
 
 
 class DecodeGroup:
     """The DEs of one scheduler group: they fetch together."""
 
-    __slots__ = ("group_id", "engines", "nodes", "is_fetch_pending")
+    __slots__ = (
+        "group_id",
+        "engines",
+        "nodes",
+        "is_fetch_pending",
+        "engine_snapshots",
+        "fetch_phase_s",
+    )
 
     def __init__(self, group_id: int, engines: list, nodes: list):
         self.group_id = group_id
         self.engines = engines
         self.nodes = nodes
         self.is_fetch_pending = False
+        self.engine_snapshots: tuple | None = None  # as PrefillGroup
+        self.fetch_phase_s = 0.0  # as PrefillGroup

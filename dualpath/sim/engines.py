@@ -22,7 +22,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from dualpath.scheduler import LoadPlan, PrefillBatcher
+from dualpath.scheduler import EngineSnapshot, LoadPlan, NodeSnapshot, PrefillBatcher
 from dualpath.sim.cost import CostModel
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import SimLink, TrafficClass
@@ -99,6 +99,7 @@ class SimNode:
         "max_inflight_reads",
         "_num_inflight",
         "_waiting",
+        "_snapshot",
     )
 
     def __init__(
@@ -117,6 +118,14 @@ class SimNode:
         self.max_inflight_reads = max_inflight_reads
         self._num_inflight = 0
         self._waiting: deque[tuple[float, int, Callable, object]] = deque()
+        self._snapshot = NodeSnapshot(node_id, 0)
+
+    def snapshot(self) -> NodeSnapshot:
+        """The leader's report of this node (``read_q``); see ``SimPrefillEngine.snapshot``."""
+        snapshot = self._snapshot
+        if snapshot.read_queue_tokens != self.read_queue_tokens:
+            snapshot = self._snapshot = NodeSnapshot(self.node_id, self.read_queue_tokens)
+        return snapshot
 
     def read(
         self, num_bytes: float, num_tokens: int, on_done: Callable[[object], None], token: object
@@ -142,30 +151,83 @@ class SimNode:
         on_done(token)
 
 
-class SimPrefillEngine:
-    """A PE: its batcher (the scheduler's ``PrefillBatcher``), CNIC and reported load."""
-
-    __slots__ = ("engine_id", "node", "batcher", "cnic", "num_seqs", "num_tokens")
-
-    def __init__(self, engine_id: int, node: SimNode, batcher: PrefillBatcher, cnic: SimLink):
-        self.engine_id = engine_id
-        self.node = node
-        self.batcher = batcher
-        self.cnic = cnic
-        self.num_seqs = 0  # seq_e
-        self.num_tokens = 0  # tok_e: prompt tokens of assigned, unfinished prefills
-
-
-class SimDecodeEngine:
-    """A DE: KV blocks, CNIC, reported load and the fluid decode loop (module docstring)."""
+class SimEngine:
+    """What every simulated engine reports to its group leader: ``seq_e``, ``tok_e`` and free
+    KV blocks (0 on a PE). The counts change only through ``change_load``, which drops the
+    cached snapshots (the engine's and its group's): a fetch reports every engine of its group,
+    most of them unchanged since the last fetch, and building a frozen snapshot costs more
+    than reusing one."""
 
     __slots__ = (
         "engine_id",
         "node",
         "cnic",
-        "num_free_kv_blocks",
-        "num_seqs",
-        "num_tokens",
+        "group",
+        "_num_seqs",
+        "_num_tokens",
+        "_num_free_kv_blocks",
+        "_snapshot",
+    )
+
+    def __init__(self, engine_id: int, node: SimNode, cnic: SimLink, num_kv_blocks: int) -> None:
+        self.engine_id = engine_id
+        self.node = node
+        self.cnic = cnic
+        self.group = None  # its PrefillGroup / DecodeGroup, set when the group is built
+        self._num_seqs = 0
+        self._num_tokens = 0
+        self._num_free_kv_blocks = num_kv_blocks
+        self._snapshot: EngineSnapshot | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        """seq_e: assigned, unfinished requests."""
+        return self._num_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        """tok_e: their tokens (prompt tokens on a PE, len_r on a DE)."""
+        return self._num_tokens
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self._num_free_kv_blocks
+
+    def change_load(self, num_seqs: int, num_tokens: int, num_kv_blocks: int = 0) -> None:
+        """Add a request (positive counts: sequences, tokens, KV blocks it takes) or remove
+        one (negative counts)."""
+        self._num_seqs += num_seqs
+        self._num_tokens += num_tokens
+        self._num_free_kv_blocks -= num_kv_blocks
+        assert self._num_free_kv_blocks >= 0, f"engine {self.engine_id} over-committed its KV"
+        self._snapshot = None
+        if self.group is not None:
+            self.group.engine_snapshots = None
+
+    def snapshot(self) -> EngineSnapshot:
+        """The leader's report of this engine (cached until the load changes)."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            snapshot = self._snapshot = EngineSnapshot(
+                self.engine_id, self._num_seqs, self._num_tokens, self._num_free_kv_blocks
+            )
+        return snapshot
+
+
+class SimPrefillEngine(SimEngine):
+    """A PE: its batcher (the scheduler's ``PrefillBatcher``), CNIC and reported load."""
+
+    __slots__ = ("batcher",)
+
+    def __init__(self, engine_id: int, node: SimNode, batcher: PrefillBatcher, cnic: SimLink):
+        super().__init__(engine_id, node, cnic, 0)
+        self.batcher = batcher
+
+
+class SimDecodeEngine(SimEngine):
+    """A DE: KV blocks, CNIC, reported load and the fluid decode loop (module docstring)."""
+
+    __slots__ = (
         "_queue",
         "_cost",
         "_on_finish",
@@ -188,12 +250,7 @@ class SimDecodeEngine:
         cost: CostModel,
         on_finish: Callable[[SimRequest], None],
     ) -> None:
-        self.engine_id = engine_id
-        self.node = node
-        self.cnic = cnic
-        self.num_free_kv_blocks = num_kv_blocks
-        self.num_seqs = 0  # seq_e: assigned, unfinished
-        self.num_tokens = 0  # tok_e: their len_r
+        super().__init__(engine_id, node, cnic, num_kv_blocks)
         self._queue = queue
         self._cost = cost
         self._on_finish = on_finish

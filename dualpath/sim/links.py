@@ -49,6 +49,8 @@ class SimLink:
         "capacity_bytes_per_s",
         "_queue",
         "_weights",
+        "_shared_rates",
+        "_shared_total",
         "_clocks",
         "_heaps",
         "_last_s",
@@ -78,7 +80,14 @@ class SimLink:
         self.name = name
         self.capacity_bytes_per_s = capacity_bytes_per_s
         self._queue = queue
-        self._weights = (float(inference_weight), float(kv_weight))
+        w0, w1 = self._weights = (float(inference_weight), float(kv_weight))
+        # Each class's rate while both have flows, and their sum (computed once: the hot paths
+        # below use these instead of calling class_rates_bytes_per_s).
+        self._shared_rates = (
+            capacity_bytes_per_s * w0 / (w0 + w1),
+            capacity_bytes_per_s * w1 / (w0 + w1),
+        )
+        self._shared_total = self._shared_rates[0] + self._shared_rates[1]
         self._clocks = [0.0, 0.0]  # per-class virtual clock: bytes served to each flow
         self._heaps: tuple[list, list] = ([], [])  # (finish tag, seq, size, on_done, token)
         self._last_s = 0.0
@@ -99,11 +108,7 @@ class SimLink:
         """Each class's share of the capacity now (0 for a class without flows)."""
         n0, n1 = len(self._heaps[0]), len(self._heaps[1])
         if n0 and n1:
-            w0, w1 = self._weights
-            return (
-                self.capacity_bytes_per_s * w0 / (w0 + w1),
-                self.capacity_bytes_per_s * w1 / (w0 + w1),
-            )
+            return self._shared_rates
         if n0:
             return (self.capacity_bytes_per_s, 0.0)
         if n1:
@@ -120,18 +125,19 @@ class SimLink:
         """Start a flow now; ``on_done(token)`` runs as a TRANSFER_DONE event when it ends."""
         if size_bytes < 0:
             raise ValueError(f"link {self.name}: flow size must be >= 0, got {size_bytes}")
-        now_s = self._queue.now_s
+        queue = self._queue
+        now_s = queue.now_s
         self.started_bytes[traffic_class] += size_bytes
-        if math.isinf(self.capacity_bytes_per_s) or size_bytes == 0:
+        if size_bytes == 0 or self.capacity_bytes_per_s == math.inf:
             self.finished_bytes[traffic_class] += size_bytes
             self._count_window_bytes(now_s, now_s, size_bytes)
-            self._queue.push(now_s, EventPriority.TRANSFER_DONE, on_done, token)
+            queue.push(now_s, EventPriority.TRANSFER_DONE, on_done, token)
             return
-        self._advance(now_s)
+        if now_s != self._last_s:
+            self._advance(now_s)
         self._seq_no += 1
-        heap = self._heaps[traffic_class]
         heapq.heappush(
-            heap,
+            self._heaps[traffic_class],
             (self._clocks[traffic_class] + size_bytes, self._seq_no, size_bytes, on_done, token),
         )
         self._reschedule(now_s)
@@ -141,14 +147,22 @@ class SimLink:
         elapsed_s = now_s - self._last_s
         if elapsed_s > 0:
             heap0, heap1 = self._heaps
-            if heap0 or heap1:
-                rate0, rate1 = self.class_rates_bytes_per_s()
-                if heap0:
-                    self._clocks[0] += elapsed_s * rate0 / len(heap0)
-                if heap1:
-                    self._clocks[1] += elapsed_s * rate1 / len(heap1)
-                if self.window_s is not None:
-                    self._count_window_bytes(self._last_s, now_s, elapsed_s * (rate0 + rate1))
+            if heap0 and heap1:
+                rate0, rate1 = self._shared_rates
+                clocks = self._clocks
+                clocks[0] += elapsed_s * rate0 / len(heap0)
+                clocks[1] += elapsed_s * rate1 / len(heap1)
+                total_rate = self._shared_total
+            elif heap0 or heap1:
+                total_rate = self.capacity_bytes_per_s
+                traffic_class = 0 if heap0 else 1
+                self._clocks[traffic_class] += (
+                    elapsed_s * total_rate / len(self._heaps[traffic_class])
+                )
+            else:
+                total_rate = 0.0
+            if total_rate and self.window_s is not None:
+                self._count_window_bytes(self._last_s, now_s, elapsed_s * total_rate)
         self._last_s = now_s
 
     def count_unpaced(self, size_bytes: float, traffic_class: TrafficClass) -> None:
@@ -182,15 +196,18 @@ class SimLink:
         """Make sure an event fires no later than the next completion. A pending event that
         fires earlier is kept (it re-checks and reschedules when it fires): adding a flow only
         delays completions, so most starts push nothing."""
-        rates = self.class_rates_bytes_per_s()
+        heap0, heap1 = self._heaps
+        if heap0 and heap1:
+            rate0, rate1 = self._shared_rates
+        else:
+            rate0 = rate1 = self.capacity_bytes_per_s  # only the class with flows reads it
         next_s = math.inf
-        for traffic_class in (0, 1):
-            heap = self._heaps[traffic_class]
-            if heap:
-                per_flow = rates[traffic_class] / len(heap)
-                due_s = now_s + max(0.0, heap[0][0] - self._clocks[traffic_class]) / per_flow
-                if due_s < next_s:
-                    next_s = due_s
+        if heap0:
+            next_s = now_s + max(0.0, heap0[0][0] - self._clocks[0]) / (rate0 / len(heap0))
+        if heap1:
+            due_s = now_s + max(0.0, heap1[0][0] - self._clocks[1]) / (rate1 / len(heap1))
+            if due_s < next_s:
+                next_s = due_s
         if next_s < self._pending_s:
             self._version += 1
             self._pending_s = next_s
@@ -201,22 +218,29 @@ class SimLink:
             return  # superseded by an earlier event
         self._pending_s = math.inf
         now_s = self._queue.now_s
-        self._advance(now_s)
-        rates = self.class_rates_bytes_per_s()
+        if now_s != self._last_s:
+            self._advance(now_s)
+        heaps = self._heaps
+        if heaps[0] and heaps[1]:
+            rates = self._shared_rates
+        else:
+            rates = (self.capacity_bytes_per_s, self.capacity_bytes_per_s)  # see _reschedule
+        clocks = self._clocks
+        finished_bytes = self.finished_bytes
         done = []
         for traffic_class in (0, 1):
-            heap = self._heaps[traffic_class]
+            heap = heaps[traffic_class]
             if not heap:
                 continue
             # Due: ends within a nanosecond (covers float rounding of the event time).
             per_flow = rates[traffic_class] / len(heap)
-            limit = self._clocks[traffic_class] + max(_EPSILON_BYTES, per_flow * _TOLERANCE_S)
+            limit = clocks[traffic_class] + max(_EPSILON_BYTES, per_flow * _TOLERANCE_S)
             while heap and heap[0][0] <= limit:
                 _, _, size_bytes, on_done, token = heapq.heappop(heap)
-                self.finished_bytes[traffic_class] += size_bytes
+                finished_bytes[traffic_class] += size_bytes
                 done.append((on_done, token))
             if not heap:
-                self._clocks[traffic_class] = 0.0  # keep tags small: no float drift
+                clocks[traffic_class] = 0.0  # keep tags small: no float drift
         self._reschedule(now_s)
         for on_done, token in done:
             on_done(token)

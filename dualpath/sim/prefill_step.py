@@ -168,8 +168,7 @@ class PrefillSteps:
                     request = requests[chunk.request_id]
                     if request.first_token_s < 0:
                         request.first_token_s = now_s
-                    engine.num_seqs -= 1
-                    engine.num_tokens -= request.num_prompt_tokens
+                    engine.change_load(-1, -request.num_prompt_tokens)
                     fetch = True
                     if self.settings.is_layerwise:
                         self._on_kv_arrived(request)  # the prefill's own "+1"

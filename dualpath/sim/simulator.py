@@ -17,20 +17,20 @@ the buffer -> HBM copy, then compute, then the send to the DEs, one after anothe
 a group in lockstep); with layer-wise prefill a step's per-layer loads overlap its compute and
 the batch is capped by one layer's KV. ``oracle`` moves
 no bytes at all. Leaders fetch on a ``fetch_interval_s`` grid when something may have changed
-(a submit, a placement, an engine freeing work or memory), never on idle ticks.
+(a submit, a placement, an engine freeing work or memory), never on idle ticks; PE groups'
+grids are staggered (group g of G at g/G of the interval), DE groups share one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from dualpath.config import mode_settings
 from dualpath.scheduler import (
     AttentionTimePredictor,
     EngineRole,
-    EngineSnapshot,
     GroupSnapshot,
-    NodeSnapshot,
     PrefillBatcher,
     PrefillWork,
     SchedulerRequest,
@@ -144,12 +144,26 @@ class Simulator(PrefillSteps):
                     self.engines[engine_id] = engine
             if group.role == EngineRole.PREFILL:
                 prefill_group = PrefillGroup(group.group_id, engines, nodes)
+                for engine in engines:
+                    engine.group = prefill_group
                 self.prefill_groups.append(prefill_group)
                 self._prefill_group_of.update((e.engine_id, prefill_group) for e in engines)
             else:
                 decode_group = DecodeGroup(group.group_id, engines, nodes)
+                for engine in engines:
+                    engine.group = decode_group
                 self.decode_groups.append(decode_group)
                 self._decode_group_of.update((e.engine_id, decode_group) for e in engines)
+
+        # NOTE(sim): PE leaders fetch at staggered phases, as independent timers would: group g
+        # of G at g/G of the interval. On one shared grid every tick ran them in group order,
+        # and Algorithm 1 lets the fetching group take the FIFO's head up to β, so the first
+        # groups filled while the last idled (8P16D 1.09x 2P4D's JCT at --scale-down 8, 1.35x
+        # at full size). DE leaders stay on the grid: phase 1 sends each request to the
+        # least-loaded DE group whoever fetches (docs/simulator.md, "Scale").
+        interval_s = config.fetch_interval_s
+        for index, prefill_group in enumerate(self.prefill_groups):
+            prefill_group.fetch_phase_s = interval_s * index / len(self.prefill_groups)
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -197,24 +211,21 @@ class Simulator(PrefillSteps):
     # --- fetches -----------------------------------------------------------------------------
 
     def _request_fetch(self, group, handler) -> None:
-        """A fetch at the next ``fetch_interval_s`` tick, unless one is pending."""
+        """A fetch at the group's next tick (``fetch_phase_s`` + k x ``fetch_interval_s``,
+        after now), unless one is pending."""
         if group.is_fetch_pending:
             return
         group.is_fetch_pending = True
         interval_s = self.cluster.scheduler.fetch_interval_s
-        due_s = (int(self.queue.now_s / interval_s) + 1) * interval_s
+        phase_s = group.fetch_phase_s
+        due_s = phase_s + (math.floor((self.queue.now_s - phase_s) / interval_s) + 1) * interval_s
         self.queue.push(due_s, EventPriority.FETCH, handler, group)
 
     def _fetch_prefill(self, group: PrefillGroup) -> None:
         group.is_fetch_pending = False
         if not self.scheduler.num_waiting_prefill:
             return  # nothing to place: the leader's fetch would return empty
-        snapshot = GroupSnapshot(
-            group.group_id,
-            tuple(EngineSnapshot(e.engine_id, e.num_seqs, e.num_tokens) for e in group.engines),
-            tuple(NodeSnapshot(n.node_id, n.read_queue_tokens) for n in group.nodes),
-        )
-        placed = self.scheduler.fetch_prefill(snapshot)
+        placed = self.scheduler.fetch_prefill(_group_snapshot(group))
         if not placed.request_ids:
             return
         requests = self._requests_in_flight
@@ -225,8 +236,7 @@ class Simulator(PrefillSteps):
             request = requests[request_id]
             engine = engines[engine_id]
             request.prefill_engine = engine
-            engine.num_seqs += 1
-            engine.num_tokens += request.num_prompt_tokens
+            engine.change_load(1, request.num_prompt_tokens)
         for decode_group in self.decode_groups:
             self._request_fetch(decode_group, self._fetch_decode)
 
@@ -234,15 +244,7 @@ class Simulator(PrefillSteps):
         group.is_fetch_pending = False
         if not self.scheduler.num_waiting_decode:
             return
-        snapshot = GroupSnapshot(
-            group.group_id,
-            tuple(
-                EngineSnapshot(e.engine_id, e.num_seqs, e.num_tokens, e.num_free_kv_blocks)
-                for e in group.engines
-            ),
-            tuple(NodeSnapshot(n.node_id, n.read_queue_tokens) for n in group.nodes),
-        )
-        final = self.scheduler.fetch_decode(snapshot)
+        final = self.scheduler.fetch_decode(_group_snapshot(group))
         requests = self._requests_in_flight
         for request_id, prefill_id, decode_id, plan in zip(
             final.request_ids,
@@ -258,10 +260,7 @@ class Simulator(PrefillSteps):
             request.load_plan = plan
             num_decode_tokens = request.num_prompt_tokens + request.num_output_tokens
             request.num_decode_blocks = -(-num_decode_tokens // self._block_size)
-            engine.num_free_kv_blocks -= request.num_decode_blocks
-            assert engine.num_free_kv_blocks >= 0, f"DE {decode_id} over-committed its KV memory"
-            engine.num_seqs += 1
-            engine.num_tokens += num_decode_tokens
+            engine.change_load(1, num_decode_tokens, request.num_decode_blocks)
             self._start_reads(request)
 
     # --- storage reads -----------------------------------------------------------------------
@@ -314,9 +313,11 @@ class Simulator(PrefillSteps):
         now_s = self.queue.now_s
         request.finish_s = now_s
         engine = request.decode_engine
-        engine.num_free_kv_blocks += request.num_decode_blocks
-        engine.num_seqs -= 1
-        engine.num_tokens -= request.num_prompt_tokens + request.num_output_tokens
+        engine.change_load(
+            -1,
+            -(request.num_prompt_tokens + request.num_output_tokens),
+            -request.num_decode_blocks,
+        )
         block = self._block_size
         num_tokens_with_kv = request.num_prompt_tokens + request.num_output_tokens - 1
         num_new_blocks = num_tokens_with_kv // block - request.num_hit_tokens // block
@@ -348,3 +349,15 @@ class Simulator(PrefillSteps):
             )
         else:
             self.agent_finish_s[request.agent_index] = now_s
+
+
+def _group_snapshot(group: PrefillGroup | DecodeGroup) -> GroupSnapshot:
+    """The leader's report: every engine's and node's snapshot, in topology order. The
+    engines' part is kept until one of them changes load (``SimEngine.change_load``)."""
+    engine_snapshots = group.engine_snapshots
+    if engine_snapshots is None:
+        engine_snapshots = tuple([engine.snapshot() for engine in group.engines])
+        group.engine_snapshots = engine_snapshots
+    return GroupSnapshot(
+        group.group_id, engine_snapshots, tuple([node.snapshot() for node in group.nodes])
+    )

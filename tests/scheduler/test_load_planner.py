@@ -13,6 +13,7 @@ from dualpath.scheduler import (
     SplitLoadPlanner,
     make_load_planner,
 )
+from dualpath.scheduler.load_planner import RoundRobinLoadPlanner
 from tests.scheduler.factories import (
     BLOCK_SIZE_TOKENS,
     make_config,
@@ -35,6 +36,14 @@ def test_dual_reads_on_the_shorter_queue_and_ties_go_to_the_decode_side():
 def test_fixed_planners_ignore_the_queues():
     assert FixedSideLoadPlanner(on_prefill_side=True).plan(3, 1e9, 0, 1.0, 1.0) == LoadPlan(3, 0)
     assert FixedSideLoadPlanner(on_prefill_side=False).plan(3, 0, 1e9, 1.0, 1.0) == LoadPlan(0, 3)
+
+
+def test_round_robin_takes_turns_and_ignores_the_queues():
+    planner = RoundRobinLoadPlanner()
+    turns = [planner.plan(3, 1e9, 0, 1.0, 1.0, num_earlier_plans=n) for n in range(4)]
+    assert turns == [LoadPlan(3, 0), LoadPlan(0, 3), LoadPlan(3, 0), LoadPlan(0, 3)]
+    # Pure: the same turn gives the same plan, however often it is asked.
+    assert planner.plan(3, 0, 1e9, 1.0, 1.0, num_earlier_plans=1) == LoadPlan(0, 3)
 
 
 def test_split_equalises_finish_times():
@@ -66,6 +75,7 @@ def test_load_plan_counts():
         ("split", SplitLoadPlanner),
         ("pe", FixedSideLoadPlanner),
         ("de", FixedSideLoadPlanner),
+        ("round_robin", RoundRobinLoadPlanner),
     ],
 )
 def test_planners_by_name(read_path, planner_type):
@@ -118,3 +128,12 @@ def test_split_reads_through_the_scheduler():
 def test_fixed_paths_through_the_scheduler():
     assert _schedule_reads("pe", 1000, 0, 1) == (LoadPlan(2, 0),)
     assert _schedule_reads("de", 0, 1000, 1) == (LoadPlan(0, 2),)
+
+
+def test_round_robin_path_through_the_scheduler():
+    # The PE queue is the longer one, and r0 still reads there: turns, not queues.
+    assert _schedule_reads("round_robin", 1000, 0, 3) == (
+        LoadPlan(2, 0),
+        LoadPlan(0, 2),
+        LoadPlan(2, 0),
+    )

@@ -176,3 +176,72 @@ def test_hits_are_whole_blocks_below_the_prompt():
         assert agent.hit_tokens[0] == 0
         for prompt, hit in zip(agent.prompt_tokens, agent.hit_tokens, strict=True):
             assert hit % 64 == 0 and hit < prompt
+
+
+class _FetchRecorder:
+    """Wraps the simulator's scheduler: records every fetch as (time_s, kind, snapshot,
+    result) and passes everything through unchanged."""
+
+    def __init__(self, simulator):
+        self.real = simulator.scheduler
+        self.queue = simulator.queue
+        self.fetches = []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def fetch_prefill(self, snapshot):
+        result = self.real.fetch_prefill(snapshot)
+        self.fetches.append((self.queue.now_s, "prefill", snapshot, result))
+        return result
+
+    def fetch_decode(self, snapshot):
+        result = self.real.fetch_decode(snapshot)
+        self.fetches.append((self.queue.now_s, "decode", snapshot, result))
+        return result
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath"])
+def test_cached_snapshots_report_the_engines_and_nodes_as_they_are(mode):
+    # The simulator reuses engine snapshots until an engine's load changes: every report must
+    # still equal one built from the engines' and nodes' counts at that instant.
+    simulator = build_simulator(_spec(mode=mode, num_agents=32))
+    recorder = simulator.scheduler = _FetchRecorder(simulator)
+    engines, nodes = simulator.engines, {n.node_id: n for n in simulator.nodes}
+
+    def check(snapshot):
+        for reported in snapshot.engines:
+            engine = engines[reported.engine_id]
+            assert (reported.num_seqs, reported.num_tokens, reported.num_free_kv_blocks) == (
+                engine.num_seqs,
+                engine.num_tokens,
+                engine.num_free_kv_blocks,
+            )
+        for reported in snapshot.nodes:
+            assert reported.read_queue_tokens == nodes[reported.node_id].read_queue_tokens
+
+    real_prefill, real_decode = recorder.fetch_prefill, recorder.fetch_decode
+    recorder.fetch_prefill = lambda snapshot: (check(snapshot), real_prefill(snapshot))[1]
+    recorder.fetch_decode = lambda snapshot: (check(snapshot), real_decode(snapshot))[1]
+    simulator.run()
+    assert len(recorder.fetches) > 10
+
+
+def test_prefill_groups_fetch_at_staggered_phases():
+    # 2P1D: two one-node PE groups, phases 0 and 5 ms of the 10 ms interval; the DE group
+    # stays on the common grid. One request submitted at 0: group 1 fetches first (5 ms) and
+    # takes it, although group 0 comes first in the topology.
+    agent = AgentTrace(0, 0.0, (640,), (0,), (11,))
+    simulator = build_simulator(_spec(model="27b", nodes="2P1D", agents=(agent,)))
+    recorder = simulator.scheduler = _FetchRecorder(simulator)
+    simulator.run()
+    [(time_s, _, snapshot, result)] = [f for f in recorder.fetches if f[1] == "prefill"]
+    assert time_s == pytest.approx(0.005)
+    group_1 = simulator.prefill_groups[1]
+    assert snapshot.group_id == group_1.group_id
+    assert result.prefill_engine_ids == (group_1.engines[0].engine_id,)
+    [phase_0, phase_1] = [group.fetch_phase_s for group in simulator.prefill_groups]
+    assert (phase_0, phase_1) == (0.0, pytest.approx(0.005))
+    assert all(group.fetch_phase_s == 0.0 for group in simulator.decode_groups)
+    decode_times_ms = [round(f[0] * 1000, 6) for f in recorder.fetches if f[1] == "decode"]
+    assert decode_times_ms and all(t % 10 == 0 for t in decode_times_ms)
