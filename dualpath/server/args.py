@@ -129,7 +129,8 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
         "--read-path",
         choices=READ_PATHS,
         default=None,
-        help="force one read path for every request (pe, de, split, dual); default: the mode's",
+        help="force one read path for every request (pe, de, split, dual, round_robin: the "
+        "sides in turn); default: the mode's",
     )
     group.add_argument(
         "--snic-gbps",
