@@ -19,8 +19,9 @@ beta, a DE with no free memory) so nothing more is placed on it. Its requests th
 produced a token yet are placed again (SPEC §8), at most ``MAX_PLACEMENTS`` times in all, under
 a fresh internal id so that a late message about the lost attempt finds nothing; the caller
 keeps its id. So are those a PE gave up on because their DE failed mid-transfer
-(``RequestFailed.is_retryable``), which a PE may notice before the heartbeat does. Those already streaming fail with a message that names the engine (their output
-so far cannot be taken back).
+(``RequestFailed.is_retryable``), which a PE may notice before the heartbeat does. Those
+already streaming fail with a message that names the engine (their output so far cannot be
+taken back).
 
 A request whose hit prefix stops at a block a DE is still writing (an agent's next turn, sent
 the moment the last one finished) waits for that write rather than being placed with a short
@@ -98,7 +99,10 @@ class RequestEvent:
 
 @dataclass
 class _RequestState:
-    request_id: int
+    request_id: int  # this placement's (see ``client_request_id``)
+    # The id the caller knows; it differs from ``request_id`` after a re-placement, so that
+    # messages about an abandoned placement match nothing.
+    client_request_id: int
     prompt_token_ids: array.array  # packed once at submit; the Assignment carries it as is
     params: SamplingParams
     sampling: dict[str, Any]  # sampling_params_to_dict(params), made on the submitting thread
@@ -109,14 +113,7 @@ class _RequestState:
     prefill_engine_id: int | None = None
     decode_engine_id: int | None = None
     is_prefill_done: bool = False  # the first token was sent out: no re-placement from here
-    # The id the caller knows; ``request_id`` is this placement's (they differ after a
-    # re-placement, so that messages about an abandoned placement match nothing).
-    client_request_id: int = -1
     num_placements: int = 1
-
-    def __post_init__(self) -> None:
-        if self.client_request_id < 0:
-            self.client_request_id = self.request_id
 
 
 @dataclass
@@ -213,14 +210,14 @@ class Coordinator:
             raise ValueError("prompt is empty: at least one token is needed")
         request_id = next(self._request_ids)
         keys = self._prompt_block_keys(token_ids)
-        num_cached = self._lookup(keys) * self.block_size if keys else 0
         self._submissions.put(
             _RequestState(
+                request_id,
                 request_id,
                 token_ids,
                 params,
                 sampling_params_to_dict(params),
-                num_cached,
+                self._num_cached_tokens(keys),
                 keys if self.persisting.is_enabled else None,
             )
         )
@@ -243,6 +240,10 @@ class Coordinator:
             self.block_size,
             self.identity.fingerprint,
         )
+
+    def _num_cached_tokens(self, keys: list[BlockKey]) -> int:
+        """Tokens of the leading ``keys`` the store holds (any thread)."""
+        return self._lookup(keys) * self.block_size if keys else 0
 
     def _lookup(self, keys: list[BlockKey]) -> int:
         """Leading ``keys`` in the store (any thread)."""
@@ -612,7 +613,7 @@ class Coordinator:
         if state.request_id not in self._requests:
             return  # cancelled meanwhile
         keys = self._prompt_block_keys(state.prompt_token_ids)
-        state.num_cached_tokens = self._lookup(keys) * self.block_size if keys else 0
+        state.num_cached_tokens = self._num_cached_tokens(keys)
         state.block_keys = keys if self.persisting.is_enabled else None
         self._enqueue(state)
 
