@@ -45,14 +45,13 @@ class RequestRecord:
     num_output_tokens: int
 
 
-class PrefillGroup:
-    """The PEs of one scheduler group: they fetch together and step in lockstep."""
+class EngineGroup:
+    """The engines of one scheduler group (all PEs or all DEs): they fetch together."""
 
     __slots__ = (
         "group_id",
         "engines",
         "nodes",
-        "is_busy",
         "is_fetch_pending",
         "engine_snapshots",
         "fetch_phase_s",
@@ -62,28 +61,22 @@ class PrefillGroup:
         self.group_id = group_id
         self.engines = engines
         self.nodes = nodes
-        self.is_busy = False
         self.is_fetch_pending = False
         self.engine_snapshots: tuple | None = None  # the last report's; None = an engine changed
         self.fetch_phase_s = 0.0  # its leader fetches at fetch_phase_s + k * fetch_interval_s
 
 
-class DecodeGroup:
-    """The DEs of one scheduler group: they fetch together."""
+class PrefillGroup(EngineGroup):
+    """The PEs of one scheduler group: they also step in lockstep."""
 
-    __slots__ = (
-        "group_id",
-        "engines",
-        "nodes",
-        "is_fetch_pending",
-        "engine_snapshots",
-        "fetch_phase_s",
-    )
+    __slots__ = ("is_busy",)
 
     def __init__(self, group_id: int, engines: list, nodes: list):
-        self.group_id = group_id
-        self.engines = engines
-        self.nodes = nodes
-        self.is_fetch_pending = False
-        self.engine_snapshots: tuple | None = None  # as PrefillGroup
-        self.fetch_phase_s = 0.0  # as PrefillGroup
+        super().__init__(group_id, engines, nodes)
+        self.is_busy = False
+
+
+class DecodeGroup(EngineGroup):
+    """The DEs of one scheduler group."""
+
+    __slots__ = ()

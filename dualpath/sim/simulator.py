@@ -37,7 +37,13 @@ from dualpath.scheduler import (
     make_scheduler,
 )
 from dualpath.sim.agents import AgentTrace
-from dualpath.sim.cluster import ClusterModel, DecodeGroup, PrefillGroup, RequestRecord
+from dualpath.sim.cluster import (
+    ClusterModel,
+    DecodeGroup,
+    EngineGroup,
+    PrefillGroup,
+    RequestRecord,
+)
 from dualpath.sim.cost import CostModel
 from dualpath.sim.engines import SimDecodeEngine, SimNode, SimPrefillEngine, SimRequest
 from dualpath.sim.events import EventPriority, EventQueue
@@ -351,7 +357,7 @@ class Simulator(PrefillSteps):
             self.agent_finish_s[request.agent_index] = now_s
 
 
-def _group_snapshot(group: PrefillGroup | DecodeGroup) -> GroupSnapshot:
+def _group_snapshot(group: EngineGroup) -> GroupSnapshot:
     """The leader's report: every engine's and node's snapshot, in topology order. The
     engines' part is kept until one of them changes load (``SimEngine.change_load``)."""
     engine_snapshots = group.engine_snapshots
