@@ -8,8 +8,8 @@ import pytest
 
 from dualpath.sim import online
 from dualpath.sim.online import OnlineProbe, capacity_aps, next_aps
-from dualpath.sim.runner import RunSpec, build_simulator
-from tests.sim.test_simulator import CONSTANT
+from dualpath.sim.runner import build_simulator
+from tests.sim.test_simulator import small_spec
 
 
 def _probe(aps: float, is_attained: bool) -> OnlineProbe:
@@ -40,30 +40,17 @@ def test_a_pass_above_a_failure_does_not_count_and_nothing_passing_gives_zero():
     assert next_aps([_probe(1.0, False)], start_aps=1.0) == 0.5
 
 
-def _base(**overrides) -> RunSpec:
-    spec = dict(
-        nodes="2P4D",
-        num_agents=64,
-        preset="32k",
-        mode="dualpath",
-        scale_down=8,
-        constant_cost=CONSTANT,
-    )
-    spec.update(overrides)
-    return RunSpec(**spec)
-
-
 def test_a_light_load_holds_the_slo_and_an_overload_does_not():
-    light = online.run_probe(_base(), aps=0.02, window_s=400.0)
+    light = online.run_probe(small_spec(), aps=0.02, window_s=400.0)
     assert light.is_attained, light
     assert light.num_requests > 0
-    heavy = online.run_probe(_base(), aps=4.0, window_s=20.0)
+    heavy = online.run_probe(small_spec(), aps=4.0, window_s=20.0)
     assert not heavy.is_attained, heavy
     assert heavy.p90_ttft_s > online.SLO_TTFT_S
 
 
 def test_a_stopped_run_keeps_its_unfinished_requests_in_flight():
-    spec = _base(num_agents=8 * 8, arrivals_s=tuple(float(i) for i in range(8)))
+    spec = small_spec(num_agents=8 * 8, arrivals_s=tuple(float(i) for i in range(8)))
     simulator = build_simulator(spec)
     simulator.run(until_s=5.0)
     in_flight = simulator.requests_in_flight

@@ -24,7 +24,8 @@ CONSTANT = ConstantCostModel(
 )
 
 
-def _spec(**overrides) -> RunSpec:
+def small_spec(**overrides) -> RunSpec:
+    """A small 2P4D run with the constant cost model; other sim tests share it."""
     base = dict(
         model="deepseek-v3.2-660b",
         nodes="2P4D",
@@ -40,7 +41,7 @@ def _spec(**overrides) -> RunSpec:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_request_completes_once_and_bytes_are_conserved(mode):
-    simulator = build_simulator(_spec(mode=mode))
+    simulator = build_simulator(small_spec(mode=mode))
     simulator.run()
     expected = {(a.agent_id, t) for a in simulator.agents for t in range(a.num_turns)}
     seen = [(r.agent_index, r.turn_index) for r in simulator.records]
@@ -63,13 +64,13 @@ def test_every_request_completes_once_and_bytes_are_conserved(mode):
 
 
 def test_basic_reads_only_on_prefill_nodes_and_dualpath_uses_both():
-    basic = build_simulator(_spec(mode="basic"))
+    basic = build_simulator(small_spec(mode="basic"))
     basic.run()
     prefill_nodes = {n.node_id for n in basic.cluster.topology.nodes if n.role == 0}
     for node in basic.nodes:
         if node.node_id not in prefill_nodes:
             assert sum(node.snic_read.finished_bytes) == 0
-    dual = build_simulator(_spec(mode="dualpath"))
+    dual = build_simulator(small_spec(mode="dualpath"))
     dual.run()
     decode_read = sum(
         sum(n.snic_read.finished_bytes) for n in dual.nodes if n.node_id not in prefill_nodes
@@ -78,9 +79,9 @@ def test_basic_reads_only_on_prefill_nodes_and_dualpath_uses_both():
 
 
 def test_same_seed_same_json_and_a_different_seed_differs():
-    first = run_record("t", run_simulation(_spec()))
-    second = run_record("t", run_simulation(_spec()))
-    other = run_record("t", run_simulation(_spec(seed=1)))
+    first = run_record("t", run_simulation(small_spec()))
+    second = run_record("t", run_simulation(small_spec()))
+    other = run_record("t", run_simulation(small_spec(seed=1)))
     for record in (first, second, other):
         record.pop("wall_s")
         record.pop("events_per_s")
@@ -89,9 +90,9 @@ def test_same_seed_same_json_and_a_different_seed_differs():
 
 
 def test_two_simulators_in_one_process_are_independent():
-    alone = run_simulation(_spec()).jct_s
-    a = build_simulator(_spec())
-    b = build_simulator(_spec(mode="basic"))
+    alone = run_simulation(small_spec()).jct_s
+    a = build_simulator(small_spec())
+    b = build_simulator(small_spec(mode="basic"))
     a.queue.run(until_s=5.0)  # interleave the two
     b.queue.run(until_s=5.0)
     a.run()
@@ -102,19 +103,19 @@ def test_two_simulators_in_one_process_are_independent():
 def test_the_scheduler_package_is_used_unchanged():
     # The simulator drives the very classes dualpath.scheduler exports; nothing re-implements
     # placement, read-path choice or batching.
-    simulator = build_simulator(_spec(mode="dualpath"))
+    simulator = build_simulator(small_spec(mode="dualpath"))
     assert type(simulator.scheduler) is scheduler_package.DualPathScheduler
     engine = next(e for e in simulator.engines.values() if hasattr(e, "batcher"))
     assert type(engine.batcher) is scheduler_package.PrefillBatcher
     assert simulator_module.make_scheduler is scheduler_package.make_scheduler
-    basic = build_simulator(_spec(mode="basic"))
+    basic = build_simulator(small_spec(mode="basic"))
     assert type(basic.scheduler) is scheduler_package.RoundRobinScheduler
 
 
 def test_placements_equal_the_scheduler_driven_directly_on_the_same_snapshots():
     """Record every snapshot the simulator hands the scheduler, replay them on a fresh
     scheduler built from the same config: the answers are identical."""
-    simulator = build_simulator(_spec(mode="dualpath", num_agents=32))
+    simulator = build_simulator(small_spec(mode="dualpath", num_agents=32))
     calls = []
     real = simulator.scheduler
 
@@ -155,7 +156,7 @@ def test_decode_steps_are_hand_computable_with_the_constant_model():
     # One agent, one turn: prompt 640 (no hit), 11 output tokens -> prefill of 640 new tokens
     # = 0.01 + 640 * 2e-4 = 0.138 s; then 10 decode steps of 0.02 + 1e-4 s.
     agent = AgentTrace(0, 0.0, (640,), (0,), (11,))
-    result = run_simulation(_spec(mode="oracle", agents=(agent,)))
+    result = run_simulation(small_spec(mode="oracle", agents=(agent,)))
     record = result.records[0]
     assert record.first_token_s - record.submit_s == pytest.approx(0.01 + 0.01 + 0.138, abs=0.011)
     assert record.finish_s - record.decode_start_s == pytest.approx(10 * 0.0201)
@@ -205,7 +206,7 @@ class _FetchRecorder:
 def test_cached_snapshots_report_the_engines_and_nodes_as_they_are(mode):
     # The simulator reuses engine snapshots until an engine's load changes: every report must
     # still equal one built from the engines' and nodes' counts at that instant.
-    simulator = build_simulator(_spec(mode=mode, num_agents=32))
+    simulator = build_simulator(small_spec(mode=mode, num_agents=32))
     recorder = simulator.scheduler = _FetchRecorder(simulator)
     engines, nodes = simulator.engines, {n.node_id: n for n in simulator.nodes}
 
@@ -232,7 +233,7 @@ def test_prefill_groups_fetch_at_staggered_phases():
     # stays on the common grid. One request submitted at 0: group 1 fetches first (5 ms) and
     # takes it, although group 0 comes first in the topology.
     agent = AgentTrace(0, 0.0, (640,), (0,), (11,))
-    simulator = build_simulator(_spec(model="27b", nodes="2P1D", agents=(agent,)))
+    simulator = build_simulator(small_spec(model="27b", nodes="2P1D", agents=(agent,)))
     recorder = simulator.scheduler = _FetchRecorder(simulator)
     simulator.run()
     [(time_s, _, snapshot, result)] = [f for f in recorder.fetches if f[1] == "prefill"]
