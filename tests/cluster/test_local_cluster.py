@@ -117,15 +117,20 @@ def _is_running(pid: int) -> bool:
         return False
 
 
-def test_killing_a_decode_engine_fails_only_its_requests(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    with LocalCluster(
+def _fast_failing_1p2d(tiny_model_dir: Path, tmp_path: Path) -> LocalCluster:
+    """1P2D with a 2 s heartbeat timeout, for the engine-loss tests."""
+    return LocalCluster(
         ClusterConfig(num_prefill_nodes=1, num_decode_nodes=2, heartbeat_timeout_s=2.0),
         model_dir=tiny_model_dir,
         store=KVStoreConfig(root_dir=tmp_path / "kv"),
         log_dir=tmp_path / "logs",
-    ) as cluster:
+    )
+
+
+def test_killing_a_decode_engine_fails_only_its_requests(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with _fast_failing_1p2d(tiny_model_dir, tmp_path) as cluster:
         long_params = SamplingParams(max_tokens=250, ignore_eos=True)
         request_ids = [cluster.submit(random_ids(300, seed=s), long_params) for s in range(6)]
         time.sleep(1.0)  # every request is decoding by now
@@ -151,12 +156,7 @@ def test_requests_without_output_survive_the_loss_of_their_decode_engine(
 ) -> None:
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [random_ids(1500, seed=20 + s) for s in range(6)]
-    with LocalCluster(
-        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=2, heartbeat_timeout_s=2.0),
-        model_dir=tiny_model_dir,
-        store=KVStoreConfig(root_dir=tmp_path / "kv"),
-        log_dir=tmp_path / "logs",
-    ) as cluster:
+    with _fast_failing_1p2d(tiny_model_dir, tmp_path) as cluster:
         request_ids = [cluster.submit(p, params) for p in prompts]
         deadline_s = time.monotonic() + 30
         while not any((cluster.coordinator.placement(r) or (0, 0))[1] == 2 for r in request_ids):
