@@ -6,14 +6,14 @@ from dataclasses import replace
 
 from dualpath.sim.agents import scaled_append_agents
 from dualpath.sim.experiments import ExperimentResult, _Runner
-from tests.sim.test_simulator import _spec
+from tests.sim.test_simulator import small_spec
 
 
 def test_runs_with_different_given_workloads_are_not_memoised_together():
     # RunSpec.agents is left out of the spec's equality; the memo must still tell them apart.
     result = ExperimentResult("t")
     run = _Runner(result, None)
-    base = _spec(num_agents=16 * 8, preset="32k")
+    base = small_spec(num_agents=16 * 8, preset="32k")
     short = tuple(scaled_append_agents("32k", 16, 1, seed=0))
     long = tuple(scaled_append_agents("32k", 16, 3, seed=0))
     first = run(replace(base, agents=short), append_factor=1)
