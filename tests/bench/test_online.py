@@ -62,12 +62,18 @@ def _turn(arrival, first, finish, out=4, error=None) -> TurnRecord:
     return TurnRecord(0, 0, arrival, first, first + 0.01, finish, 100, 0, out, error)
 
 
-def test_slo_is_judged_on_the_second_half_of_the_run() -> None:
-    # A slow start (TTFT 5 s) does not count; the second half's p90 TTFT is 0.2 s.
-    records = [_turn(0.0, 5.0, 6.0)] + [_turn(t, t + 0.2, t + 0.5) for t in (6.0, 7.0, 8.0)]
-    p90_ttft_s, p90_tpot_s = second_half_p90(records)
+def test_slo_is_judged_on_the_second_half_of_the_arrival_window() -> None:
+    # Agents arrive over 8 s. The ramp-up (TTFT 5 s, sent at 0) and the drain after the last
+    # arrival (TTFT 0.01 s, sent at 9 and 10 s) do not count; the steady half's p90 TTFT is 0.2 s.
+    records = (
+        [_turn(0.0, 5.0, 6.0)]
+        + [_turn(t, t + 0.2, t + 0.5) for t in (4.0, 6.0, 7.0, 8.0)]
+        + [_turn(t, t + 0.01, t + 0.5) for t in (9.0, 10.0) * 5]
+    )
+    p90_ttft_s, p90_tpot_s = second_half_p90(records, arrival_window_s=8.0)
     assert p90_ttft_s == pytest.approx(0.2)
     assert p90_tpot_s == pytest.approx(0.1)
+    assert second_half_p90(records, arrival_window_s=20.0)[0] < 0.2  # the drain, if judged
     result = {"num_failed": 0, "second_half_p90_ttft_s": 0.2, "second_half_p90_tpot_s": 0.1}
     assert is_attained(result, {"ttft_s": 0.25, "tpot_s": 0.2})
     assert not is_attained(result, {"ttft_s": 0.15, "tpot_s": 0.2})
