@@ -168,6 +168,9 @@ class Coordinator:
             for g in self.topology.groups
             for e in g.engine_ids
         }
+        # Groups whose last reports say idle, given no work since: the scheduler fetches for
+        # them itself when work waits (``_fetch_for_idle_groups``).
+        self._idle_groups: dict[int, GroupLoad] = {}
         self._engines: dict[int, _EngineState] = {}
         self._client_id_to_engine_id: dict[str, int] = {}
         self._is_peer_table_stale = False  # membership changed: announce once this loop turn
@@ -181,6 +184,7 @@ class Coordinator:
         self._request_ids = itertools.count()
         self._last_heartbeat_s = 0.0
         self.num_assigned = 0
+        self.num_reports = 0  # engine and group reports received (idle engines send few)
         self.num_replaced = 0  # placements abandoned with a lost engine and made again
         self.persisting: PersistingBlocks[_RequestState] = PersistingBlocks(
             cluster.persist_wait_s if store is not None else 0.0
@@ -282,6 +286,7 @@ class Coordinator:
             self._enqueue(state)
         for client_id, msg in self.server.receive(timeout_s):  # each handled, then dropped
             self._handle(client_id, msg)
+        self._fetch_for_idle_groups()
         self._check_liveness()
         if self._delayed_placements:
             self._place_delayed()
@@ -450,16 +455,19 @@ class Coordinator:
         self._is_peer_table_stale = True
 
     def _on_engine_report(self, engine: _EngineState, report: EngineReport) -> None:
+        self.num_reports += 1
         engine_id = engine.info.engine_id  # the sender's, whatever the report says
         group = self._engine_id_to_group[engine_id]
         position = group.spec.engine_ids.index(engine_id)
         group.record_engine(position, report)
+        self._note_idleness(group)
         if position == 0:  # the group's leading engine: its report is the group's fetch
             self._fetch(group)
 
     def _on_group_report(self, client_id: str, report: GroupReport) -> None:
         """Every engine's load at once, then the group's fetch (SPEC §6). The sender's client
         speaks for the whole group, so hearing from it kept every engine alive already."""
+        self.num_reports += 1
         group = self._group_id_to_state.get(report.group_id)
         if (
             group is None
@@ -471,16 +479,48 @@ class Coordinator:
         group.record_group(report)
         if not all(group.is_usable):  # the first report since joining, or an engine is dead
             group.is_usable[:] = [self._is_alive(e) for e in group.spec.engine_ids]
+        self._note_idleness(group)
         self._fetch(group)
+
+    def _note_idleness(self, group: GroupLoad) -> None:
+        if group.is_idle_and_current():
+            self._idle_groups[group.spec.group_id] = group
+        else:
+            self._idle_groups.pop(group.spec.group_id, None)
+
+    def _mark_stale(self, group: GroupLoad, position: int | None = None) -> None:
+        group.mark_stale(position)
+        self._idle_groups.pop(group.spec.group_id, None)
+
+    def _fetch_for_idle_groups(self) -> None:
+        """SPEC §6: leaders fetch every fetch interval *or when idle*. An idle engine reports
+        only every ``report_keepalive_s`` (it has nothing new to say), so when work waits the
+        scheduler fetches for an idle group itself, from its last reports: they are exact
+        until the group is given work (a fetch that places anything marks them out of date).
+        PE groups first, so a request can be placed on both sides in one loop turn."""
+        if not self._idle_groups:
+            return
+        policy = self.policy
+        for is_prefill in (True, False):
+            for group in list(self._idle_groups.values()):
+                waiting = policy.num_waiting_prefill if is_prefill else policy.num_waiting_decode
+                if not waiting:
+                    break
+                if group.is_prefill == is_prefill and group.is_idle_and_current():
+                    self._fetch(group)
 
     def _fetch(self, group: GroupLoad) -> None:
         snapshot = group.snapshot()
         if group.is_prefill:
-            self.policy.fetch_prefill(snapshot)  # placed requests wait for their DE placement
+            # Placed requests wait for their DE placement; until the PEs report again their
+            # entries leave those requests out.
+            if self.policy.fetch_prefill(snapshot).request_ids:
+                self._mark_stale(group)
             return
         result = self.policy.fetch_decode(snapshot)
         if not result.request_ids:  # most fetches place nothing
             return
+        self._mark_stale(group)
         for request_id, pe, de, plan in zip(
             result.request_ids,
             result.prefill_engine_ids,
@@ -515,6 +555,8 @@ class Coordinator:
         except PeerUnavailable as exc:
             self._fail(request_id, f"engine unavailable at assignment: {exc}")
             return
+        prefill_group = self._engine_id_to_group[pe]
+        self._mark_stale(prefill_group, prefill_group.spec.engine_ids.index(pe))
         self.num_assigned += 1
 
     def _relay(self, request_id: int, msg: object, *, to_prefill: bool) -> None:

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgpack
@@ -88,6 +88,10 @@ class EngineProcessConfig:
     transport: str = "nixl"  # or "shm"
     # How often the engine reports its load (SPEC §6's fetch interval: 10 ms).
     fetch_interval_s: float = 0.010
+    # An idle engine whose report would not change sends it only this often (a keep-alive,
+    # well inside the heartbeat timeout); the scheduler fetches for idle groups itself. At
+    # 10 ms, three idle engines and their scheduler burned half a core between them.
+    report_keepalive_s: float = 0.25
     # Upper bound of one wait on a peer (a transfer, the scheduler's first answer).
     peer_timeout_s: float = 30.0
     # On exit, how long pending store writes may take to finish. Past it they are abandoned
@@ -211,6 +215,8 @@ class _EngineProcess:
         self.remotes: dict[int, TransportRemoteBuffer] = {}
         self.last_heard_s = time.monotonic()
         self.last_report_s = 0.0
+        self._last_report: EngineReport | None = None  # the last one sent
+        self._last_report_sent_s = 0.0
         self.busy_s = 0.0  # wall time spent in prefill batches or decode steps
 
     def _send(self, msg: object) -> None:
@@ -266,7 +272,7 @@ class _EngineProcess:
                     logger.error("scheduler silent for %.1f s: exiting", now_s - self.last_heard_s)
                     return 1
                 if now_s - self.last_report_s >= config.fetch_interval_s:
-                    self._report()
+                    self._report(now_s)
                     self.last_report_s = now_s
         except _Stop as stop:
             logger.info("engine %d stopping: %s", config.engine_id, stop)
@@ -345,24 +351,35 @@ class _EngineProcess:
             self._send(persisted)
         return bool(updates) or self.decode.engine.has_unfinished_requests()
 
-    def _report(self) -> None:
+    def _report(self, now_s: float) -> None:
+        """Report the load (the group's fetch when this engine leads it); an idle engine whose
+        report is the last one sent again only keeps alive (``report_keepalive_s``)."""
         engine = self.prefill or self.decode
         if self.decode is not None:
             num_seqs, num_tokens = self.decode.num_seqs, self.decode.num_tokens
             num_free = self.decode.engine.pool.num_free_blocks
         else:
             num_seqs, num_tokens, num_free = len(self.prefill.requests), self.prefill.num_tokens, 0
-        self._send(
-            EngineReport(
-                self.config.engine_id,
-                num_seqs,
-                num_tokens,
-                num_free,
-                engine.num_queued_read_tokens,
-                self._link_bytes(),
-                self.buffer.num_used_bytes // self.identity.layout.full_block_bytes,
-            )
+        report = EngineReport(
+            self.config.engine_id,
+            num_seqs,
+            num_tokens,
+            num_free,
+            engine.num_queued_read_tokens,
+            self._link_bytes(),
+            self.buffer.num_used_bytes // self.identity.layout.full_block_bytes,
         )
+        keepalive_s = min(
+            self.config.report_keepalive_s, self.config.cluster.heartbeat_timeout_s / 4
+        )
+        if (
+            not (num_seqs or num_tokens or report.read_queue_tokens)
+            and now_s - self._last_report_sent_s < keepalive_s
+            and _same_but_reports(report, self._last_report)
+        ):
+            return
+        self._send(report)
+        self._last_report, self._last_report_sent_s = report, now_s
 
     def _link_bytes(self) -> dict[str, int]:
         # Read before the links: a read is counted here only after its SNIC movement finished,
@@ -410,6 +427,19 @@ class _EngineProcess:
         if self._limiter is not None:
             self._limiter.close()
         return num_abandoned
+
+
+def _same_but_reports(report: EngineReport, last: EngineReport | None) -> bool:
+    """Whether ``report`` says what ``last`` said, but for the ``inference`` traffic that
+    sending reports itself adds (every report would otherwise differ from the last)."""
+    if last is None or replace(report, link_bytes={}) != replace(last, link_bytes={}):
+        return False
+    return _without_inference(report.link_bytes) == _without_inference(last.link_bytes)
+
+
+def _without_inference(counters: dict[str, int]) -> dict[str, int]:
+    suffix = "." + TrafficClass.INFERENCE.name.lower()
+    return {name: n for name, n in counters.items() if not name.endswith(suffix)}
 
 
 def _make_traffic(

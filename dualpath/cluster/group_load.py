@@ -40,6 +40,9 @@ class GroupLoad:
     read_queue_tokens: list[int]
     is_usable: list[bool]
     link_bytes: list[dict[str, int]]  # cumulative counters, for metrics and benchmarks
+    # Per engine: its entry may be out of date because it was given work, or a fetch it did
+    # not send used it, since it last reported (``is_idle_and_current``).
+    is_stale: list[bool]
     # The last snapshot's engines and the (seq_e, tok_e, free blocks) columns they were made
     # of: an engine whose load did not change since is not built again (``_engine_snapshots``).
     engine_snapshots: tuple[EngineSnapshot, ...]
@@ -68,6 +71,7 @@ class GroupLoad:
             read_queue_tokens=[0] * num_engines,
             is_usable=[False] * num_engines,
             link_bytes=[{} for _ in range(num_engines)],
+            is_stale=[False] * num_engines,
             engine_snapshots=tuple(EngineSnapshot(e, 0, 0, 0) for e in spec.engine_ids),
         )
 
@@ -79,6 +83,7 @@ class GroupLoad:
         self.num_free_kv_blocks[position] = report.num_free_kv_blocks
         self.read_queue_tokens[position] = report.read_queue_tokens
         self.is_usable[position] = True
+        self.is_stale[position] = False
 
     def record_group(self, report: GroupReport) -> None:
         """A leader's report for every engine of the group (usability is the caller's)."""
@@ -88,6 +93,28 @@ class GroupLoad:
         self.read_queue_tokens[:] = report.read_queue_tokens
         if report.link_bytes:  # the leader may send its counters less often
             self.link_bytes[:] = report.link_bytes
+        self.is_stale[:] = [False] * len(self.is_stale)
+
+    def mark_stale(self, position: int | None = None) -> None:
+        """The engine at ``position`` (every engine if None) may have changed since it last
+        reported: it was given work, or its entry was used by a fetch it did not send."""
+        if position is None:
+            self.is_stale[:] = [True] * len(self.is_stale)
+        else:
+            self.is_stale[position] = True
+
+    def is_idle_and_current(self) -> bool:
+        """Every engine reported, has no work (no requests, tokens or queued reads) and has
+        been given none since. Such a group's entries are exact until it is given work, so
+        the scheduler may fetch on its behalf (an idle engine reports only now and then:
+        ``EngineProcessConfig.report_keepalive_s``)."""
+        return (
+            all(self.is_usable)
+            and not any(self.is_stale)
+            and not any(self.num_seqs)
+            and not any(self.num_tokens)
+            and not any(self.read_queue_tokens)
+        )
 
     def snapshot(self) -> GroupSnapshot:
         """What the policy sees of the group at a fetch."""

@@ -129,6 +129,29 @@ def test_request_is_placed_relayed_and_finished(cluster) -> None:
     assert coordinator.link_bytes()[0] == {"snic": 1}
 
 
+def test_the_scheduler_fetches_for_idle_groups_until_they_are_given_work(cluster) -> None:
+    coordinator, engines, _, _ = cluster
+    for engine in engines:  # each says once that it is idle, then stays silent
+        engine.report()
+    spin(coordinator, 5)
+    first = coordinator.submit(list(range(1, 10)), SamplingParams(max_tokens=2))
+    spin(coordinator, 5)
+    (assignment,) = engines[0].receive(Assignment)  # placed with no further report
+    assert assignment.request_id == first
+    first_de = assignment.decode_engine_id
+    assert [a.request_id for a in engines[first_de].receive(Assignment)] == [first]
+    # The PE was given work since its report: its entry is out of date, so the next request
+    # waits for the PE's next report rather than being placed from the old one.
+    second = coordinator.submit(list(range(20, 29)), SamplingParams(max_tokens=2))
+    spin(coordinator, 5)
+    assert engines[0].receive(Assignment) == []
+    engines[0].report(num_tokens=9)  # the PE's report is its group's fetch
+    spin(coordinator, 5)
+    (assignment,) = engines[0].receive(Assignment)
+    # The DE given the first request is out of date too; the other one is idle and current.
+    assert (assignment.request_id, assignment.decode_engine_id) == (second, 3 - first_de)
+
+
 def _silence(coordinator, engines, clock, dead_engine_id: int) -> None:
     """Every engine but ``dead_engine_id`` reports at 3 s; at 6 s it has been silent > 5 s."""
     clock.now_s = 3.0

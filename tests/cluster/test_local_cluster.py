@@ -73,6 +73,20 @@ def test_multi_turn_conversations_reuse_kv_and_match_the_single_node_engine(
     assert decode_reads > 0
 
 
+def test_idle_engines_only_keep_alive_and_requests_still_place_at_once(
+    cluster: LocalCluster,
+) -> None:
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    cluster.generate([random_ids(100, seed=7)], params, timeout_s=60)
+    time.sleep(1.0)  # the engines settle (last writes, last changed reports)
+    before = cluster.coordinator.num_reports
+    time.sleep(1.0)
+    # Three engines at 10 ms would send ~300; idle, each keeps alive every 0.25 s.
+    assert cluster.coordinator.num_reports - before <= 20
+    (out,) = cluster.generate([random_ids(100, seed=8)], params, timeout_s=60)
+    assert out.error is None and len(out.token_ids) == 2
+
+
 def test_bad_requests_are_refused_before_reaching_an_engine(cluster: LocalCluster) -> None:
     with pytest.raises(ValueError, match="exceeds the model's context"):
         cluster.submit([1] * 16000, SamplingParams(max_tokens=1000))
