@@ -165,13 +165,19 @@ class SimLink:
                 self._count_window_bytes(self._last_s, now_s, elapsed_s * total_rate)
         self._last_s = now_s
 
-    def count_unpaced(self, size_bytes: float, traffic_class: TrafficClass) -> None:
+    def count_unpaced(
+        self, size_bytes: float, traffic_class: TrafficClass, since_s: float | None = None
+    ) -> None:
         """Account bytes that move outside the fluid model (they take no bandwidth here): the
-        simulator uses it for persistence writes, ~1% of an SNIC's reads."""
+        simulator uses it for persistence writes, ~3% of an SNIC's reads. The bytes are
+        spread evenly over [``since_s``, now] in the windows (all now when None)."""
         now_s = self._queue.now_s
+        start_s = now_s if since_s is None else since_s
+        if start_s > now_s:
+            raise ValueError(f"link {self.name}: since_s {since_s} is after now ({now_s})")
         self.started_bytes[traffic_class] += size_bytes
         self.finished_bytes[traffic_class] += size_bytes
-        self._count_window_bytes(now_s, now_s, size_bytes)
+        self._count_window_bytes(start_s, now_s, size_bytes)
 
     def _count_window_bytes(self, start_s: float, end_s: float, num_bytes: float) -> None:
         """Spread ``num_bytes`` carried uniformly over [start_s, end_s] into 1 s windows."""

@@ -8,7 +8,10 @@ One request's life (SPEC §2, §6; the order of decisions of ``scheduler/dualpat
       --storage reads (SNIC of the PE and/or DE node)--> ready on the PE (layer-wise modes)
       --PE step (PrefillBatcher batch, all PEs of the group in lockstep)--> first token
       --PE->DE KV (DE CNIC), DE buffer->HBM (DE CNIC)--> decode (fluid steps)
-      --finish: blocks freed, new full blocks persisted (DE SNIC)--> the agent's next turn
+      --finish: blocks freed--> the agent's next turn
+
+The DE persists the append's Full Blocks when the prompt KV is complete in its buffer and the
+output's as they fill during decode (DE SNIC, SPEC §2).
 
 In every mode but ``oracle`` storage reads start at DE placement and fill the host buffer
 (SPEC §6, order of decisions; as the runtime does). Without layer-wise prefill (``basic``) a PE
@@ -313,7 +316,20 @@ class Simulator(PrefillSteps):
         request.num_pending_kv -= 1
         if request.num_pending_kv > 0 or request.first_token_s < 0:
             return
+        # SPEC §2: the prompt's KV is complete in the DE buffer; the DE persists the prompt's
+        # Full Blocks the store does not hold yet (the append's).
+        block = self._block_size
+        self._persist(request, request.num_prompt_tokens // block - request.num_hit_tokens // block)
         request.decode_engine.join(request)
+
+    def _persist(self, request: SimRequest, num_blocks: int, since_s: float | None = None) -> None:
+        """Count ``num_blocks`` Full Blocks written to the store on the DE node's SNIC, spread
+        over [``since_s``, now]. NOTE(sim): the writes take no bandwidth (``count_unpaced``):
+        a turn writes its append and output, ~3% of the bytes it reads."""
+        if num_blocks > 0 and not self.settings.is_io_free:
+            request.decode_engine.node.snic_write.count_unpaced(
+                num_blocks * self._block_size * self._kv_bytes_per_token, TrafficClass.KV, since_s
+            )
 
     def _on_decode_finish(self, request: SimRequest) -> None:
         now_s = self.queue.now_s
@@ -324,15 +340,12 @@ class Simulator(PrefillSteps):
             -(request.num_prompt_tokens + request.num_output_tokens),
             -request.num_decode_blocks,
         )
+        # SPEC §2: during decode every block that fills is persisted; the steps run at an even
+        # pace, so the output's blocks are spread over the decode (the last token has no KV).
         block = self._block_size
         num_tokens_with_kv = request.num_prompt_tokens + request.num_output_tokens - 1
-        num_new_blocks = num_tokens_with_kv // block - request.num_hit_tokens // block
-        if num_new_blocks > 0 and not self.settings.is_io_free:
-            # NOTE(sim): persisted at the end, all at once, and counted on the SNIC without
-            # taking bandwidth: the append's blocks are ~1% of a turn's reads (docs/simulator.md).
-            engine.node.snic_write.count_unpaced(
-                num_new_blocks * block * self._kv_bytes_per_token, TrafficClass.KV
-            )
+        num_output_blocks = num_tokens_with_kv // block - request.num_prompt_tokens // block
+        self._persist(request, num_output_blocks, since_s=request.decode_start_s)
         del self._requests_in_flight[request.request_id]
         self.records.append(
             RequestRecord(

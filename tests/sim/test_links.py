@@ -84,3 +84,24 @@ def test_many_flows_all_finish_and_bytes_are_conserved():
     assert sorted(done) == list(range(200))
     assert sum(link.finished_bytes) == pytest.approx(sum(sizes))
     assert link.num_flows == 0
+
+
+def test_unpaced_bytes_spread_over_their_interval_and_take_no_bandwidth():
+    # 30 B counted at 2.5 s since 0.5 s: 15 B/s over [0.5, 2.5] -> windows 7.5, 15, 7.5 B. A
+    # 100 B flow started at 0 still ends at 1 s on the 100 B/s link.
+    queue = EventQueue()
+    link = SimLink("l", 100.0, queue, window_s=1.0)
+    done = {}
+    link.start(100.0, TrafficClass.KV, lambda name: done.setdefault(name, queue.now_s), "flow")
+    queue.push(
+        2.5,
+        EventPriority.ARRIVAL,
+        lambda _: link.count_unpaced(30.0, TrafficClass.KV, since_s=0.5),
+        None,
+    )
+    queue.run()
+    assert done == {"flow": pytest.approx(1.0)}
+    assert link.window_bytes == pytest.approx([100.0 + 7.5, 15.0, 7.5])
+    assert link.finished_bytes[TrafficClass.KV] == pytest.approx(130.0)
+    with pytest.raises(ValueError, match="after now"):
+        link.count_unpaced(1.0, TrafficClass.KV, since_s=queue.now_s + 1.0)

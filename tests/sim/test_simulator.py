@@ -246,3 +246,26 @@ def test_prefill_groups_fetch_at_staggered_phases():
     assert all(group.fetch_phase_s == 0.0 for group in simulator.decode_groups)
     decode_times_ms = [round(f[0] * 1000, 6) for f in recorder.fetches if f[1] == "decode"]
     assert decode_times_ms and all(t % 10 == 0 for t in decode_times_ms)
+
+
+def test_the_append_is_persisted_at_decode_start_and_the_output_as_it_fills():
+    # One turn, no hit: a prompt of 640 tokens (10 Full Blocks) and 181 output tokens, so
+    # 640 + 180 tokens have KV: 2 output blocks. The append's 10 blocks are written when the
+    # prompt KV is complete at the DE; the output's 2 spread evenly over the 180 decode steps.
+    agent = AgentTrace(0, 0.0, (640,), (0,), (181,))
+    simulator = build_simulator(small_spec(mode="dualpath", agents=(agent,)))
+    simulator.run()
+    [record] = simulator.records
+    block_bytes = 64 * simulator.cluster.kv_bytes_per_token
+    [writes] = [n.snic_write for n in simulator.nodes if sum(n.snic_write.finished_bytes)]
+    assert sum(writes.finished_bytes) == pytest.approx(12 * block_bytes)
+    start_s, end_s = record.decode_start_s, record.finish_s
+    assert 0 < start_s < 1 < 3 < end_s < 4  # the decode spans windows 0 to 3
+    output_rate = 2 * block_bytes / (end_s - start_s)
+    expected = [
+        10 * block_bytes + output_rate * (1 - start_s),
+        output_rate,
+        output_rate,
+        output_rate * (end_s - 3),
+    ]
+    assert writes.window_bytes == pytest.approx(expected)
