@@ -246,8 +246,12 @@ class PrefillEngine:
 
     @property
     def num_queued_read_tokens(self) -> int:
-        """Tokens queued for storage reads on this engine (its share of its node's read_q)."""
-        return self.reader.num_queued_blocks * self.block_size
+        """Tokens queued for storage reads on this engine (its share of its node's read_q):
+        reads submitted and not done, and the PE-side blocks of requests still waiting for
+        buffer slots (left out, a node whose buffer is full would look idle to the scheduler
+        and draw the next reads)."""
+        num_waiting = sum(r.assignment.num_prefill_side_blocks for r in self._waiting_for_buffer)
+        return (self.reader.num_queued_blocks + num_waiting) * self.block_size
 
     @property
     def num_tokens(self) -> int:

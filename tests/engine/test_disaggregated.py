@@ -316,3 +316,44 @@ def test_a_transfer_timing_out_mid_layer_frees_both_buffers(
     (again,) = pair.generate([prompt], params, SPLITS[side])
     assert again["cached"] == num_hit * BLOCK
     assert_same_tokens(reference[0], _Out(again["token_ids"]), label=f"retry, {side} path")
+
+
+def test_read_q_counts_the_reads_of_requests_waiting_for_buffer_slots(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Buffers with room for one request: the second waits for slots, and its reads are
+    # still queued on the node (SPEC §6's read_q), not absent from it.
+    loaded = load_model(tiny_model_dir)
+    identity = kv_identity(loaded.config, loaded.weights_digest, "float32", BLOCK)
+    layout = identity.layout
+    store = FileKVStore(tmp_path / "kv", layout, identity.fingerprint)
+    prompts = [random_ids(3 * BLOCK + 5, seed=s) for s in (1, 2)]
+    for prompt in prompts:
+        for key in block_keys(prompt[: 3 * BLOCK], BLOCK, identity.fingerprint):
+            store.write(key, bytes(layout.full_block_bytes))
+    params = sampling_params_to_dict(SamplingParams(max_tokens=2))
+    # Request i: 3 hit blocks, 1 read on the PE side and 2 on the DE side.
+    assignments = [Assignment(i, tuple(p), params, 1, 2, 0, 1) for i, p in enumerate(prompts)]
+    prefill = PrefillEngine(
+        loaded.model,
+        identity,
+        store,
+        KVBuffer(layout, 1 * layout.full_block_bytes),
+        dtype=loaded.dtype,
+        device=loaded.device,
+        is_layerwise=True,
+    )
+    engine = LLMEngine(loaded, EngineConfig(), KVStoreConfig(root_dir=tmp_path / "kv"))
+    decode = DecodeEngine(engine, KVBuffer(layout, 4 * layout.full_block_bytes))
+    try:
+        for assignment in assignments:
+            prefill.add(assignment)
+            decode.add(assignment)
+        prefill.requests[0].reads.result()
+        decode.requests[0].reads.result()
+        assert prefill.num_queued_read_tokens == 1 * BLOCK  # request 1's PE-side block
+        assert decode.num_queued_read_tokens == 2 * BLOCK  # request 1's DE-side blocks
+    finally:
+        prefill.close()
+        decode.close()
+        engine.close()
