@@ -234,13 +234,11 @@ class DecodeEngine:
     @property
     def num_queued_read_tokens(self) -> int:
         """Tokens queued for storage reads on this engine (its share of its node's read_q):
-        reads submitted and not done, and the DE-side blocks of requests still waiting for
-        buffer slots (see ``PrefillEngine.num_queued_read_tokens``)."""
-        num_waiting = sum(
-            r.assignment.num_hit_blocks - r.assignment.num_prefill_side_blocks
-            for r in self._waiting_for_buffer
-        )
-        return (self.reader.num_queued_blocks + num_waiting) * self.block_size
+        reads submitted and not done. Unlike the PE's, requests waiting for buffer slots are
+        not counted: the DE buffer holds every request's whole prompt whichever side reads
+        it, so waiting for it delays both read paths alike and says nothing about this
+        node's SNIC (counting it pushed reads to the PE's SNIC during the first turns)."""
+        return self.reader.num_queued_blocks * self.block_size
 
     @property
     def num_tokens(self) -> int:
