@@ -84,6 +84,8 @@ class ClusterSnapshot:
     num_persist_expired: int = 0
     # Requests placed again after losing an engine before their first token (SPEC §8).
     num_replaced: int = 0
+    # Engine and group load reports received (each a fetch when sent by a group's leader).
+    num_reports: int = 0
     # engine id -> cumulative bytes by "link.class" (e.g. "node0.snic.kv"), plus
     # "store_read_bytes" (hit KV the engine read from the store); empty until it reports.
     link_bytes: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -306,6 +308,7 @@ class LocalCluster:
             num_persist_waits=coordinator.persisting.num_waits,
             num_persist_expired=coordinator.persisting.num_expired,
             num_replaced=coordinator.num_replaced,
+            num_reports=coordinator.num_reports,
             link_bytes=coordinator.link_bytes(),
         )
 

@@ -257,6 +257,12 @@ class ClusterCollector(Collector):
             "token (those already streaming fail instead).",
             value=snapshot.num_replaced,
         )
+        yield CounterMetricFamily(
+            "dualpath_scheduler_reports",
+            "Load reports received from engines and group leaders (every 10 ms from a busy "
+            "engine; an idle one only keeps alive, every 0.25 s).",
+            value=snapshot.num_reports,
+        )
         yield from self._link_metrics(snapshot)
         yield from self._store_metrics(snapshot)
 

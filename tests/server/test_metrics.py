@@ -47,6 +47,7 @@ def snapshot(time_s: float, snic_kv_bytes: int, store_read_bytes: int) -> Cluste
         num_persist_waits=4,
         num_persist_expired=1,
         num_replaced=2,
+        num_reports=11,
         link_bytes={
             0: {"node0.snic.kv": snic_kv_bytes, "engine0.cnic.kv": 10, "store_read_bytes": 0},
             1: {"node1.snic.kv": 0, "store_read_bytes": store_read_bytes},
@@ -66,6 +67,7 @@ def test_cluster_metrics_come_from_the_snapshot() -> None:
     assert values[("dualpath_scheduler_persist_waits_total", ())] == 4
     assert values[("dualpath_scheduler_persist_wait_expired_total", ())] == 1
     assert values[("dualpath_scheduler_replaced_requests_total", ())] == 2
+    assert values[("dualpath_scheduler_reports_total", ())] == 11
     snic = (("link", "node0.snic"), ("traffic_class", "kv"))
     assert values[("dualpath_link_bytes_total", snic)] == 1_000_000_000
     assert values[("dualpath_link_throughput_bytes_per_second", snic)] == 5e8
