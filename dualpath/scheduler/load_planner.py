@@ -99,16 +99,26 @@ class FixedSideLoadPlanner:
         return self._plans[num_hit_blocks]
 
 
-class ShorterQueueLoadPlanner:
+class _WholeRequestPlanner:
+    """A planner that puts a whole request on one side, chosen per request: the cached plans
+    of both sides (``_WholeRequestPlans``)."""
+
+    def __init__(self) -> None:
+        self._plans_by_side = (
+            _WholeRequestPlans(on_prefill_side=False),
+            _WholeRequestPlans(on_prefill_side=True),
+        )
+
+    def _whole_request(self, num_hit_blocks: int, *, on_prefill_side: bool) -> LoadPlan:
+        return self._plans_by_side[on_prefill_side][num_hit_blocks]
+
+
+class ShorterQueueLoadPlanner(_WholeRequestPlanner):
     """SPEC §6: the whole request on the side with the shorter ``read_q``; tie -> DE side.
 
     The comparison is in tokens, as SPEC states it, even when the two nodes read at different
     rates; ``SplitLoadPlanner`` is the rate-aware policy.
     """
-
-    def __init__(self) -> None:
-        self._prefill_side_plans = _WholeRequestPlans(on_prefill_side=True)
-        self._decode_side_plans = _WholeRequestPlans(on_prefill_side=False)
 
     def plan(
         self,
@@ -120,9 +130,9 @@ class ShorterQueueLoadPlanner:
         *,
         num_earlier_plans: int = 0,
     ) -> LoadPlan:
-        if prefill_read_queue_tokens < decode_read_queue_tokens:
-            return self._prefill_side_plans[num_hit_blocks]
-        return self._decode_side_plans[num_hit_blocks]
+        return self._whole_request(
+            num_hit_blocks, on_prefill_side=prefill_read_queue_tokens < decode_read_queue_tokens
+        )
 
 
 class SplitLoadPlanner:
@@ -173,14 +183,10 @@ class SplitLoadPlanner:
         return LoadPlan(best_k, n - best_k)
 
 
-class RoundRobinLoadPlanner:
+class RoundRobinLoadPlanner(_WholeRequestPlanner):
     """The baseline's turn-taking choice: the whole request on the PE side on even turns, on
     the DE side on odd ones, whatever the queues (module docstring). Pure: the caller passes
     the turn."""
-
-    def __init__(self) -> None:
-        self._prefill_side_plans = _WholeRequestPlans(on_prefill_side=True)
-        self._decode_side_plans = _WholeRequestPlans(on_prefill_side=False)
 
     def plan(
         self,
@@ -192,9 +198,7 @@ class RoundRobinLoadPlanner:
         *,
         num_earlier_plans: int,
     ) -> LoadPlan:
-        if num_earlier_plans % 2 == 0:
-            return self._prefill_side_plans[num_hit_blocks]
-        return self._decode_side_plans[num_hit_blocks]
+        return self._whole_request(num_hit_blocks, on_prefill_side=num_earlier_plans % 2 == 0)
 
 
 class _WholeRequestPlans(dict[int, LoadPlan]):
