@@ -657,16 +657,22 @@ def _run_fidelity(args: argparse.Namespace) -> int:
             work_dir=Path(tmp), bench_json=args.bench_json, reprofile=args.reprofile
         )
     print("== fidelity (local profile vs dualpath bench offline --preset ci --seed 1) ==")
-    print("mode | measured JCT s | simulated JCT s | error")
+    print("mode | measured JCT s | simulated JCT s | error | TTFT p50 ms | TPOT p50 ms")
     for row in rows:
         verdict = "ok" if abs(row["error"]) <= FIDELITY_TOLERANCE else "MISS"
         print(
             f"{row['mode']} | {row['measured_s']:.2f} | {row['simulated_s']:.2f} | "
-            f"{100 * row['error']:+.1f}% ({verdict}, +-{100 * FIDELITY_TOLERANCE:.0f}%)"
+            f"{100 * row['error']:+.1f}% ({verdict}, +-{100 * FIDELITY_TOLERANCE:.0f}%) | "
+            f"{_ms(row['measured_ttft_p50_s'])} vs {_ms(row['simulated_ttft_p50_s'])} | "
+            f"{_ms(row['measured_tpot_p50_s'])} vs {_ms(row['simulated_tpot_p50_s'])}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps({"fidelity": rows}, indent=1) + "\n")
     return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f}"
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:

@@ -127,7 +127,7 @@ async def _run_agent(
         if turn:
             prompt = session.next_prompt(turn, prompt, generated)
         num_output_tokens = session.turns[turn].output_tokens
-        result = await _complete(client, model, index, turn, prompt, num_output_tokens)
+        result = await complete_turn(client, model, index, turn, prompt, num_output_tokens)
         record(result.record)
         if result.record.error is not None:
             return
@@ -140,7 +140,7 @@ class _Completion:
     token_ids: list[int]
 
 
-async def _complete(
+async def complete_turn(
     client: httpx.AsyncClient,
     model: str,
     session: int,
@@ -148,6 +148,7 @@ async def _complete(
     prompt: list[int],
     num_output_tokens: int,
 ) -> _Completion:
+    """One streamed completion of exactly ``num_output_tokens`` tokens, timed."""
     body = {
         "model": model,
         "prompt": prompt,

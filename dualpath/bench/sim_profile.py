@@ -13,7 +13,13 @@ the engines' thread count (``dualpath serve`` gives each engine one torch thread
   per_context_token x b x c``; what the loop adds to a bare forward is added to prefill's
   fixed time too;
 * a host memory copy rate (``copy_bytes_per_s``): what a KV move between engines costs on one
-  host with the shared-memory transport.
+  host with the shared-memory transport;
+* the serving path (``serving``): a real ``dualpath serve --nodes 1P2D`` answers streamed
+  requests one at a time over HTTP, ``(prompt, output)`` in ``SERVING_GRID``, each prompt
+  fresh (no hits). What the engine's model alone does not explain (the HTTP front end, the
+  scheduler, the PE -> DE hand-off, the engine process's loop around ``LLMEngine.step``) is
+  what ``dualpath.sim.fidelity.fit_serving`` finds by simulating the same requests on the
+  fitted costs; the front end's CPU time per request and per token is recorded beside it.
 
 The fits are least squares with non-negative coefficients (so times grow with work). Nothing
 here looks at a benchmark run: a fidelity check can then use any workload and seed.
@@ -22,11 +28,15 @@ here looks at a benchmark run: a fidelity check can then use any workload and se
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 
@@ -36,6 +46,20 @@ PREFILL_GRID = tuple(
     (cached, new) for cached in (0, 256, 1024, 2048) for new in (16, 64, 256, 1024)
 )
 DECODE_GRID = tuple((b, c) for b in (1, 2, 4, 8) for c in (128, 512, 2048))
+# (new prompt tokens, hit tokens, output tokens) of the serving-path probes; each is sent
+# NUM_SERVING_REPEATS times, one request at a time, after NUM_SERVING_WARMUP requests that are
+# not kept. A probe with hits first sends a turn of that many fresh tokens and then extends it.
+SERVING_GRID = (
+    (64, 0, 1),
+    (512, 0, 1),
+    (64, 0, 33),
+    (512, 0, 33),
+    (32, 512, 1),
+    (32, 1024, 1),
+)
+NUM_SERVING_REPEATS = 5
+NUM_SERVING_WARMUP = 3
+SERVING_PAUSE_S = 0.2  # between probes: the cluster is idle when each one arrives
 
 
 @torch.inference_mode()
@@ -112,6 +136,98 @@ def _copy_bytes_per_s(num_bytes: int = 64 << 20, num_repeats: int = 5) -> float:
     return num_bytes / statistics.median(times_s[1:])
 
 
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _serving_probes(url: str, vocab_size: int, server_pid: int) -> dict:
+    from dualpath.bench.agents import complete_turn
+    from dualpath.bench.harness import SERVED_MODEL_NAME
+    from dualpath.bench.server_process import metric_sum, scrape
+
+    generator = np.random.default_rng(0)
+    metrics_client = httpx.Client()
+
+    def pe_busy_s() -> float:
+        samples = scrape(url, client=metrics_client)
+        return metric_sum(samples, "dualpath_engine_busy_seconds_total", role="prefill")
+
+    async def send(client: httpx.AsyncClient, prompt: list[int], num_output: int):
+        completion = await complete_turn(client, SERVED_MODEL_NAME, 0, 0, prompt, num_output)
+        if completion.record.error is not None:
+            raise RuntimeError(f"serving probe failed: {completion.record.error}")
+        # Idle again before the next probe, and the PE's busy time reported.
+        await asyncio.sleep(SERVING_PAUSE_S)
+        return completion
+
+    def fresh(num_tokens: int) -> list[int]:
+        return generator.integers(1, vocab_size - 1, num_tokens).tolist()
+
+    samples, cpu = [], []
+    async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+        for _ in range(NUM_SERVING_WARMUP):  # the engines' first decode steps are slower
+            await send(client, fresh(64), 33)
+        for num_new, num_hit, num_output in SERVING_GRID:
+            server_cpu_s, client_cpu_s = _process_cpu_s(server_pid), time.process_time()
+            for _ in range(NUM_SERVING_REPEATS):
+                prompt = fresh(num_new)
+                if num_hit:  # an earlier turn stores the hit; this one extends it
+                    earlier = fresh(num_hit)
+                    earlier_output = (await send(client, earlier, 1)).token_ids
+                    prompt = [*earlier, *earlier_output, *prompt]
+                busy_s = pe_busy_s()
+                record = (await send(client, prompt, num_output)).record
+                # The PE reports its busy time within a report interval; wait for it.
+                deadline_s = time.monotonic() + 2.0
+                while pe_busy_s() == busy_s and time.monotonic() < deadline_s:
+                    await asyncio.sleep(0.02)
+                samples.append(
+                    [
+                        record.num_prompt_tokens - record.num_cached_tokens,
+                        record.num_cached_tokens,
+                        num_output,
+                        round(record.ttft_s, 6),
+                        round(record.finish_s - record.first_token_s, 6),
+                        round(pe_busy_s() - busy_s, 6),
+                    ]
+                )
+            cpu.append(
+                [
+                    num_new,
+                    num_hit,
+                    num_output,
+                    round((_process_cpu_s(server_pid) - server_cpu_s) / NUM_SERVING_REPEATS, 6),
+                    round((time.process_time() - client_cpu_s) / NUM_SERVING_REPEATS, 6),
+                ]
+            )
+    metrics_client.close()
+    return {"samples": samples, "frontend_cpu_s_per_request": cpu}
+
+
+def measure_serving(model_dir: Path, vocab_size: int) -> dict:
+    """The serving-path probes (module docstring) on a fresh uncapped 1P2D ``dualpath serve``:
+    ``samples`` ``[new, hit, output, ttft_s, first token -> last token s, PE busy s]`` (the
+    PE's time in batches from ``/metrics``) and the front end's CPU seconds per request
+    (priming turns included), ``[new, hit, output, server, client]`` (the server process with
+    the scheduler, not its engines; this process as the client; idle polling included)."""
+    from dualpath.bench.harness import ModeRun, serve_args
+    from dualpath.bench.server_process import ServerProcess
+
+    run = ModeRun(mode="dualpath", model_dir=model_dir, nodes="1P2D", snic_bandwidth_gbps=0.0)
+    with tempfile.TemporaryDirectory(prefix="dualpath-sim-profile-") as tmp:
+        work = Path(tmp)
+        server = ServerProcess(
+            serve_args(run, work / "kv", work / "logs"), log_path=work / "serve.log"
+        ).start()
+        try:
+            probes = asyncio.run(_serving_probes(server.url, vocab_size, server.pid))
+        finally:
+            server.stop()
+    return {"nodes": run.nodes, "mode": run.mode, **probes}
+
+
 def measure(model_dir: Path, *, num_threads: int = 1, num_repeats: int = 3) -> dict:
     """Every measurement and fit of the module docstring, as the JSON's dict."""
     from dualpath.model.loader import load_model
@@ -157,6 +273,18 @@ def measure(model_dir: Path, *, num_threads: int = 1, num_repeats: int = 3) -> d
     }
 
 
+def measure_all(model_dir: Path, *, num_threads: int = 1) -> dict:
+    """The model's microbenchmarks, then the serving path's, with what the simulator misses of
+    it (``dualpath.sim.fidelity.fit_serving``, which simulates the probes on the new costs)."""
+    from dualpath.sim.fidelity import fit_serving
+
+    profile = measure(model_dir, num_threads=num_threads)
+    config = json.loads((model_dir / "config.json").read_text())
+    serving = measure_serving(model_dir, int(config["vocab_size"]))
+    profile["serving"] = {**serving, **fit_serving(profile, serving["samples"])}
+    return profile
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: tiny)")
@@ -165,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from dualpath.cli import _resolve_model
 
-    profile = measure(_resolve_model(args.model), num_threads=args.threads)
+    profile = measure_all(_resolve_model(args.model), num_threads=args.threads)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(profile, indent=1) + "\n")
     return 0

@@ -28,6 +28,15 @@ class ClusterModel:
     prefill_kv_capacity_bytes: float  # per PE: HBM left for KV
     max_inflight_reads_per_node: int = 32  # storage reads in flight per node (I/O depth)
     snic_window_s: float = 1.0  # SPEC §7: SNIC balance over 1 s windows
+    # The serving path outside the engines (the ``local`` profile's probes; 0 elsewhere): a
+    # turn reaches the scheduler ``turn_latency_s`` after the agent sends it, and a DE starts
+    # a request ``handoff_s`` after its prompt KV is complete.
+    turn_latency_s: float = 0.0
+    handoff_s: float = 0.0
+    # SPEC §6: leaders fetch every interval "or when idle". True: a group none of whose
+    # engines holds a request fetches at once (our runtime's coordinator does, ``local``);
+    # False: every fetch waits for the grid (the paper profiles, calibrated that way).
+    fetch_when_idle: bool = False
     inference_weight: int = 99
     kv_weight: int = 1
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from dualpath.sim.agents import workload_agents
-from dualpath.sim.local import DEFAULT_PROFILE_PATH, load_local_profile
+from dualpath.sim.agents import AgentTrace, workload_agents
+from dualpath.sim.local import DEFAULT_PROFILE_PATH, load_local_profile, local_profile_from_dict
 from dualpath.sim.runner import RunSpec, run_simulation
 from dualpath.units import gbps_to_bytes_per_s
 
@@ -35,6 +36,92 @@ logger = logging.getLogger(__name__)
 
 FIDELITY_TOLERANCE = 0.15  # relative JCT error the issue allows
 KV_CACHE_BYTES = 1e9  # ``dualpath serve --kv-cache-gb`` default (1 GB per engine)
+# The probes' cluster has no SNIC cap and no hit to read; a finite rate keeps α finite.
+UNCAPPED_BYTES_PER_S = 1e12
+
+
+def simulate_alone(
+    profile: dict, num_new: int, num_hit: int, num_output: int
+) -> tuple[float, float]:
+    """(TTFT, first token -> last token) of one request on an idle simulated 1P2D of
+    ``profile``'s costs, every engine on a core of its own (nothing else runs)."""
+    local = local_profile_from_dict(
+        profile, snic_bytes_per_s=UNCAPPED_BYTES_PER_S, kv_cache_bytes=KV_CACHE_BYTES,
+        num_engines=3, num_cores=3,
+    )  # fmt: skip
+    agent = AgentTrace(0, 0.0, (num_new + num_hit,), (num_hit,), (num_output,))
+    spec = RunSpec(model="tiny", hardware="local", nodes="1P2D", num_agents=1, mode="dualpath",
+                   agents=(agent,), local=local)  # fmt: skip
+    record = run_simulation(spec).records[0]
+    return record.first_token_s - record.submit_s, record.finish_s - record.first_token_s
+
+
+def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` with ``a, b >= 0`` (a negative one is dropped, the other
+    refitted)."""
+    n, sx, sy = len(xs), sum(xs), sum(ys)
+    sxx = sum(x * x for x in xs)
+    sxy = sum(x * y for x, y in zip(xs, ys, strict=True))
+    det = n * sxx - sx * sx
+    if det > 0:
+        a, b = (sy * sxx - sx * sxy) / det, (n * sxy - sx * sy) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    through_zero = sxy / sxx if sxx > 0 else 0.0
+    candidates = [(max(0.0, sy / n), 0.0), (0.0, max(0.0, through_zero))]
+    return min(
+        candidates,
+        key=lambda ab: sum((y - ab[0] - ab[1] * x) ** 2 for x, y in zip(xs, ys, strict=True)),
+    )
+
+
+def fit_serving(profile: dict, samples: list[list[float]]) -> dict[str, float]:
+    """What the engine's model alone does not explain of the serving-path probes
+    (``dualpath.bench.sim_profile``; samples ``[new, hit, output, ttft, decode, PE busy]``),
+    measured on an idle cluster:
+
+    * ``prefill_request_s`` + ``prefill_s_per_hit_token`` x hit: the PE's time in the batch
+      (``/metrics``) beyond the forward's fit: assembling hit KV from the buffers, sending
+      each layer's KV, sampling. PE time, so it queues other requests under load;
+    * ``turn_latency_s``: the median of measured - simulated TTFT once those are in (the HTTP
+      front end and the scheduler's messages before the first token reaches the client);
+    * ``handoff_s``: the median of measured - simulated first -> last token time of the
+      one-token requests (the PE -> DE hand-off and the final event's way back);
+    * ``decode_loop_s``: the median over the longer requests of what is left per decode step
+      (the engine process's loop around ``LLMEngine.step``: reports, token messages).
+
+    Each is >= 0 (a negative median is reported as 0: the costs explain it all)."""
+    base = local_profile_from_dict(
+        profile, snic_bytes_per_s=UNCAPPED_BYTES_PER_S, kv_cache_bytes=KV_CACHE_BYTES,
+        num_engines=1, num_cores=1,
+    ).cost  # fmt: skip
+    pe_excess = [busy - base.forward_s([(hit, new)]) for new, hit, *_, busy in samples]
+    request_s, per_hit_s = _line_fit([hit for _, hit, *_ in samples], pe_excess)
+    fitted = {
+        **profile,
+        "serving": {"prefill_request_s": request_s, "prefill_s_per_hit_token": per_hit_s},
+    }
+    shapes = {(int(new), int(hit), int(out)) for new, hit, out, *_ in samples}
+    simulated = {shape: simulate_alone(fitted, *shape) for shape in shapes}
+    ttft_excess, handoff, per_step = [], [], []
+    for new, hit, out, ttft, decode, _ in samples:
+        sim_ttft, sim_decode = simulated[int(new), int(hit), int(out)]
+        ttft_excess.append(ttft - sim_ttft)
+        if out == 1:
+            handoff.append(decode - sim_decode)
+    handoff_s = max(0.0, statistics.median(handoff)) if handoff else 0.0
+    for new, hit, out, _, decode, _ in samples:
+        if out > 1:
+            sim_decode = simulated[int(new), int(hit), int(out)][1]
+            per_step.append((decode - sim_decode - handoff_s) / (out - 1))
+    return {
+        "prefill_request_s": request_s,
+        "prefill_s_per_hit_token": per_hit_s,
+        "turn_latency_s": max(0.0, statistics.median(ttft_excess)),
+        "handoff_s": handoff_s,
+        "decode_loop_s": max(0.0, statistics.median(per_step)) if per_step else 0.0,
+        "simulated": [[*shape, round(t, 6), round(d, 6)] for shape, (t, d) in simulated.items()],
+    }
 
 
 def profile_machine(path: Path) -> None:
@@ -55,8 +142,9 @@ def run_bench(path: Path, *, preset: str, seed: int, modes: list[str]) -> None:
     subprocess.run(command, check=True)
 
 
-def simulate_bench(bench: dict, profile_path: Path) -> dict[str, float]:
-    """Simulated JCT per mode of a benchmark report, on the ``local`` profile."""
+def simulate_bench(bench: dict, profile_path: Path) -> dict[str, dict[str, float]]:
+    """Simulated JCT, TTFT p50 and TPOT p50 per mode of a benchmark report, on the ``local``
+    profile (the benchmark's definitions: TPOT over the tokens after the first)."""
     from dualpath.bench.presets import PRESETS, preset_workload
 
     preset = PRESETS[bench["preset"]]
@@ -71,7 +159,7 @@ def simulate_bench(bench: dict, profile_path: Path) -> dict[str, float]:
         num_engines=num_engines,
         num_cores=os.cpu_count() or 1,
     )
-    jct_s = {}
+    simulated = {}
     for mode in bench["modes"]:
         spec = RunSpec(
             model="tiny",
@@ -82,8 +170,19 @@ def simulate_bench(bench: dict, profile_path: Path) -> dict[str, float]:
             agents=agents,
             local=local,
         )
-        jct_s[mode] = run_simulation(spec).jct_s
-    return jct_s
+        result = run_simulation(spec)
+        records = result.records
+        tpots = [
+            (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
+            for r in records
+            if r.num_output_tokens > 1
+        ]
+        simulated[mode] = {
+            "jct_s": result.jct_s,
+            "ttft_p50_s": statistics.median(r.first_token_s - r.submit_s for r in records),
+            "tpot_p50_s": statistics.median(tpots) if tpots else 0.0,
+        }
+    return simulated
 
 
 def run_fidelity(
@@ -96,7 +195,9 @@ def run_fidelity(
     seed: int = 1,
     modes: tuple[str, ...] = ("basic", "dualpath"),
 ) -> list[dict]:
-    """Measured and simulated JCT per mode: ``[{mode, measured_s, simulated_s, error}]``."""
+    """Measured and simulated JCT per mode: ``[{mode, measured_s, simulated_s, error}]``, with
+    the p50 TTFT and TPOT beside them (``measured_ttft_p50_s``, ``simulated_ttft_p50_s``, ...)
+    to show where an error comes from."""
     if reprofile or not profile_path.exists():
         profile_machine(profile_path)
     if bench_json is None:
@@ -108,12 +209,17 @@ def run_fidelity(
     rows = []
     for mode, result in bench["modes"].items():
         measured_s = result["jct_s"]
+        sim = simulated[mode]
         rows.append(
             {
                 "mode": mode,
                 "measured_s": measured_s,
-                "simulated_s": simulated[mode],
-                "error": simulated[mode] / measured_s - 1,
+                "simulated_s": sim["jct_s"],
+                "error": sim["jct_s"] / measured_s - 1,
+                "measured_ttft_p50_s": (result.get("ttft_s") or {}).get("p50"),
+                "simulated_ttft_p50_s": sim["ttft_p50_s"],
+                "measured_tpot_p50_s": (result.get("tpot_s") or {}).get("p50"),
+                "simulated_tpot_p50_s": sim["tpot_p50_s"],
             }
         )
     return rows

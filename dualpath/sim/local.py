@@ -37,26 +37,41 @@ class ProfiledCostModel:
     decode_s_per_seq: float
     decode_s_per_context_token: float
     slowdown: float = 1.0  # core sharing: every time is multiplied by this (>= 1)
+    # What the engines do around the model (serving probes, ``fidelity.fit_serving``): a PE
+    # batch's work per request and per hit token (assembling hit KV from the buffers, sending
+    # each layer's KV, sampling), and the engine process's loop around a decode step.
+    prefill_request_s: float = 0.0
+    prefill_s_per_hit_token: float = 0.0
+    decode_loop_s: float = 0.0
+
+    def forward_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """The model's forward alone (the microbenchmark's fit), before core sharing."""
+        if not chunks:
+            return 0.0
+        return self.prefill_fixed_s + sum(
+            self.prefill_s_per_new_token * n + self.prefill_s_per_pair * n * (c + n / 2)
+            for c, n in chunks
+        )
 
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         if not chunks:
             return 0.0
-        work_s = sum(
-            self.prefill_s_per_new_token * n + self.prefill_s_per_pair * n * (c + n / 2)
-            for c, n in chunks
-        )
-        return self.slowdown * (self.prefill_fixed_s + work_s)
+        around_s = sum(self.prefill_request_s + self.prefill_s_per_hit_token * c for c, _ in chunks)
+        return self.slowdown * (self.forward_s(chunks) + around_s)
 
     def attention_layer_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         # One layer's share of the forward without its fixed part (the engine's predictor
         # times a whole layer too, ``engine/profile.py``).
-        return (self.prefill_s(chunks) - self.slowdown * self.prefill_fixed_s) / self.num_layers
+        if not chunks:
+            return 0.0
+        return self.slowdown * (self.forward_s(chunks) - self.prefill_fixed_s) / self.num_layers
 
     def decode_step_s(self, num_seqs: int, num_context_tokens: int) -> float:
         if num_seqs == 0:
             return 0.0
         return self.slowdown * (
             self.decode_fixed_s
+            + self.decode_loop_s
             + self.decode_s_per_seq * num_seqs
             + self.decode_s_per_context_token * num_context_tokens
         )
@@ -71,6 +86,10 @@ class LocalProfile:
     snic_bytes_per_s: float  # per node: the benchmark's emulated cap
     cnic_bytes_per_s: float  # per engine: the measured host copy rate
     kv_cache_bytes: float  # per engine (``dualpath serve``'s KV cache)
+    # The serving path outside the engines (``fidelity.fit_serving``), per request: from the
+    # client's send to the scheduler, and the PE -> DE hand-off. 0 in profiles without probes.
+    turn_latency_s: float = 0.0
+    handoff_s: float = 0.0
 
 
 def load_local_profile(
@@ -83,7 +102,29 @@ def load_local_profile(
 ) -> LocalProfile:
     """``LocalProfile`` from ``dualpath.bench.sim_profile``'s JSON (``ValueError`` if a field
     is missing)."""
-    data = json.loads(Path(path or DEFAULT_PROFILE_PATH).read_text())
+    path = Path(path or DEFAULT_PROFILE_PATH)
+    try:
+        return local_profile_from_dict(
+            json.loads(path.read_text()),
+            snic_bytes_per_s=snic_bytes_per_s,
+            kv_cache_bytes=kv_cache_bytes,
+            num_engines=num_engines,
+            num_cores=num_cores,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def local_profile_from_dict(
+    data: dict,
+    *,
+    snic_bytes_per_s: float,
+    kv_cache_bytes: float,
+    num_engines: int,
+    num_cores: int,
+) -> LocalProfile:
+    """``load_local_profile`` of an already parsed profile."""
+    serving = data.get("serving", {})
     try:
         prefill, decode = data["prefill"], data["decode"]
         cost = ProfiledCostModel(
@@ -95,6 +136,9 @@ def load_local_profile(
             decode_s_per_seq=decode["per_seq_s"],
             decode_s_per_context_token=decode["per_context_token_s"],
             slowdown=max(1.0, num_engines / num_cores),
+            prefill_request_s=float(serving.get("prefill_request_s", 0.0)),
+            prefill_s_per_hit_token=float(serving.get("prefill_s_per_hit_token", 0.0)),
+            decode_loop_s=float(serving.get("decode_loop_s", 0.0)),
         )
         return LocalProfile(
             cost=cost,
@@ -102,6 +146,8 @@ def load_local_profile(
             snic_bytes_per_s=snic_bytes_per_s,
             cnic_bytes_per_s=float(data["copy_bytes_per_s"]),
             kv_cache_bytes=kv_cache_bytes,
+            turn_latency_s=float(serving.get("turn_latency_s", 0.0)),
+            handoff_s=float(serving.get("handoff_s", 0.0)),
         )
     except KeyError as exc:
-        raise ValueError(f"{path}: not a local profile (missing {exc})") from exc
+        raise ValueError(f"not a local profile (missing {exc})") from exc

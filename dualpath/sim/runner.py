@@ -151,6 +151,9 @@ def build_simulator(spec: RunSpec) -> Simulator:
             machine.decode_kv_capacity_bytes // (block_size * machine.kv_bytes_per_token)
         ),
         prefill_kv_capacity_bytes=machine.prefill_kv_capacity_bytes,
+        turn_latency_s=spec.local.turn_latency_s if spec.local else 0.0,
+        handoff_s=spec.local.handoff_s if spec.local else 0.0,
+        fetch_when_idle=spec.local is not None,
     )
     return Simulator(
         cluster,

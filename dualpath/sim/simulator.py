@@ -206,6 +206,18 @@ class Simulator(PrefillSteps):
         self._next_request_id += 1
         self.num_submitted += 1
         self._requests_in_flight[request.request_id] = request
+        if self.cluster.turn_latency_s > 0:
+            self.queue.push(
+                self.queue.now_s + self.cluster.turn_latency_s,
+                EventPriority.ARRIVAL,
+                self._enqueue,
+                request,
+            )
+        else:
+            self._enqueue(request)
+
+    def _enqueue(self, request: SimRequest) -> None:
+        """The turn reaches the scheduler's FIFO; the PE groups are asked to fetch."""
         self.scheduler.submit(
             SchedulerRequest(
                 request.request_id,
@@ -225,6 +237,9 @@ class Simulator(PrefillSteps):
         if group.is_fetch_pending:
             return
         group.is_fetch_pending = True
+        if self.cluster.fetch_when_idle and _is_idle(group):
+            self.queue.push(self.queue.now_s, EventPriority.FETCH, handler, group)
+            return
         interval_s = self.cluster.scheduler.fetch_interval_s
         phase_s = group.fetch_phase_s
         due_s = phase_s + (math.floor((self.queue.now_s - phase_s) / interval_s) + 1) * interval_s
@@ -320,7 +335,15 @@ class Simulator(PrefillSteps):
         # Full Blocks the store does not hold yet (the append's).
         block = self._block_size
         self._persist(request, request.num_prompt_tokens // block - request.num_hit_tokens // block)
-        request.decode_engine.join(request)
+        if self.cluster.handoff_s > 0:
+            self.queue.push(
+                self.queue.now_s + self.cluster.handoff_s,
+                EventPriority.STEP_DONE,
+                request.decode_engine.join,
+                request,
+            )
+        else:
+            request.decode_engine.join(request)
 
     def _persist(self, request: SimRequest, num_blocks: int, since_s: float | None = None) -> None:
         """Count ``num_blocks`` Full Blocks written to the store on the DE node's SNIC, spread
@@ -368,6 +391,13 @@ class Simulator(PrefillSteps):
             )
         else:
             self.agent_finish_s[request.agent_index] = now_s
+
+
+def _is_idle(group: EngineGroup) -> bool:
+    """No engine of the group holds a request (nor, for PEs, runs a step)."""
+    if getattr(group, "is_busy", False):
+        return False
+    return all(engine.num_seqs == 0 for engine in group.engines)
 
 
 def _group_snapshot(group: EngineGroup) -> GroupSnapshot:
