@@ -558,7 +558,15 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--reprofile",
         action="store_true",
-        help="fidelity: re-measure the local profile even if its JSON exists",
+        help="fidelity: measure the local profile again, just before the benchmark (the "
+        "machine's speed drifts), instead of reading the packaged dualpath/sim/local_profile.json",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="fidelity: the local profile to read, or with --reprofile to write (default: the "
+        "packaged one; with --reprofile, a file in a temporary directory)",
     )
     p.add_argument(
         "--calibrate",
@@ -654,7 +662,10 @@ def _run_fidelity(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="dualpath-fidelity-") as tmp:
         rows = run_fidelity(
-            work_dir=Path(tmp), bench_json=args.bench_json, reprofile=args.reprofile
+            work_dir=Path(tmp),
+            bench_json=args.bench_json,
+            profile_path=args.profile,
+            reprofile=args.reprofile,
         )
     print("== fidelity (local profile vs dualpath bench offline --preset ci --seed 1) ==")
     print("mode | measured JCT s | simulated JCT s | error | TTFT p50 ms | TPOT p50 ms")

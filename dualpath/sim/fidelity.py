@@ -1,13 +1,14 @@
 """Fidelity to our own runtime: the ``local`` profile predicts a real ``dualpath bench offline``.
 
-    dualpath simulate --experiment fidelity                 # profile, bench, simulate, compare
+    dualpath simulate --experiment fidelity --reprofile     # profile, bench, simulate, compare
     dualpath simulate --experiment fidelity --bench-json results/offline-seed1.json
 
 Steps (each a subprocess, so the simulator itself never imports torch):
 
-1. ``python -m dualpath.bench.sim_profile`` measures the engine's model on this machine and
-   writes the ``local`` profile (skipped when the profile file exists and ``reprofile`` is
-   off);
+1. with ``reprofile``, ``python -m dualpath.bench.sim_profile`` measures the engine's model
+   and the serving path on this machine into a new ``local`` profile just before the
+   benchmark (this machine's speed drifts by tens of percent over hours); otherwise the
+   packaged ``dualpath/sim/local_profile.json`` is read;
 2. ``dualpath bench offline --preset ci --seed 1 --modes basic,dualpath`` runs the real
    cluster (skipped with ``--bench-json``: an earlier result is read instead);
 3. the same workload (the preset's trajectories for that seed) is simulated on the profile,
@@ -189,7 +190,7 @@ def run_fidelity(
     *,
     work_dir: Path,
     bench_json: Path | None = None,
-    profile_path: Path = DEFAULT_PROFILE_PATH,
+    profile_path: Path | None = None,
     reprofile: bool = False,
     preset: str = "ci",
     seed: int = 1,
@@ -198,7 +199,11 @@ def run_fidelity(
     """Measured and simulated JCT per mode: ``[{mode, measured_s, simulated_s, error}]``, with
     the p50 TTFT and TPOT beside them (``measured_ttft_p50_s``, ``simulated_ttft_p50_s``, ...)
     to show where an error comes from."""
+    if profile_path is None:
+        # A new profile goes into the work directory, never over the packaged one.
+        profile_path = work_dir / "local_profile.json" if reprofile else DEFAULT_PROFILE_PATH
     if reprofile or not profile_path.exists():
+        work_dir.mkdir(parents=True, exist_ok=True)
         profile_machine(profile_path)
     if bench_json is None:
         work_dir.mkdir(parents=True, exist_ok=True)
