@@ -532,7 +532,7 @@ def _serve_engine_config(s: argparse.Namespace, dtype: str):  # -> EngineConfig
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    from dualpath.config import MODES
+    from dualpath.config import MODES, READ_PATHS
 
     p = sub.add_parser(
         "simulate",
@@ -596,6 +596,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "--modes", default="basic,dualpath,oracle", help=f"comma-separated, from {', '.join(MODES)}"
     )
     p.add_argument("--trace", type=Path, default=None, help="a Mooncake-format JSONL trace")
+    p.add_argument(
+        "--read-path",
+        choices=READ_PATHS,
+        default=None,
+        help="free-form runs: force every mode's read side (split: each request's blocks on "
+        "both sides; default: each mode's own)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
@@ -643,6 +650,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             scale_down=args.scale_down,
             seed=args.seed,
             agents=agents,
+            read_path=args.read_path,
         )
     data = report.result_json([result], time.perf_counter() - start_s)
     print(report.format_table(result))

@@ -350,9 +350,11 @@ def free_form(
     scale_down: int = 1,
     seed: int = 0,
     agents=None,
+    read_path: str | None = None,
     on_run: Callable[[dict], None] | None = None,
 ) -> ExperimentResult:
-    """Runs of the given modes on one configuration (generated workload or given agents)."""
+    """Runs of the given modes on one configuration (generated workload or given agents);
+    ``read_path`` forces every mode's read side (e.g. "split")."""
     parse_node_shape(nodes)
     result = ExperimentResult("free-form")
     run = _Runner(result, on_run)
@@ -367,6 +369,7 @@ def free_form(
             scale_down=scale_down,
             seed=seed,
             agents=None if agents is None else tuple(agents),
+            read_path=read_path,
         )
         r = run(spec)
         result.table.append(f"{mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")

@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from dualpath.config import SchedulerConfig, mode_settings, parse_node_shape
+from dualpath.config import READ_PATHS, SchedulerConfig, mode_settings, parse_node_shape
 from dualpath.scheduler import make_cluster_topology
 from dualpath.sim.agents import AgentTrace, synthetic_agents
 from dualpath.sim.calibration import FROZEN_FACTORS
@@ -55,6 +55,8 @@ class RunSpec:
     constant_cost: ConstantCostModel | None = None
     # Forces the scheduler ("dualpath" / "round_robin") instead of the mode's (SNIC balance).
     scheduler: str | None = None
+    # Forces the read side (config.READ_PATHS, e.g. "split") instead of the mode's.
+    read_path: str | None = None
     arrivals_s: tuple[float, ...] | None = None  # per agent; None = all at 0 (offline)
     # Measured costs and links of this machine (``local.py``); replaces the hardware profile
     # and the roofline model.
@@ -64,6 +66,10 @@ class RunSpec:
     def __post_init__(self) -> None:
         mode_settings(self.mode)
         parse_node_shape(self.nodes)
+        if self.read_path is not None and self.read_path not in READ_PATHS:
+            raise ValueError(
+                f"read_path must be one of {', '.join(READ_PATHS)}, got {self.read_path!r}"
+            )
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
         if self.hardware not in HARDWARE:
@@ -127,7 +133,7 @@ def build_simulator(spec: RunSpec) -> Simulator:
     prefill_tokens_per_s = 16 * (mean_hit + mean_new) / prefill_cost.prefill_s(batch)
     scheduler = SchedulerConfig(
         scheduler=spec.scheduler or settings.scheduler,
-        read_path=settings.read_path,
+        read_path=spec.read_path or settings.read_path,
         block_size_tokens=block_size,
         prefill_tokens_per_s=prefill_tokens_per_s,
     )

@@ -78,6 +78,33 @@ def test_basic_reads_only_on_prefill_nodes_and_dualpath_uses_both():
     assert decode_read > 0
 
 
+def test_a_forced_read_path_decides_which_snics_read():
+    one_turn_hit = AgentTrace(0, 0.0, (1000, 1100), (0, 960), (10, 10))
+
+    def read_bytes(read_path: str) -> tuple[float, float]:
+        simulator = build_simulator(
+            small_spec(
+                model="27b",
+                nodes="1P1D",
+                num_agents=1,
+                scale_down=1,
+                read_path=read_path,
+                agents=(one_turn_hit,),
+            )
+        )
+        simulator.run()
+        prefill_node, decode_node = simulator.nodes
+        return sum(prefill_node.snic_read.finished_bytes), sum(decode_node.snic_read.finished_bytes)
+
+    hit_bytes = 960 * build_simulator(small_spec(model="27b")).cluster.kv_bytes_per_token
+    assert read_bytes("pe") == (pytest.approx(hit_bytes), 0.0)
+    assert read_bytes("de") == (0.0, pytest.approx(hit_bytes))
+    on_pe, on_de = read_bytes("split")  # 15 blocks: both sides read some
+    assert on_pe > 0 and on_de > 0 and on_pe + on_de == pytest.approx(hit_bytes)
+    with pytest.raises(ValueError, match="read_path must be one of"):
+        small_spec(read_path="sideways")
+
+
 def test_same_seed_same_json_and_a_different_seed_differs():
     first = run_record("t", run_simulation(small_spec()))
     second = run_record("t", run_simulation(small_spec()))
