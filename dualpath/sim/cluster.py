@@ -55,7 +55,13 @@ class RequestRecord:
 
 
 class EngineGroup:
-    """The engines of one scheduler group (all PEs or all DEs): they fetch together."""
+    """The engines of one scheduler group (all PEs or all DEs): they fetch together.
+
+    The group owns its engines (``engine.group``, ``engine.position``) and nodes
+    (``node.group``) and keeps its last report (``simulator._group_snapshot``): a fetch
+    rebuilds only the snapshots of the engines in ``changed_engines`` (``SimEngine.change_load``
+    adds an engine there once per report), not all 16 of a full-size group, and reuses the
+    whole report when neither an engine nor a node's ``read_q`` changed (``snapshot`` None)."""
 
     __slots__ = (
         "group_id",
@@ -63,6 +69,8 @@ class EngineGroup:
         "nodes",
         "is_fetch_pending",
         "engine_snapshots",
+        "changed_engines",
+        "snapshot",
         "fetch_phase_s",
     )
 
@@ -71,18 +79,30 @@ class EngineGroup:
         self.engines = engines
         self.nodes = nodes
         self.is_fetch_pending = False
-        self.engine_snapshots: tuple | None = None  # the last report's; None = an engine changed
+        for position, engine in enumerate(engines):
+            engine.group = self
+            engine.position = position
+        for node in nodes:
+            node.group = self
+        # Per position, the engine's snapshot as the next report will send it, except for the
+        # engines in changed_engines (their load changed since: rebuilt at the next report).
+        self.engine_snapshots: list = [engine.snapshot() for engine in engines]
+        self.changed_engines: list = []
+        self.snapshot = None  # the last GroupSnapshot; None once a node's read_q changed
         self.fetch_phase_s = 0.0  # its leader fetches at fetch_phase_s + k * fetch_interval_s
 
 
 class PrefillGroup(EngineGroup):
     """The PEs of one scheduler group: they also step in lockstep."""
 
-    __slots__ = ("is_busy",)
+    __slots__ = ("is_busy", "is_full", "num_awaiting_decode")
 
     def __init__(self, group_id: int, engines: list, nodes: list):
         super().__init__(group_id, engines, nodes)
         self.is_busy = False
+        # Its last fetch placed nothing from a non-empty FIFO (Algorithm 1: every PE over β).
+        self.is_full = False
+        self.num_awaiting_decode = 0  # requests placed on its PEs, not yet on a DE
 
 
 class DecodeGroup(EngineGroup):

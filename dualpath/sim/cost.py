@@ -126,23 +126,27 @@ class RooflineCostModel:
     def decode_step_s(self, num_seqs: int, num_context_tokens: int) -> float:
         if num_seqs == 0:
             return 0.0
+        # Called at every decode membership change: the same operations in the same order as
+        # the formulas, with the attribute look-ups done once (and min() spelled out).
         model = self.model
+        hardware = self.hardware
+        factors = self.factors
         mean_context = num_context_tokens / num_seqs
         keys = mean_context
-        if model.attention_top_k_tokens is not None:
-            keys = min(mean_context, model.attention_top_k_tokens)
-        kv_bytes = num_seqs * model.num_layers * keys * model.kv_bytes_per_token_per_layer
-        index_bytes = (
-            num_context_tokens * model.num_layers * model.indexer_bytes_per_token_per_layer
-        )
+        top_k = model.attention_top_k_tokens
+        if top_k is not None and top_k < mean_context:
+            keys = top_k
+        num_layers = model.num_layers
+        kv_bytes = num_seqs * num_layers * keys * model.kv_bytes_per_token_per_layer
+        index_bytes = num_context_tokens * num_layers * model.indexer_bytes_per_token_per_layer
         memory_s = (self.weight_bytes_per_gpu + kv_bytes + index_bytes) / (
-            self.hardware.gpu_memory_bytes_per_s * self.factors.decode_efficiency
+            hardware.gpu_memory_bytes_per_s * factors.decode_efficiency
         )
         compute_s = (
             2
             * model.num_active_params
             * num_seqs
-            / (self.hardware.gpu_flops_per_s * self.factors.prefill_efficiency)
+            / (hardware.gpu_flops_per_s * factors.prefill_efficiency)
         )
         return memory_s + compute_s
 

@@ -10,9 +10,9 @@ pushes to.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from enum import IntEnum
+from heapq import heappop, heappush
 from typing import Any
 
 
@@ -47,8 +47,9 @@ class EventQueue:
         caller bug: the simulator never schedules into the past)."""
         if time_s < self.now_s:
             raise RuntimeError(f"caller bug: event at {time_s} s is before now ({self.now_s} s)")
-        self._seq_no += 1
-        heapq.heappush(self._heap, (time_s, priority, self._seq_no, handler, arg))
+        seq_no = self._seq_no + 1
+        self._seq_no = seq_no
+        heappush(self._heap, (time_s, priority, seq_no, handler, arg))
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -56,7 +57,7 @@ class EventQueue:
     def run(self, until_s: float = float("inf")) -> None:
         """Run events in order until the heap is empty or the next one is after ``until_s``."""
         heap = self._heap
-        pop = heapq.heappop
+        pop = heappop
         num_events = 0
         while heap and heap[0][0] <= until_s:
             time_s, _, _, handler, arg = pop(heap)

@@ -26,6 +26,7 @@ grids are staggered (group g of G at g/G of the interval), DE groups share one.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Sequence
 
@@ -52,6 +53,15 @@ from dualpath.sim.engines import SimDecodeEngine, SimNode, SimPrefillEngine, Sim
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import SimLink, TrafficClass
 from dualpath.sim.prefill_step import HbmCappedPredictor, PrefillSteps
+
+# An Enum member looked up on its class costs ~0.2 us; a module constant a few ns, and every
+# request pushes several events.
+_STEP_DONE = EventPriority.STEP_DONE
+_ARRIVAL = EventPriority.ARRIVAL
+_FETCH = EventPriority.FETCH
+_KV = TrafficClass.KV
+_NODE_SNAPSHOT = SimNode.snapshot
+_floor = math.floor
 
 
 class Simulator(PrefillSteps):
@@ -80,8 +90,15 @@ class Simulator(PrefillSteps):
         self.agent_finish_s = [-1.0] * len(self.agents)
         self.num_submitted = 0
         self._requests_in_flight: dict[int, SimRequest] = {}
-        self._prefill_group_of: dict[int, PrefillGroup] = {}
-        self._decode_group_of: dict[int, DecodeGroup] = {}
+        # The scheduler's num_waiting_prefill / num_waiting_decode, counted here from the
+        # fetches' answers: the round-robin scheduler's and DualPath's decode count sum one
+        # queue per group, and every fetch and decode finish asks.
+        self._num_waiting_prefill = 0
+        self._num_waiting_decode = 0
+        self._fetch_interval_s = cluster.scheduler.fetch_interval_s
+        # Algorithm 1 (the dualpath scheduler) places nothing on a group whose PEs are all
+        # over β, however long the FIFO: see _fetch_prefill.
+        self._skips_full_prefill_groups = cluster.scheduler.scheduler == "dualpath"
         self._build(attention_predictor, num_prefill_layers, decode_cost)
 
     # --- construction ------------------------------------------------------------------------
@@ -153,16 +170,10 @@ class Simulator(PrefillSteps):
                     self.engines[engine_id] = engine
             if group.role == EngineRole.PREFILL:
                 prefill_group = PrefillGroup(group.group_id, engines, nodes)
-                for engine in engines:
-                    engine.group = prefill_group
                 self.prefill_groups.append(prefill_group)
-                self._prefill_group_of.update((e.engine_id, prefill_group) for e in engines)
             else:
                 decode_group = DecodeGroup(group.group_id, engines, nodes)
-                for engine in engines:
-                    engine.group = decode_group
                 self.decode_groups.append(decode_group)
-                self._decode_group_of.update((e.engine_id, decode_group) for e in engines)
 
         # NOTE(sim): PE leaders fetch at staggered phases, as independent timers would: group g
         # of G at g/G of the interval. On one shared grid every tick ran them in group order,
@@ -181,7 +192,17 @@ class Simulator(PrefillSteps):
         requests still in flight then stay in ``requests_in_flight``."""
         for index, agent in enumerate(self.agents):
             self.queue.push(agent.arrival_s, EventPriority.ARRIVAL, self._submit_turn, (index, 0))
-        self.queue.run(until_s)
+        # NOTE(sim): the run makes no reference cycles (a collection after a whole run finds
+        # nothing), yet the cyclic collector would traverse every live object, millions of
+        # records and requests on a large cluster, again and again: ~10% of 8P16D's CPU. It
+        # is off during the run and back as it was after.
+        was_collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.queue.run(until_s)
+        finally:
+            if was_collecting:
+                gc.enable()
         if until_s == float("inf"):
             unfinished = [i for i, t in enumerate(self.agent_finish_s) if t < 0]
             assert not unfinished, f"agents {unfinished[:5]} never finished: the simulation stalled"
@@ -226,8 +247,10 @@ class Simulator(PrefillSteps):
                 request.num_output_tokens,
             )
         )
+        self._num_waiting_prefill += 1
         for group in self.prefill_groups:
-            self._request_fetch(group, self._fetch_prefill)
+            if not group.is_fetch_pending:  # (the check _request_fetch makes, without a call)
+                self._request_fetch(group, self._fetch_prefill)
 
     # --- fetches -----------------------------------------------------------------------------
 
@@ -240,18 +263,32 @@ class Simulator(PrefillSteps):
         if self.cluster.fetch_when_idle and _is_idle(group):
             self.queue.push(self.queue.now_s, EventPriority.FETCH, handler, group)
             return
-        interval_s = self.cluster.scheduler.fetch_interval_s
+        interval_s = self._fetch_interval_s
         phase_s = group.fetch_phase_s
-        due_s = phase_s + (math.floor((self.queue.now_s - phase_s) / interval_s) + 1) * interval_s
-        self.queue.push(due_s, EventPriority.FETCH, handler, group)
+        due_s = phase_s + (_floor((self.queue.now_s - phase_s) / interval_s) + 1) * interval_s
+        self.queue.push(due_s, _FETCH, handler, group)
 
     def _fetch_prefill(self, group: PrefillGroup) -> None:
         group.is_fetch_pending = False
-        if not self.scheduler.num_waiting_prefill:
+        if not self._num_waiting_prefill:
             return  # nothing to place: the leader's fetch would return empty
-        placed = self.scheduler.fetch_prefill(_group_snapshot(group))
-        if not placed.request_ids:
+        if group.is_full and not group.changed_engines and not group.num_awaiting_decode:
+            # NOTE(sim): a fetch that cannot change anything is not made (the results are the
+            # same bit for bit; it saves most PE fetches of a loaded cluster). The last fetch
+            # placed nothing from a non-empty FIFO, so under Algorithm 1 every PE of the group
+            # was over β, and no PE's load has changed since: this one would place nothing
+            # either. Its report's only other effect, its nodes' read_q, is read by no one
+            # before the group's next real fetch reports them again: plan_load reads a PE
+            # node's read_q only for requests on that node waiting for a DE, and there are none.
             return
+        placed = self.scheduler.fetch_prefill(_group_snapshot(group))
+        num_placed = len(placed.request_ids)
+        group.is_full = not num_placed and self._skips_full_prefill_groups
+        if not num_placed:
+            return
+        group.num_awaiting_decode += num_placed
+        self._num_waiting_prefill -= num_placed
+        self._num_waiting_decode += num_placed
         requests = self._requests_in_flight
         engines = self.engines
         for request_id, engine_id in zip(
@@ -262,13 +299,15 @@ class Simulator(PrefillSteps):
             request.prefill_engine = engine
             engine.change_load(1, request.num_prompt_tokens)
         for decode_group in self.decode_groups:
-            self._request_fetch(decode_group, self._fetch_decode)
+            if not decode_group.is_fetch_pending:
+                self._request_fetch(decode_group, self._fetch_decode)
 
     def _fetch_decode(self, group: DecodeGroup) -> None:
         group.is_fetch_pending = False
-        if not self.scheduler.num_waiting_decode:
+        if not self._num_waiting_decode:
             return
         final = self.scheduler.fetch_decode(_group_snapshot(group))
+        self._num_waiting_decode -= len(final.request_ids)
         requests = self._requests_in_flight
         for request_id, prefill_id, decode_id, plan in zip(
             final.request_ids,
@@ -279,6 +318,7 @@ class Simulator(PrefillSteps):
         ):
             request = requests[request_id]
             assert request.prefill_engine.engine_id == prefill_id, "the PE changed after placement"
+            request.prefill_engine.group.num_awaiting_decode -= 1
             engine = self.engines[decode_id]
             request.decode_engine = engine
             request.load_plan = plan
@@ -320,10 +360,10 @@ class Simulator(PrefillSteps):
         engine.batcher.add(
             PrefillWork(request.request_id, request.num_hit_tokens, request.num_new_tokens)
         )
-        group = self._prefill_group_of[engine.engine_id]
+        group = engine.group
         if not group.is_busy:
             group.is_busy = True  # claimed now; the step starts as its own event
-            self.queue.push(self.queue.now_s, EventPriority.STEP_DONE, self._start_step, group)
+            self.queue.push(self.queue.now_s, _STEP_DONE, self._start_step, group)
 
     # --- PE -> DE, decode --------------------------------------------------------------------
 
@@ -351,7 +391,7 @@ class Simulator(PrefillSteps):
         a turn writes its append and output, ~3% of the bytes it reads."""
         if num_blocks > 0 and not self.settings.is_io_free:
             request.decode_engine.node.snic_write.count_unpaced(
-                num_blocks * self._block_size * self._kv_bytes_per_token, TrafficClass.KV, since_s
+                num_blocks * self._block_size * self._kv_bytes_per_token, _KV, since_s
             )
 
     def _on_decode_finish(self, request: SimRequest) -> None:
@@ -368,7 +408,7 @@ class Simulator(PrefillSteps):
         block = self._block_size
         num_tokens_with_kv = request.num_prompt_tokens + request.num_output_tokens - 1
         num_output_blocks = num_tokens_with_kv // block - request.num_prompt_tokens // block
-        self._persist(request, num_output_blocks, since_s=request.decode_start_s)
+        self._persist(request, num_output_blocks, request.decode_start_s)
         del self._requests_in_flight[request.request_id]
         self.records.append(
             RequestRecord(
@@ -381,14 +421,12 @@ class Simulator(PrefillSteps):
                 request.num_output_tokens,
             )
         )
-        if self.scheduler.num_waiting_decode:
-            self._request_fetch(self._decode_group_of[engine.engine_id], self._fetch_decode)
+        if self._num_waiting_decode:
+            self._request_fetch(engine.group, self._fetch_decode)
         agent = self.agents[request.agent_index]
         next_turn = request.turn_index + 1
         if next_turn < agent.num_turns:
-            self.queue.push(
-                now_s, EventPriority.ARRIVAL, self._submit_turn, (request.agent_index, next_turn)
-            )
+            self.queue.push(now_s, _ARRIVAL, self._submit_turn, (request.agent_index, next_turn))
         else:
             self.agent_finish_s[request.agent_index] = now_s
 
@@ -401,12 +439,18 @@ def _is_idle(group: EngineGroup) -> bool:
 
 
 def _group_snapshot(group: EngineGroup) -> GroupSnapshot:
-    """The leader's report: every engine's and node's snapshot, in topology order. The
-    engines' part is kept until one of them changes load (``SimEngine.change_load``)."""
-    engine_snapshots = group.engine_snapshots
-    if engine_snapshots is None:
-        engine_snapshots = tuple([engine.snapshot() for engine in group.engines])
-        group.engine_snapshots = engine_snapshots
-    return GroupSnapshot(
-        group.group_id, engine_snapshots, tuple([node.snapshot() for node in group.nodes])
+    """The leader's report: every engine's and node's snapshot, in topology order. Only the
+    engines whose load changed since the last report get a new snapshot
+    (``EngineGroup.changed_engines``); an unchanged group sends its last report again."""
+    changed = group.changed_engines
+    snapshot = group.snapshot
+    if snapshot is not None and not changed:
+        return snapshot  # nothing changed since the last report
+    snapshots = group.engine_snapshots
+    for engine in changed:
+        snapshots[engine.position] = engine.snapshot()
+    changed.clear()
+    snapshot = group.snapshot = GroupSnapshot(
+        group.group_id, tuple(snapshots), tuple(map(_NODE_SNAPSHOT, group.nodes))
     )
+    return snapshot
