@@ -165,10 +165,28 @@ async def _serving_probes(url: str, vocab_size: int, server_pid: int) -> dict:
     def fresh(num_tokens: int) -> list[int]:
         return generator.integers(1, vocab_size - 1, num_tokens).tolist()
 
+    async def pe_busy_after(before_s: float) -> float:
+        """The PE's busy time once it has reported a batch run since ``before_s`` was read
+        (within a report interval; 2 s at most)."""
+        deadline_s = time.monotonic() + 2.0
+        busy_s = pe_busy_s()
+        while busy_s == before_s and time.monotonic() < deadline_s:
+            await asyncio.sleep(0.02)
+            busy_s = pe_busy_s()
+        return busy_s
+
     samples, cpu = [], []
     async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
         for _ in range(NUM_SERVING_WARMUP):  # the engines' first decode steps are slower
             await send(client, fresh(64), 33)
+        # The warm-ups' batches all reported: the value stops changing (an idle engine
+        # reports within its keep-alive period, 0.25 s).
+        busy_s = pe_busy_s()
+        while True:
+            await asyncio.sleep(0.3)
+            if (settled_s := pe_busy_s()) == busy_s:
+                break
+            busy_s = settled_s
         for num_new, num_hit, num_output in SERVING_GRID:
             server_cpu_s, client_cpu_s = _process_cpu_s(server_pid), time.process_time()
             for _ in range(NUM_SERVING_REPEATS):
@@ -177,12 +195,9 @@ async def _serving_probes(url: str, vocab_size: int, server_pid: int) -> dict:
                     earlier = fresh(num_hit)
                     earlier_output = (await send(client, earlier, 1)).token_ids
                     prompt = [*earlier, *earlier_output, *prompt]
-                busy_s = pe_busy_s()
+                    busy_s = await pe_busy_after(busy_s)  # that turn's batch, not this one's
                 record = (await send(client, prompt, num_output)).record
-                # The PE reports its busy time within a report interval; wait for it.
-                deadline_s = time.monotonic() + 2.0
-                while pe_busy_s() == busy_s and time.monotonic() < deadline_s:
-                    await asyncio.sleep(0.02)
+                busy_after_s = await pe_busy_after(busy_s)
                 samples.append(
                     [
                         record.num_prompt_tokens - record.num_cached_tokens,
@@ -190,9 +205,10 @@ async def _serving_probes(url: str, vocab_size: int, server_pid: int) -> dict:
                         num_output,
                         round(record.ttft_s, 6),
                         round(record.finish_s - record.first_token_s, 6),
-                        round(pe_busy_s() - busy_s, 6),
+                        round(busy_after_s - busy_s, 6),
                     ]
                 )
+                busy_s = busy_after_s
             cpu.append(
                 [
                     num_new,
