@@ -15,11 +15,13 @@ the engines' thread count (``dualpath serve`` gives each engine one torch thread
 * a host memory copy rate (``copy_bytes_per_s``): what a KV move between engines costs on one
   host with the shared-memory transport;
 * the serving path (``serving``): a real ``dualpath serve --nodes 1P2D`` answers streamed
-  requests one at a time over HTTP, ``(prompt, output)`` in ``SERVING_GRID``, each prompt
-  fresh (no hits). What the engine's model alone does not explain (the HTTP front end, the
-  scheduler, the PE -> DE hand-off, the engine process's loop around ``LLMEngine.step``) is
-  what ``dualpath.sim.fidelity.fit_serving`` finds by simulating the same requests on the
-  fitted costs; the front end's CPU time per request and per token is recorded beside it.
+  requests one at a time over HTTP, ``(new, hit, output)`` tokens in ``SERVING_GRID`` (a
+  probe with hits first stores the turn it extends), timing TTFT, the decode and the PE's
+  busy time (``/metrics``). What the engine's model alone does not explain (the PE's work
+  around the forward, the HTTP front end, the scheduler, the PE -> DE hand-off, the engine
+  process's loop around ``LLMEngine.step``) is what ``dualpath.sim.fidelity.fit_serving``
+  finds by simulating the same requests on the fitted costs; the front end's CPU time per
+  request is recorded beside it.
 
 The fits are least squares with non-negative coefficients (so times grow with work). Nothing
 here looks at a benchmark run: a fidelity check can then use any workload and seed.
@@ -41,6 +43,7 @@ import numpy as np
 import torch
 
 from dualpath.model.llama import DecoderModel, PackedBatch
+from dualpath.sim.local import nonnegative_fit
 
 PREFILL_GRID = tuple(
     (cached, new) for cached in (0, 256, 1024, 2048) for new in (16, 64, 256, 1024)
@@ -108,21 +111,6 @@ def _engine_decode_s(loaded, num_seqs: int, num_cached: int, num_threads: int) -
         engine.step()
         times_s.append(time.perf_counter() - start)
     return statistics.median(times_s[-num_steps:])
-
-
-def _nonnegative_fit(rows: list[list[float]], times_s: list[float]) -> list[float]:
-    """Least squares with coefficients >= 0 (active set: drop negatives and refit)."""
-    a = np.array(rows, dtype=float)
-    y = np.array(times_s, dtype=float)
-    active = list(range(a.shape[1]))
-    coefficients = np.zeros(a.shape[1])
-    while active:
-        solution, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
-        if (solution >= 0).all():
-            coefficients[active] = solution
-            break
-        active = [i for i, value in zip(active, solution, strict=True) if value > 0]
-    return [float(c) for c in coefficients]
 
 
 def _copy_bytes_per_s(num_bytes: int = 64 << 20, num_repeats: int = 5) -> float:
@@ -260,10 +248,10 @@ def measure(model_dir: Path, *, num_threads: int = 1, num_repeats: int = 3) -> d
     step_overhead_s = max(
         0.0, statistics.median(e[2] - f[2] for e, f in zip(decode, forward_decode, strict=True))
     )
-    prefill_fit = _nonnegative_fit(
+    prefill_fit = nonnegative_fit(
         [[1.0, n, n * (c + n / 2)] for c, n, _ in prefill], [t for *_, t in prefill]
     )
-    decode_fit = _nonnegative_fit([[1.0, b, b * c] for b, c, _ in decode], [t for *_, t in decode])
+    decode_fit = nonnegative_fit([[1.0, b, b * c] for b, c, _ in decode], [t for *_, t in decode])
     itemsize = loaded.dtype.itemsize if hasattr(loaded.dtype, "itemsize") else 4
     return {
         "profile": "local",

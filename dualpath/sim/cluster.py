@@ -91,6 +91,10 @@ class EngineGroup:
         self.snapshot = None  # the last GroupSnapshot; None once a node's read_q changed
         self.fetch_phase_s = 0.0  # its leader fetches at fetch_phase_s + k * fetch_interval_s
 
+    def is_idle(self) -> bool:
+        """No engine of the group holds a request."""
+        return all(engine.num_seqs == 0 for engine in self.engines)
+
 
 class PrefillGroup(EngineGroup):
     """The PEs of one scheduler group: they also step in lockstep."""
@@ -103,6 +107,10 @@ class PrefillGroup(EngineGroup):
         # Its last fetch placed nothing from a non-empty FIFO (Algorithm 1: every PE over β).
         self.is_full = False
         self.num_awaiting_decode = 0  # requests placed on its PEs, not yet on a DE
+
+    def is_idle(self) -> bool:
+        """No PE holds a request and no step runs."""
+        return not self.is_busy and super().is_idle()
 
 
 class DecodeGroup(EngineGroup):

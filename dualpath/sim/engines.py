@@ -140,18 +140,20 @@ class SimNode:
         self.read_queue_tokens += num_tokens
         self.group.snapshot = None  # its next report carries the new read_q
         if not self._waiting and self._num_inflight < self.max_inflight_reads:
-            # What _admit would do with a queue of one: start it now.
-            self._num_inflight += 1
-            self.snic_read.start(num_bytes, _KV, self._on_read_done, (num_tokens, on_done, token))
+            self._start(num_bytes, num_tokens, on_done, token)  # _admit with a queue of one
             return
         self._waiting.append((num_bytes, num_tokens, on_done, token))
         self._admit()
 
     def _admit(self) -> None:
         while self._waiting and self._num_inflight < self.max_inflight_reads:
-            num_bytes, num_tokens, on_done, token = self._waiting.popleft()
-            self._num_inflight += 1
-            self.snic_read.start(num_bytes, _KV, self._on_read_done, (num_tokens, on_done, token))
+            self._start(*self._waiting.popleft())
+
+    def _start(
+        self, num_bytes: float, num_tokens: int, on_done: Callable[[object], None], token: object
+    ) -> None:
+        self._num_inflight += 1
+        self.snic_read.start(num_bytes, _KV, self._on_read_done, (num_tokens, on_done, token))
 
     def _on_read_done(self, entry: tuple[int, Callable, object]) -> None:
         num_tokens, on_done, token = entry

@@ -29,7 +29,12 @@ import sys
 from pathlib import Path
 
 from dualpath.sim.agents import AgentTrace, workload_agents
-from dualpath.sim.local import DEFAULT_PROFILE_PATH, load_local_profile, local_profile_from_dict
+from dualpath.sim.local import (
+    DEFAULT_PROFILE_PATH,
+    load_local_profile,
+    local_profile_from_dict,
+    nonnegative_fit,
+)
 from dualpath.sim.runner import RunSpec, run_simulation
 from dualpath.units import gbps_to_bytes_per_s
 
@@ -57,25 +62,6 @@ def simulate_alone(
     return record.first_token_s - record.submit_s, record.finish_s - record.first_token_s
 
 
-def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = a + b x`` with ``a, b >= 0`` (a negative one is dropped, the other
-    refitted)."""
-    n, sx, sy = len(xs), sum(xs), sum(ys)
-    sxx = sum(x * x for x in xs)
-    sxy = sum(x * y for x, y in zip(xs, ys, strict=True))
-    det = n * sxx - sx * sx
-    if det > 0:
-        a, b = (sy * sxx - sx * sxy) / det, (n * sxy - sx * sy) / det
-        if a >= 0 and b >= 0:
-            return a, b
-    through_zero = sxy / sxx if sxx > 0 else 0.0
-    candidates = [(max(0.0, sy / n), 0.0), (0.0, max(0.0, through_zero))]
-    return min(
-        candidates,
-        key=lambda ab: sum((y - ab[0] - ab[1] * x) ** 2 for x, y in zip(xs, ys, strict=True)),
-    )
-
-
 def fit_serving(profile: dict, samples: list[list[float]]) -> dict[str, float]:
     """What the engine's model alone does not explain of the serving-path probes
     (``dualpath.bench.sim_profile``; samples ``[new, hit, output, ttft, decode, PE busy]``),
@@ -97,7 +83,7 @@ def fit_serving(profile: dict, samples: list[list[float]]) -> dict[str, float]:
         num_engines=1, num_cores=1,
     ).cost  # fmt: skip
     pe_excess = [busy - base.forward_s([(hit, new)]) for new, hit, *_, busy in samples]
-    request_s, per_hit_s = _line_fit([hit for _, hit, *_ in samples], pe_excess)
+    request_s, per_hit_s = nonnegative_fit([[1.0, hit] for _, hit, *_ in samples], pe_excess)
     fitted = {
         **profile,
         "serving": {"prefill_request_s": request_s, "prefill_s_per_hit_token": per_hit_s},
@@ -202,11 +188,10 @@ def run_fidelity(
     if profile_path is None:
         # A new profile goes into the work directory, never over the packaged one.
         profile_path = work_dir / "local_profile.json" if reprofile else DEFAULT_PROFILE_PATH
+    work_dir.mkdir(parents=True, exist_ok=True)
     if reprofile or not profile_path.exists():
-        work_dir.mkdir(parents=True, exist_ok=True)
         profile_machine(profile_path)
     if bench_json is None:
-        work_dir.mkdir(parents=True, exist_ok=True)
         bench_json = work_dir / f"bench-offline-{preset}-seed{seed}.json"
         run_bench(bench_json, preset=preset, seed=seed, modes=list(modes))
     bench = json.loads(bench_json.read_text())

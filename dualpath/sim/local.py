@@ -22,7 +22,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 DEFAULT_PROFILE_PATH = Path(__file__).with_name("local_profile.json")
+
+
+def nonnegative_fit(rows: list[list[float]], times_s: list[float]) -> list[float]:
+    """Least squares with coefficients >= 0 (active set: drop negatives and refit): the
+    fits of the profile's costs (``dualpath.bench.sim_profile``, ``fidelity.fit_serving``)."""
+    a = np.array(rows, dtype=float)
+    y = np.array(times_s, dtype=float)
+    active = list(range(a.shape[1]))
+    coefficients = np.zeros(a.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            break
+        active = [i for i, value in zip(active, solution, strict=True) if value > 0]
+    return [float(c) for c in coefficients]
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,7 +260,7 @@ class Simulator(PrefillSteps):
         if group.is_fetch_pending:
             return
         group.is_fetch_pending = True
-        if self.cluster.fetch_when_idle and _is_idle(group):
+        if self.cluster.fetch_when_idle and group.is_idle():
             self.queue.push(self.queue.now_s, EventPriority.FETCH, handler, group)
             return
         interval_s = self._fetch_interval_s
@@ -429,13 +429,6 @@ class Simulator(PrefillSteps):
             self.queue.push(now_s, _ARRIVAL, self._submit_turn, (request.agent_index, next_turn))
         else:
             self.agent_finish_s[request.agent_index] = now_s
-
-
-def _is_idle(group: EngineGroup) -> bool:
-    """No engine of the group holds a request (nor, for PEs, runs a step)."""
-    if getattr(group, "is_busy", False):
-        return False
-    return all(engine.num_seqs == 0 for engine in group.engines)
 
 
 def _group_snapshot(group: EngineGroup) -> GroupSnapshot:
