@@ -33,6 +33,10 @@ class ClusterModel:
     # a request ``handoff_s`` after its prompt KV is complete.
     turn_latency_s: float = 0.0
     handoff_s: float = 0.0
+    # The front end admits submitted turns one after another, each taking this long, before
+    # ``turn_latency_s``; 0 = all at once. Agents that "start together" (SPEC §7) reach the
+    # scheduler as a stream, not in one instant (docs/simulator.md, "Scale").
+    frontend_s_per_request: float = 0.0
     # SPEC §6: leaders fetch every interval "or when idle". True: a group none of whose
     # engines holds a request fetches at once (our runtime's coordinator does, ``local``);
     # False: every fetch waits for the grid (the paper profiles, calibrated that way).

@@ -40,6 +40,9 @@ class HardwareProfile:
     storage_service_bytes_per_s: float  # the whole store's read throughput
     # HBM kept for activations, workspace and the CUDA context, not usable for KV.
     gpu_reserved_bytes: float
+    # Turns the front end admits per second, for the whole cluster (a deployment figure, kept
+    # here so that a K-times smaller cluster admits K times fewer: its burst lasts as long).
+    frontend_requests_per_s: float
 
     def __post_init__(self) -> None:
         for name in (
@@ -51,6 +54,7 @@ class HardwareProfile:
             "snic_bandwidth_gbps",
             "host_memory_bytes_per_s",
             "storage_service_bytes_per_s",
+            "frontend_requests_per_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")
@@ -78,6 +82,7 @@ class HardwareProfile:
             num_gpus_per_node=self.num_gpus_per_node // factor,
             snic_bandwidth_gbps=self.snic_bandwidth_gbps / factor,
             host_memory_bytes_per_s=self.host_memory_bytes_per_s / factor,
+            frontend_requests_per_s=self.frontend_requests_per_s / factor,
         )
 
 
@@ -95,6 +100,12 @@ HARDWARE: dict[str, HardwareProfile] = {
         host_memory_bytes_per_s=500e9,
         storage_service_bytes_per_s=6.6 * TIB,
         gpu_reserved_bytes=10e9,
+        # NOTE(sim): an assumption; the paper gives no front-end figure. 10,000 turns/s is
+        # 100 us a request, a fast front end (about 4x the 48P96D run's mean submit rate).
+        # Only its order matters: between 1e4 and 1e6 per second a burst of agents starting
+        # together reaches the scheduler over several fetch intervals, and no JCT ratio moves
+        # by more than the runs' own noise (docs/simulator.md, "Scale").
+        frontend_requests_per_s=10_000.0,
     ),
     # Order-of-magnitude figures of a 2-vCPU VM for the §5 bounds; simulations use the measured
     # profile of ``local.py`` instead.
@@ -109,6 +120,8 @@ HARDWARE: dict[str, HardwareProfile] = {
         host_memory_bytes_per_s=10e9,
         storage_service_bytes_per_s=2e9,
         gpu_reserved_bytes=0.5e9,
+        # ~40 ms of front-end CPU a request (``sim_profile``'s measurement).
+        frontend_requests_per_s=25.0,
     ),
 }
 

@@ -3,7 +3,8 @@ of engines, links and storage. ``run_simulation`` in ``runner.py`` builds one fr
 
 One request's life (SPEC §2, §6; the order of decisions of ``scheduler/dualpath_policy.py``)::
 
-    submit --PE fetch (Algorithm 1 / round robin)--> PE chosen
+    send --front end (one turn after another)--> submit
+      --PE fetch (Algorithm 1 / round robin)--> PE chosen
       --DE fetch (two phases)--> DE chosen, LoadPlan fixed, KV blocks reserved, reads start
       --storage reads (SNIC of the PE and/or DE node)--> ready on the PE (layer-wise modes)
       --PE step (PrefillBatcher batch, all PEs of the group in lockstep)--> first token
@@ -96,6 +97,9 @@ class Simulator(PrefillSteps):
         self._num_waiting_prefill = 0
         self._num_waiting_decode = 0
         self._fetch_interval_s = cluster.scheduler.fetch_interval_s
+        self._turn_latency_s = cluster.turn_latency_s
+        self._frontend_s_per_request = cluster.frontend_s_per_request
+        self._frontend_free_s = 0.0  # when the front end finishes the last admitted turn
         # Algorithm 1 (the dualpath scheduler) places nothing on a group whose PEs are all
         # over β, however long the FIFO: see _fetch_prefill.
         self._skips_full_prefill_groups = cluster.scheduler.scheduler == "dualpath"
@@ -227,13 +231,16 @@ class Simulator(PrefillSteps):
         self._next_request_id += 1
         self.num_submitted += 1
         self._requests_in_flight[request.request_id] = request
-        if self.cluster.turn_latency_s > 0:
-            self.queue.push(
-                self.queue.now_s + self.cluster.turn_latency_s,
-                EventPriority.ARRIVAL,
-                self._enqueue,
-                request,
-            )
+        now_s = self.queue.now_s
+        admitted_s = now_s
+        if self._frontend_s_per_request:
+            # One front end admits turns in the order they were sent: a burst (every agent of
+            # an offline run at t = 0) reaches the scheduler over N x the service time.
+            admitted_s = max(now_s, self._frontend_free_s) + self._frontend_s_per_request
+            self._frontend_free_s = admitted_s
+        admitted_s += self._turn_latency_s
+        if admitted_s > now_s:
+            self.queue.push(admitted_s, EventPriority.ARRIVAL, self._enqueue, request)
         else:
             self._enqueue(request)
 

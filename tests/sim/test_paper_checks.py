@@ -4,39 +4,51 @@ with the frozen factors (``calibration.py``; fitted at full size, never at this 
 The same checks run at full size through ``dualpath simulate --experiment ...``; misses are
 recorded as strict xfails with the figure, not tuned away. Scale-down is not neutral: the
 lockstep PE group shrinks from 16 GPUs to 2, and Basic becomes bound by the PE nodes' SNICs.
+
+An offline JCT is one agent's tail: the longest of 256 agents finishes last, and how long its
+turns queued while the cluster was loaded moves with any small change of timing (at this size
+DualPath / Oracle ranges 1.11-1.33 over workload seeds 0-5, docs/simulator.md). So each
+check is the mean of its ratio over three workload seeds, not one seed's draw.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
 
 import pytest
 
 from dualpath.sim.runner import RunSpec, run_simulation
 
+SEEDS = (0, 1, 2)
+
 
 @functools.cache
-def _jct_s(mode: str) -> float:
-    spec = RunSpec(nodes="2P4D", num_agents=2048, preset="64k", mode=mode, scale_down=8)
+def _jct_s(mode: str, seed: int) -> float:
+    spec = RunSpec(nodes="2P4D", num_agents=2048, preset="64k", mode=mode, scale_down=8, seed=seed)
     return run_simulation(spec).jct_s
 
 
+def _mean_ratio(numerator: str, denominator: str) -> float:
+    return statistics.fmean(_jct_s(numerator, s) / _jct_s(denominator, s) for s in SEEDS)
+
+
 def test_offline_dualpath_over_basic_is_within_10_percent_of_1_87():
-    speedup = _jct_s("basic") / _jct_s("dualpath")
+    speedup = _mean_ratio("basic", "dualpath")
     assert abs(speedup - 1.87) <= 0.187, speedup
-
-
-def test_offline_dualpath_is_within_10_percent_of_oracle():
-    assert _jct_s("dualpath") / _jct_s("oracle") <= 1.10
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="TODO(#7): 51.0% at this size (paper 45.62 +- 5): Basic is SNIC-bound on the two "
-    "PE nodes here while the 2-GPU lockstep group makes DualPath's prefill nearly ideal",
+    reason="TODO(#7): 1.19 at this size (seeds 0-2: 1.16, 1.26, 1.14): the longest agent's "
+    "hit reads and PE loads after the loaded phase, which Oracle skips (docs/simulator.md)",
 )
+def test_offline_dualpath_is_within_10_percent_of_oracle():
+    assert _mean_ratio("dualpath", "oracle") <= 1.10
+
+
 def test_ablation_full_dualpath_reduction_is_within_5_points_of_45_62():
-    reduction = 100 * (1 - _jct_s("dualpath") / _jct_s("basic"))
+    reduction = 100 * (1 - _mean_ratio("dualpath", "basic"))
     assert abs(reduction - 45.62) <= 5.0, reduction
 
 
@@ -47,5 +59,5 @@ def test_ablation_full_dualpath_reduction_is_within_5_points_of_45_62():
     "layer-wise are both bound by the PE nodes' SNICs at this size (docs/simulator.md)",
 )
 def test_ablation_layerwise_reduction_is_within_5_points_of_17_21():
-    reduction = 100 * (1 - _jct_s("layerwise") / _jct_s("basic"))
+    reduction = 100 * (1 - _mean_ratio("layerwise", "basic"))
     assert abs(reduction - 17.21) <= 5.0, reduction

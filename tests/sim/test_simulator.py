@@ -347,6 +347,52 @@ def test_prefill_groups_fetch_at_staggered_phases():
     assert decode_times_ms and all(t % 10 == 0 for t in decode_times_ms)
 
 
+def test_the_front_end_admits_turns_one_after_another():
+    # hopper-8x400 / 8 admits 1,250 turns/s: 0.8 ms each, in the order they were sent. Five
+    # agents start together; their first turns reach the scheduler 0.8 ms apart, and every
+    # later turn at least 0.8 ms after its agent sent it.
+    simulator = build_simulator(small_spec(num_agents=40))
+    assert len(simulator.agents) == 5
+    assert simulator._frontend_s_per_request == pytest.approx(0.0008)
+    admitted = []  # (reaches the scheduler, sent by the agent)
+    real_submit = simulator.scheduler.submit
+
+    def submit(request):
+        sent_s = simulator._requests_in_flight[request.request_id].submit_s
+        admitted.append((simulator.queue.now_s, sent_s))
+        real_submit(request)
+
+    simulator.scheduler.submit = submit
+    simulator.run()
+    assert [t for t, _ in admitted[:5]] == pytest.approx([0.0008 * i for i in range(1, 6)])
+    assert all(t >= sent_s + 0.0008 - 1e-12 for t, sent_s in admitted)
+    assert [t for t, _ in sorted(admitted, key=lambda a: a[1])] == sorted(t for t, _ in admitted)
+    # TTFT counts from the agent's send, so it includes the wait at the front end.
+    assert all(r.submit_s == 0.0 for r in simulator.records if r.turn_index == 0)
+    assert len(admitted) == len(simulator.records)
+
+
+def test_agents_that_start_together_reach_every_prefill_group():
+    # 8P16D at scale-down 8: four PE groups, and β lets one group take all 32 first turns in
+    # one fetch. Admitted one after another, the turns reach the groups' staggered fetches
+    # (2.5 ms apart) a few at a time and every group gets some; all at one instant, the
+    # first group to fetch takes them all and the others idle (docs/simulator.md, "Scale").
+    def groups_with_first_turns(frontend_s_per_request: float | None) -> set[int]:
+        simulator = build_simulator(small_spec(nodes="8P16D", num_agents=256))
+        if frontend_s_per_request is not None:
+            simulator._frontend_s_per_request = frontend_s_per_request
+        recorder = simulator.scheduler = _FetchRecorder(simulator)
+        simulator.run(until_s=0.05)
+        return {
+            snapshot.group_id
+            for _, kind, snapshot, result in recorder.fetches
+            if kind == "prefill" and result.request_ids
+        }
+
+    assert len(groups_with_first_turns(None)) == 4
+    assert len(groups_with_first_turns(0.0)) == 1
+
+
 def test_the_append_is_persisted_at_decode_start_and_the_output_as_it_fills():
     # One turn, no hit: a prompt of 640 tokens (10 Full Blocks) and 181 output tokens, so
     # 640 + 180 tokens have KV: 2 output blocks. The append's 10 blocks are written when the
