@@ -50,6 +50,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -603,6 +613,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="free-form runs: force every mode's read side (split: each request's blocks on "
         "both sides; default: each mode's own)",
     )
+    p.add_argument(
+        "--frontend-rps",
+        type=_positive_float,
+        default=None,
+        help="free-form runs: turns per second the front end admits, one after another, for "
+        "the whole cluster (default: the hardware profile's, 10000 on hopper-8x400); matters "
+        "when many agents start together",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
@@ -651,6 +669,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             seed=args.seed,
             agents=agents,
             read_path=args.read_path,
+            frontend_requests_per_s=args.frontend_rps,
         )
     data = report.result_json([result], time.perf_counter() - start_s)
     print(report.format_table(result))

@@ -351,10 +351,12 @@ def free_form(
     seed: int = 0,
     agents=None,
     read_path: str | None = None,
+    frontend_requests_per_s: float | None = None,
     on_run: Callable[[dict], None] | None = None,
 ) -> ExperimentResult:
     """Runs of the given modes on one configuration (generated workload or given agents);
-    ``read_path`` forces every mode's read side (e.g. "split")."""
+    ``read_path`` forces every mode's read side (e.g. "split"), ``frontend_requests_per_s``
+    the front end's admission rate."""
     parse_node_shape(nodes)
     result = ExperimentResult("free-form")
     run = _Runner(result, on_run)
@@ -370,6 +372,7 @@ def free_form(
             seed=seed,
             agents=None if agents is None else tuple(agents),
             read_path=read_path,
+            frontend_requests_per_s=frontend_requests_per_s,
         )
         r = run(spec)
         result.table.append(f"{mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")

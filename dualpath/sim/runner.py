@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dualpath.config import READ_PATHS, SchedulerConfig, mode_settings, parse_node_shape
 from dualpath.scheduler import make_cluster_topology
@@ -57,6 +57,9 @@ class RunSpec:
     scheduler: str | None = None
     # Forces the read side (config.READ_PATHS, e.g. "split") instead of the mode's.
     read_path: str | None = None
+    # The front end's admission rate (turns/s, whole cluster, before ``scale_down``) instead of
+    # the hardware profile's.
+    frontend_requests_per_s: float | None = None
     arrivals_s: tuple[float, ...] | None = None  # per agent; None = all at 0 (offline)
     # Measured costs and links of this machine (``local.py``); replaces the hardware profile
     # and the roofline model.
@@ -69,6 +72,10 @@ class RunSpec:
         if self.read_path is not None and self.read_path not in READ_PATHS:
             raise ValueError(
                 f"read_path must be one of {', '.join(READ_PATHS)}, got {self.read_path!r}"
+            )
+        if self.frontend_requests_per_s is not None and not self.frontend_requests_per_s > 0:
+            raise ValueError(
+                f"frontend_requests_per_s must be > 0, got {self.frontend_requests_per_s}"
             )
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
@@ -106,7 +113,10 @@ def _nodes_per_group(num_prefill: int, num_decode: int) -> int:
 
 def build_simulator(spec: RunSpec) -> Simulator:
     model = MODELS[spec.model]
-    hardware = HARDWARE[spec.hardware].scaled_down(spec.scale_down)
+    hardware = HARDWARE[spec.hardware]
+    if spec.frontend_requests_per_s is not None:
+        hardware = replace(hardware, frontend_requests_per_s=spec.frontend_requests_per_s)
+    hardware = hardware.scaled_down(spec.scale_down)
     settings = mode_settings(spec.mode)
     num_prefill_nodes, num_decode_nodes = parse_node_shape(spec.nodes)
     block_size = 64

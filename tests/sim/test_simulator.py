@@ -370,6 +370,12 @@ def test_the_front_end_admits_turns_one_after_another():
     # TTFT counts from the agent's send, so it includes the wait at the front end.
     assert all(r.submit_s == 0.0 for r in simulator.records if r.turn_index == 0)
     assert len(admitted) == len(simulator.records)
+    # A RunSpec (dualpath simulate --frontend-rps) overrides the profile's rate, before the
+    # scale-down like every cluster-wide figure; the rate must be positive.
+    slower = build_simulator(small_spec(num_agents=40, frontend_requests_per_s=500.0))
+    assert slower._frontend_s_per_request == pytest.approx(8 / 500.0)
+    with pytest.raises(ValueError, match="frontend_requests_per_s"):
+        small_spec(frontend_requests_per_s=0.0)
 
 
 def test_agents_that_start_together_reach_every_prefill_group():
