@@ -100,6 +100,9 @@ class Simulator(PrefillSteps):
         self._turn_latency_s = cluster.turn_latency_s
         self._frontend_s_per_request = cluster.frontend_s_per_request
         self._frontend_free_s = 0.0  # when the front end finishes the last admitted turn
+        self._sends_reach_scheduler_later = bool(
+            self._frontend_s_per_request or self._turn_latency_s
+        )
         # Algorithm 1 (the dualpath scheduler) places nothing on a group whose PEs are all
         # over β, however long the FIFO: see _fetch_prefill.
         self._skips_full_prefill_groups = cluster.scheduler.scheduler == "dualpath"
@@ -433,7 +436,15 @@ class Simulator(PrefillSteps):
         agent = self.agents[request.agent_index]
         next_turn = request.turn_index + 1
         if next_turn < agent.num_turns:
-            self.queue.push(now_s, _ARRIVAL, self._submit_turn, (request.agent_index, next_turn))
+            if self._sends_reach_scheduler_later:
+                # The send only creates the request and queues it at the front end, whose
+                # order is the order of the sends either way: made here, it saves one event a
+                # turn (~10% of a run's), and the scheduler still sees the turn later.
+                self._submit_turn((request.agent_index, next_turn))
+            else:
+                self.queue.push(
+                    now_s, _ARRIVAL, self._submit_turn, (request.agent_index, next_turn)
+                )
         else:
             self.agent_finish_s[request.agent_index] = now_s
 

@@ -378,6 +378,23 @@ def test_the_front_end_admits_turns_one_after_another():
         small_spec(frontend_requests_per_s=0.0)
 
 
+def test_a_send_made_inline_changes_nothing_but_the_event_count():
+    # With a front end, a finished turn's next send is made inside the decode finish instead
+    # of as an event at the same instant: the front end's order is the sends' order either
+    # way, so every record is the same, with one event fewer per turn.
+    def run(inline: bool):
+        simulator = build_simulator(small_spec(nodes="4P4D", num_agents=64))
+        simulator._sends_reach_scheduler_later = inline
+        simulator.run()
+        return simulator.records, simulator.queue.num_events
+
+    records, num_events = run(inline=True)
+    evented_records, evented_num_events = run(inline=False)
+    assert records == evented_records
+    num_later_turns = sum(1 for r in records if r.turn_index)
+    assert evented_num_events - num_events == num_later_turns
+
+
 def test_agents_that_start_together_reach_every_prefill_group():
     # 8P16D at scale-down 8: four PE groups, and β lets one group take all 32 first turns in
     # one fetch. Admitted one after another, the turns reach the groups' staggered fetches
