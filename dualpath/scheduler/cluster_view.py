@@ -73,17 +73,24 @@ class ClusterView:
             for index, spec in enumerate(self.topology.groups_of(role))
         )
 
-    def accept(self, snapshot: GroupSnapshot, role: EngineRole) -> GroupIndex:
-        """Validate a leader's report against the topology and record its nodes' ``read_q``."""
-        group = self._group_id_to_index.get(snapshot.group_id)
+    def group(self, group_id: int, role: EngineRole) -> GroupIndex:
+        """The group ``group_id`` of ``role``; ``ValueError`` for an unknown group or another
+        role."""
+        group = self._group_id_to_index.get(group_id)
         if group is None:
-            raise ValueError(f"unknown group {snapshot.group_id}")
+            raise ValueError(f"unknown group {group_id}")
         spec = group.spec
         if spec.role != role:
             raise ValueError(
                 f"group {spec.group_id} is a {spec.role.name.lower()} group, "
                 f"not {role.name.lower()}"
             )
+        return group
+
+    def accept(self, snapshot: GroupSnapshot, role: EngineRole) -> GroupIndex:
+        """Validate a leader's report against the topology and record its nodes' ``read_q``."""
+        group = self.group(snapshot.group_id, role)
+        spec = group.spec
         engine_ids = tuple(map(_ENGINE_ID, snapshot.engines))
         if engine_ids != spec.engine_ids:
             raise ValueError(

@@ -217,6 +217,25 @@ class DualPathScheduler:
             return EMPTY_DECODE_FETCH_RESULT
         return self._place_in_group(group, snapshot.engines, tokens)
 
+    def decode_fetch_may_place(self, group_id: int) -> bool:
+        """Whether a fetch by DE group ``group_id`` could place anything now: a request waits
+        in the global queue (the fetch runs phase 1 for every group) or in the group's private
+        queue. When False, ``fetch_decode`` would only record the group's report, and
+        ``report_decode_load`` records all of it that a later decision reads. ``ValueError``
+        for an unknown group or a prefill group."""
+        index = self._cluster.group(group_id, EngineRole.DECODE).index
+        return bool(self._decode_global_queue or self._decode_group_queues[index])
+
+    def report_decode_load(self, group_id: int, num_tokens: int) -> None:
+        """Record DE group ``group_id``'s Σ ``tok_e`` (``num_tokens``) as its fetch does, without
+        fetching: for a leader whose fetch could place nothing (``decode_fetch_may_place``),
+        every later answer is then the same as after that fetch. The nodes' ``read_q`` a full
+        report also carries is not needed: only the group's own placements read it (a node has
+        one role and one group), and each of those follows a full report of the group."""
+        index = self._cluster.group(group_id, EngineRole.DECODE).index
+        if self._decode_group_tokens[index] != _DEAD_GROUP_TOKENS:
+            self._decode_group_tokens[index] = num_tokens
+
     def _distribute_global_queue(self) -> None:
         """Phase 1: each request, FIFO, to the DE group with the least tokens."""
         global_queue = self._decode_global_queue

@@ -44,6 +44,18 @@ class Scheduler(Protocol):
 
     def fetch_decode(self, snapshot: GroupSnapshot) -> DecodeFetchResult: ...
 
+    def decode_fetch_may_place(self, group_id: int) -> bool:
+        """Whether ``fetch_decode`` by DE group ``group_id`` could place anything now
+        (``ValueError`` for an unknown or prefill group). True is always a safe answer."""
+        ...
+
+    def report_decode_load(self, group_id: int, num_tokens: int) -> None:
+        """What a ``fetch_decode`` that places nothing records: the group's load (Σ ``tok_e``
+        = ``num_tokens``) as far as any later decision reads it. A leader whose fetch could
+        place nothing (``decode_fetch_may_place`` False) may call this instead: every later
+        answer is the same."""
+        ...
+
     def withdraw_engine(self, engine_id: int) -> list[SchedulerRequest]:
         """Take a lost engine out of service: nothing is placed on it again, and every waiting
         request already tied to it is removed and returned, in queue order, for the caller

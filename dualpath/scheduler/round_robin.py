@@ -128,6 +128,15 @@ class RoundRobinScheduler:
             prefill_engine_ids.append(prefill_engine_id)
         return PrefillFetchResult(tuple(request_ids), tuple(prefill_engine_ids))
 
+    def decode_fetch_may_place(self, group_id: int) -> bool:
+        """See ``Scheduler.decode_fetch_may_place``: a request waits for the group's DEs."""
+        group = self._cluster.group(group_id, EngineRole.DECODE)
+        return bool(self._decode_group_queues[group.index])
+
+    def report_decode_load(self, group_id: int, num_tokens: int) -> None:
+        """See ``Scheduler.report_decode_load``: round robin never reads ``tok_e``."""
+        self._cluster.group(group_id, EngineRole.DECODE)  # (ValueError for a wrong group)
+
     def fetch_decode(self, snapshot: GroupSnapshot) -> DecodeFetchResult:
         """FIFO over this group's requests while the chosen DE has room; fixes read plans."""
         group = self._cluster.accept(snapshot, EngineRole.DECODE)

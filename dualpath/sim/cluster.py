@@ -76,6 +76,7 @@ class EngineGroup:
         "changed_engines",
         "snapshot",
         "fetch_phase_s",
+        "num_tokens",
     )
 
     def __init__(self, group_id: int, engines: list, nodes: list):
@@ -94,6 +95,8 @@ class EngineGroup:
         self.changed_engines: list = []
         self.snapshot = None  # the last GroupSnapshot; None once a node's read_q changed
         self.fetch_phase_s = 0.0  # its leader fetches at fetch_phase_s + k * fetch_interval_s
+        # Σ tok_e over its engines, kept by SimEngine.change_load (what a report would sum).
+        self.num_tokens = sum(engine.num_tokens for engine in engines)
 
     def is_idle(self) -> bool:
         """No engine of the group holds a request."""

@@ -216,11 +216,14 @@ class SimEngine:
         self._num_tokens += num_tokens
         self._num_free_kv_blocks -= num_kv_blocks
         assert self._num_free_kv_blocks >= 0, f"engine {self.engine_id} over-committed its KV"
+        group = self.group
+        if group is not None:
+            group.num_tokens += num_tokens
         if self._snapshot is not None:
             # The first change since the last snapshot: the group's next report rebuilds it.
             self._snapshot = None
-            if self.group is not None:
-                self.group.changed_engines.append(self)
+            if group is not None:
+                group.changed_engines.append(self)
 
     def snapshot(self) -> EngineSnapshot:
         """The leader's report of this engine (cached until the load changes)."""

@@ -51,6 +51,34 @@ class EventQueue:
         self._seq_no = seq_no
         heappush(self._heap, (time_s, priority, seq_no, handler, arg))
 
+    def reserve_seq_no(self) -> int:
+        """The ``seq_no`` of an event scheduled now but pushed later (``push_reserved``): a
+        caller that keeps a run of events of one time and priority outside the heap, and
+        pushes only the first, keeps the order they would have had as separate pushes."""
+        seq_no = self._seq_no + 1
+        self._seq_no = seq_no
+        return seq_no
+
+    def push_reserved(
+        self,
+        time_s: float,
+        priority: EventPriority,
+        seq_no: int,
+        handler: Callable[[Any], None],
+        arg: Any,
+    ) -> None:
+        """``push`` with a ``seq_no`` from ``reserve_seq_no`` (each used once)."""
+        if time_s < self.now_s:
+            raise RuntimeError(f"caller bug: event at {time_s} s is before now ({self.now_s} s)")
+        heappush(self._heap, (time_s, priority, seq_no, handler, arg))
+
+    def is_next(self, time_s: float, priority: EventPriority, seq_no: int) -> bool:
+        """Whether an event with this key would run next: no pending event comes before it.
+        A handler may then run that event's work at once (and count it in ``num_events``)
+        instead of pushing it: the order is the same."""
+        heap = self._heap
+        return not heap or heap[0] > (time_s, priority, seq_no)
+
     def __len__(self) -> int:
         return len(self._heap)
 

@@ -165,8 +165,16 @@ class SimLink:
                 )
             else:
                 total_rate = 0.0
-            if total_rate and self.window_s is not None:
-                self._count_window_bytes(self._last_s, now_s, elapsed_s * total_rate)
+            window_s = self.window_s
+            if total_rate and window_s is not None:
+                # _count_window_bytes's common case inline (the same arithmetic, one call
+                # less per SNIC change): both ends in one window already counted.
+                index = int(now_s / window_s)
+                windows = self.window_bytes
+                if index == int(self._last_s / window_s) and index < len(windows):
+                    windows[index] += elapsed_s * total_rate
+                else:
+                    self._count_window_bytes(self._last_s, now_s, elapsed_s * total_rate)
         self._last_s = now_s
 
     def count_unpaced(
@@ -198,8 +206,11 @@ class SimLink:
             return
         rate = num_bytes / (end_s - start_s)
         windows[first] += rate * ((first + 1) * window_s - start_s)
-        for index in range(first + 1, last):
-            windows[index] += rate * window_s
+        if last - first > 1:
+            # Each whole window in between gets rate * window_s added, as a loop of
+            # ``windows[i] += rate * window_s`` would (the same float additions, faster).
+            full_window_bytes = rate * window_s
+            windows[first + 1 : last] = [b + full_window_bytes for b in windows[first + 1 : last]]
         windows[last] += rate * (end_s - last * window_s)
 
     def _reschedule(self, now_s: float) -> None:

@@ -327,6 +327,26 @@ def test_the_prefill_fetches_left_out_change_nothing():
     assert not basic._skips_full_prefill_groups
 
 
+@pytest.mark.parametrize("mode", ["basic", "dualpath"])
+def test_the_decode_fetches_left_out_change_nothing(mode):
+    # A DE fetch that could place nothing (the scheduler's decode_fetch_may_place) sends only
+    # its load (report_decode_load; Simulator._fetch_decode): the run is the same bit for bit
+    # as one that makes every fetch.
+    spec = small_spec(mode=mode, nodes="4P8D", num_agents=64, constant_cost=SLOW_PREFILL)
+
+    def run(skips: bool) -> tuple[list, int]:
+        simulator = build_simulator(spec)
+        simulator._skips_idle_decode_fetches = skips
+        recorder = simulator.scheduler = _FetchRecorder(simulator)
+        simulator.run()
+        return simulator.records, sum(1 for f in recorder.fetches if f[1] == "decode")
+
+    records, num_fetches = run(skips=True)
+    every_records, every_num_fetches = run(skips=False)
+    assert records == every_records
+    assert num_fetches < every_num_fetches
+
+
 def test_prefill_groups_fetch_at_staggered_phases():
     # 2P1D: two one-node PE groups, phases 0 and 5 ms of the 10 ms interval; the DE group
     # stays on the common grid. One request submitted at 0: group 1 fetches first (5 ms) and
@@ -437,3 +457,19 @@ def test_the_append_is_persisted_at_decode_start_and_the_output_as_it_fills():
         output_rate * (end_s - 3),
     ]
     assert writes.window_bytes == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath"])
+def test_a_ticks_decode_fetches_run_as_their_own_events_would(mode):
+    # The DE fetches of one tick wait outside the event heap and run back to back while each
+    # is the queue's next event (Simulator._request_decode_fetch): the same records and the
+    # same number of events as with one heap event per fetch.
+    spec = small_spec(mode=mode, nodes="4P8D", num_agents=64, constant_cost=SLOW_PREFILL)
+
+    def run(batches: bool) -> tuple[list, int]:
+        simulator = build_simulator(spec)
+        simulator._batches_decode_ticks = batches
+        simulator.run()
+        return simulator.records, simulator.queue.num_events
+
+    assert run(batches=True) == run(batches=False)
