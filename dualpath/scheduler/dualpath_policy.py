@@ -210,8 +210,7 @@ class DualPathScheduler:
         """
         group = self._cluster.accept(snapshot, EngineRole.DECODE)
         tokens = list(map(_NUM_TOKENS, snapshot.engines))
-        if self._decode_group_tokens[group.index] != _DEAD_GROUP_TOKENS:
-            self._decode_group_tokens[group.index] = sum(tokens)
+        self._record_decode_load(group.index, sum(tokens))
         self._distribute_global_queue()
         if not self._decode_group_queues[group.index]:
             return EMPTY_DECODE_FETCH_RESULT
@@ -232,7 +231,10 @@ class DualPathScheduler:
         every later answer is then the same as after that fetch. The nodes' ``read_q`` a full
         report also carries is not needed: only the group's own placements read it (a node has
         one role and one group), and each of those follows a full report of the group."""
-        index = self._cluster.group(group_id, EngineRole.DECODE).index
+        self._record_decode_load(self._cluster.group(group_id, EngineRole.DECODE).index, num_tokens)
+
+    def _record_decode_load(self, index: int, num_tokens: int) -> None:
+        """A DE group's reported Σ ``tok_e``; a group whose engines are all lost stays dead."""
         if self._decode_group_tokens[index] != _DEAD_GROUP_TOKENS:
             self._decode_group_tokens[index] = num_tokens
 
