@@ -304,22 +304,28 @@ def test_the_simulators_waiting_counts_are_the_schedulers(mode):
     assert len(recorder.fetches) > 10
 
 
+def _records_and_fetches(spec: RunSpec, kind: str, **switches: bool) -> tuple[list, int]:
+    """One run with the simulator's ``switches`` (a result-identical cut on or off) set: its
+    records and how many ``kind`` ("prefill" / "decode") fetches reached the scheduler."""
+    simulator = build_simulator(spec)
+    for name, value in switches.items():
+        assert hasattr(simulator, name), name  # a misspelt switch would change nothing
+        setattr(simulator, name, value)
+    recorder = simulator.scheduler = _FetchRecorder(simulator)
+    simulator.run()
+    return simulator.records, sum(1 for f in recorder.fetches if f[1] == kind)
+
+
 def test_the_prefill_fetches_left_out_change_nothing():
     # A PE group whose last fetch placed nothing from a non-empty FIFO (every PE over β) does
     # not fetch again while its PEs' loads are unchanged and no request of its waits for a DE
     # (Simulator._fetch_prefill). The run is the same bit for bit as one that makes every
     # such fetch, with a third fewer PE fetches here.
     spec = small_spec(nodes="4P4D", num_agents=64, constant_cost=SLOW_PREFILL)
-
-    def run(skips: bool) -> tuple[list, int]:
-        simulator = build_simulator(spec)
-        simulator._skips_full_prefill_groups = skips
-        recorder = simulator.scheduler = _FetchRecorder(simulator)
-        simulator.run()
-        return simulator.records, sum(1 for f in recorder.fetches if f[1] == "prefill")
-
-    records, num_fetches = run(skips=True)
-    every_records, every_num_fetches = run(skips=False)
+    records, num_fetches = _records_and_fetches(spec, "prefill", _skips_full_prefill_groups=True)
+    every_records, every_num_fetches = _records_and_fetches(
+        spec, "prefill", _skips_full_prefill_groups=False
+    )
     assert records == every_records
     assert num_fetches < 0.8 * every_num_fetches
     # The round-robin scheduler places by turn, not by load: it never skips.
@@ -333,16 +339,10 @@ def test_the_decode_fetches_left_out_change_nothing(mode):
     # its load (report_decode_load; Simulator._fetch_decode): the run is the same bit for bit
     # as one that makes every fetch.
     spec = small_spec(mode=mode, nodes="4P8D", num_agents=64, constant_cost=SLOW_PREFILL)
-
-    def run(skips: bool) -> tuple[list, int]:
-        simulator = build_simulator(spec)
-        simulator._skips_idle_decode_fetches = skips
-        recorder = simulator.scheduler = _FetchRecorder(simulator)
-        simulator.run()
-        return simulator.records, sum(1 for f in recorder.fetches if f[1] == "decode")
-
-    records, num_fetches = run(skips=True)
-    every_records, every_num_fetches = run(skips=False)
+    records, num_fetches = _records_and_fetches(spec, "decode", _skips_idle_decode_fetches=True)
+    every_records, every_num_fetches = _records_and_fetches(
+        spec, "decode", _skips_idle_decode_fetches=False
+    )
     assert records == every_records
     assert num_fetches < every_num_fetches
 
