@@ -14,8 +14,15 @@ widely, and long trajectories have shorter turns.
 **Model.** Turn i of T has append a_i and output g_i; prompt_i = sum_{k<=i} a_k +
 sum_{k<i} g_k; total = prompt_T + g_T; context = mean_i prompt_i. Per trajectory j:
 
-1. Turns T_j = max(2, round(c * exp(sigma_T * z_j))), z_j ~ N(0, 1), c setting the sample
-   mean to T. sigma_T is fitted (bisection) so that mean(S_j / T_j) = a + g.
+1. Turns T_j = clip(round(c * exp(sigma_T * z_j)), 2, floor(S_j / m)), z_j ~ N(0, 1), c
+   setting the sample mean to T (bisection). sigma_T is fitted (bisection) so that
+   mean(S_j / T_j) = a + g. The cap says a turn holds at least m tokens on average (appends
+   and outputs; ``TrajectoryTargets.min_tokens_per_turn``, 128): every one of the 37 real
+   agent sessions in ``shared/traces/agentic_coding_dev.jsonl`` averages at least 131 (the
+   median session ~1,200), while the uncapped lognormal's longest trajectory of 2,048 had
+   3,196 turns of 17 tokens (5 generated), and an offline JCT is that one trajectory's tail.
+   The cap binds on 1-5% of trajectories (32K-64K, 2,048 of them), the means still fit, and
+   sigma_T rises a little to make up for the lost tail (64K: 0.74 -> 0.78).
 2. Total S_j = M - (M - S) * w_j, w_j ~ Gamma(2) scaled to sample mean 1: the mean is S and
    no trajectory exceeds the max length M (clipped below at S / 4, which is rare).
 3. First prompt p_j = f * rho_j * S_j, rho_j lognormal(0.3) with mean 1. As a prompt grows
@@ -64,10 +71,17 @@ class TrajectoryTargets:
     gen_tokens: float  # mean generated per turn
     total_tokens: float  # mean final context
     context_tokens: float  # mean prompt over a trajectory's turns
+    # No trajectory averages fewer tokens (appends + outputs) per turn (module docstring).
+    min_tokens_per_turn: int = 128
 
     def __post_init__(self) -> None:
         if self.num_turns < _MIN_TURNS:
             raise ValueError(f"num_turns must be >= {_MIN_TURNS}, got {self.num_turns}")
+        if not 2 <= self.min_tokens_per_turn * self.num_turns <= self.total_tokens:
+            raise ValueError(
+                f"min_tokens_per_turn must be in [2, total_tokens / num_turns="
+                f"{self.total_tokens / self.num_turns:g}], got {self.min_tokens_per_turn}"
+            )
         if min(self.append_tokens, self.gen_tokens) < 1:
             raise ValueError(
                 f"append_tokens and gen_tokens must be >= 1, got {self.append_tokens}, "
@@ -192,17 +206,31 @@ def fit_trajectories(
 def _fit_turns(
     targets: TrajectoryTargets, totals: np.ndarray, turn_z: np.ndarray
 ) -> tuple[np.ndarray, float]:
-    """Step 1: turn counts whose mean is the target and mean(S/T) = append + gen."""
+    """Step 1: turn counts whose mean is the target and mean(S/T) = append + gen, none with
+    fewer than ``min_tokens_per_turn`` tokens a turn."""
+    cap = np.maximum(_MIN_TURNS, totals // max(2, targets.min_tokens_per_turn))
 
     def turns_for(sigma: float) -> np.ndarray:
         raw = np.exp(sigma * turn_z)
-        return np.maximum(_MIN_TURNS, np.round(targets.num_turns * raw / raw.mean()))
+
+        def turns_at(log_scale: float) -> np.ndarray:
+            return np.clip(np.round(math.exp(log_scale) * raw), _MIN_TURNS, cap)
+
+        # The mean is a step function of the scale: of the two ends the bisection leaves,
+        # take the one whose mean is nearer the target.
+        low, high = _bisect_bracket(
+            lambda x: float(np.mean(turns_at(x))) - targets.num_turns,
+            -math.log(raw.max()),
+            math.log(float(cap.max())) - math.log(raw.min()),
+        )
+        return min(
+            (turns_at(low), turns_at(high)),
+            key=lambda t: abs(float(np.mean(t)) - targets.num_turns),
+        )
 
     per_turn = targets.append_tokens + targets.gen_tokens
     sigma = _bisect(lambda s: float(np.mean(totals / turns_for(s))) - per_turn, 0.0, 3.0)
-    # Every turn needs an append and an output of >= 1 token: trim the rare trajectory whose
-    # total cannot hold them (only reachable with targets far from the table's).
-    return np.minimum(turns_for(sigma), totals // 2).astype(np.int64), sigma
+    return turns_for(sigma).astype(np.int64), sigma
 
 
 class _FirstPromptSplit:
@@ -264,17 +292,26 @@ def _prompt_share(weights: np.ndarray, offset: int) -> float:
 
 def _bisect(error: Callable[[float], float], low: float, high: float) -> float:
     """The root of an increasing ``error`` in [low, high], or the end nearer to it."""
+    low, high = _bisect_bracket(error, low, high)
+    return (low + high) / 2
+
+
+def _bisect_bracket(
+    error: Callable[[float], float], low: float, high: float
+) -> tuple[float, float]:
+    """``_bisect``'s last bracket: error(low) < 0 <= error(high), or both the end nearer the
+    root when it is outside [low, high]."""
     if error(low) >= 0:
-        return low
+        return low, low
     if error(high) <= 0:
-        return high
+        return high, high
     for _ in range(_BISECTION_STEPS):
         middle = (low + high) / 2
         if error(middle) < 0:
             low = middle
         else:
             high = middle
-    return (low + high) / 2
+    return low, high
 
 
 def _allocate_at_least_one(total: int, weights: np.ndarray) -> np.ndarray:

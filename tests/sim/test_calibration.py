@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dualpath.sim import experiments
+from types import SimpleNamespace
+
+import pytest
+
+from dualpath.sim import calibration, experiments, runner
 from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, FROZEN_FACTORS, calibration_spec
 from dualpath.sim.runner import RunSpec
 
@@ -29,3 +33,24 @@ def test_only_the_calibration_check_is_marked_fitted():
         "offline_660b_2p4d_64k_2048_dualpath_over_basic", 1.87, 1.9, 0.187
     )
     assert prediction.as_dict()["fitted"] is False
+
+
+def test_the_fit_averages_noisy_runs_instead_of_chasing_them(monkeypatch) -> None:
+    # A prefill-bound JCT of K / efficiency, each run +-3% off in turn (the real one is not
+    # smooth in the factor): the fit lands near K / target; a secant would chase the noise.
+    k = 1300.0
+    noise = iter([1.03, 0.97] * 4)
+    tried_specs = []
+
+    def fake_run(spec):
+        tried_specs.append(spec)
+        return SimpleNamespace(jct_s=k / spec.factors.prefill_efficiency * next(noise))
+
+    monkeypatch.setattr(runner, "run_simulation", fake_run)
+    answer, tried = calibration.fit_prefill_efficiency(start=0.5, runs=6)
+    assert len(tried) == len(tried_specs) == 6
+    assert tried[0][0] == 0.5
+    assert all(spec == calibration_spec(spec.factors) for spec in tried_specs)
+    assert answer == pytest.approx(k / CALIBRATION_TARGET_JCT_S, rel=0.01)
+    with pytest.raises(ValueError, match="runs"):
+        calibration.fit_prefill_efficiency(runs=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -50,6 +51,26 @@ def test_long_trajectories_have_shorter_turns(preset_workloads, name: str) -> No
     quarter = len(sessions) // 4
     assert np.mean(per_turn[:quarter]) > 2 * np.mean(per_turn[-quarter:])
     assert sessions[0].turns[0].num_append_tokens > 1000  # a large first prompt
+
+
+def test_no_trajectory_averages_fewer_than_the_floor_of_tokens_per_turn() -> None:
+    targets = PRESETS["64k"]
+
+    def turns_and_per_turn(min_tokens_per_turn: int) -> tuple[np.ndarray, np.ndarray]:
+        floored = dataclasses.replace(targets, min_tokens_per_turn=min_tokens_per_turn)
+        lengths, _ = fit_trajectories(floored, 1024, seed=0)
+        turns = np.array([one.output_tokens.size for one in lengths])
+        totals = np.array([one.append_tokens.sum() + one.output_tokens.sum() for one in lengths])
+        return turns, totals / turns
+
+    turns, per_turn = turns_and_per_turn(targets.min_tokens_per_turn)
+    assert per_turn.min() >= targets.min_tokens_per_turn
+    assert turns.mean() == pytest.approx(targets.num_turns, rel=0.01)
+    assert per_turn.mean() == pytest.approx(targets.append_tokens + targets.gen_tokens, rel=0.01)
+    # Without the floor the lognormal's tail runs to turns of a few tokens.
+    loose_turns, loose_per_turn = turns_and_per_turn(2)
+    assert loose_per_turn.min() < targets.min_tokens_per_turn / 2
+    assert loose_turns.max() > 1.5 * turns.max()
 
 
 def test_fit_trajectories_gives_the_lengths_that_are_generated(preset_workloads) -> None:
@@ -160,6 +181,8 @@ def test_bad_targets_and_arguments_are_rejected() -> None:
         TrajectoryTargets(32_768, 60, 608, 148, 40_000, 17_183)
     with pytest.raises(ValueError, match="context_tokens"):
         TrajectoryTargets(32_768, 60, 608, 148, 28_639, 30_000)
+    with pytest.raises(ValueError, match="min_tokens_per_turn"):
+        TrajectoryTargets(32_768, 60, 608, 148, 28_639, 17_183, min_tokens_per_turn=500)
     with pytest.raises(ValueError, match="num_trajectories"):
         generate_trajectories(PRESETS["32k"], 0, seed=0, vocab_size=VOCAB_SIZE)
     with pytest.raises(ValueError, match="length_scale"):
