@@ -621,6 +621,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "the whole cluster (default: the hardware profile's, 10000 on hopper-8x400); matters "
         "when many agents start together",
     )
+    p.add_argument(
+        "--attention-quota-s",
+        type=_positive_float,
+        default=None,
+        help="free-form runs: the PE compute quota, predicted seconds of one attention layer "
+        "per prefill batch (default SPEC §6's 0.3); 0.3 / 61 reads the quota as a whole "
+        "DeepSeek-V3.2 forward instead (docs/simulator.md, 'ping-pong')",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
@@ -674,6 +682,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             agents=agents,
             read_path=args.read_path,
             frontend_requests_per_s=args.frontend_rps,
+            attention_quota_s=args.attention_quota_s,
         )
     data = report.result_json([result], time.perf_counter() - start_s)
     print(report.format_table(result))

@@ -352,11 +352,12 @@ def free_form(
     agents=None,
     read_path: str | None = None,
     frontend_requests_per_s: float | None = None,
+    attention_quota_s: float | None = None,
     on_run: Callable[[dict], None] | None = None,
 ) -> ExperimentResult:
     """Runs of the given modes on one configuration (generated workload or given agents);
     ``read_path`` forces every mode's read side (e.g. "split"), ``frontend_requests_per_s``
-    the front end's admission rate."""
+    the front end's admission rate, ``attention_quota_s`` the PE compute quota."""
     parse_node_shape(nodes)
     result = ExperimentResult("free-form")
     run = _Runner(result, on_run)
@@ -373,6 +374,7 @@ def free_form(
             agents=None if agents is None else tuple(agents),
             read_path=read_path,
             frontend_requests_per_s=frontend_requests_per_s,
+            attention_quota_s=attention_quota_s,
         )
         r = run(spec)
         result.table.append(f"{mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")

@@ -60,6 +60,9 @@ class RunSpec:
     # The front end's admission rate (turns/s, whole cluster, before ``scale_down``) instead of
     # the hardware profile's.
     frontend_requests_per_s: float | None = None
+    # The PE compute quota (predicted seconds of one attention layer per batch) instead of
+    # SPEC §6's 300 ms; per layer or per forward is an open question (docs/simulator.md).
+    attention_quota_s: float | None = None
     arrivals_s: tuple[float, ...] | None = None  # per agent; None = all at 0 (offline)
     # Measured costs and links of this machine (``local.py``); replaces the hardware profile
     # and the roofline model.
@@ -77,6 +80,8 @@ class RunSpec:
             raise ValueError(
                 f"frontend_requests_per_s must be > 0, got {self.frontend_requests_per_s}"
             )
+        if self.attention_quota_s is not None and not self.attention_quota_s > 0:
+            raise ValueError(f"attention_quota_s must be > 0, got {self.attention_quota_s}")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
         if self.hardware not in HARDWARE:
@@ -147,6 +152,8 @@ def build_simulator(spec: RunSpec) -> Simulator:
         block_size_tokens=block_size,
         prefill_tokens_per_s=prefill_tokens_per_s,
     )
+    if spec.attention_quota_s is not None:
+        scheduler = replace(scheduler, attention_quota_s=spec.attention_quota_s)
     topology = make_cluster_topology(
         num_prefill_nodes=num_prefill_nodes,
         num_decode_nodes=num_decode_nodes,

@@ -367,6 +367,21 @@ def test_prefill_groups_fetch_at_staggered_phases():
     assert decode_times_ms and all(t % 10 == 0 for t in decode_times_ms)
 
 
+def test_an_attention_quota_override_reaches_the_prefill_batchers():
+    # dualpath simulate --attention-quota-s: SPEC §6's 300 ms unless a run says otherwise; a
+    # quota far below one chunk's attention cuts batches into chunked prefill, so it shows.
+    default = build_simulator(small_spec())
+    tight = build_simulator(small_spec(attention_quota_s=1e-4))
+    assert default.cluster.scheduler.attention_quota_s == 0.3
+    assert tight.cluster.scheduler.attention_quota_s == 1e-4
+    default.run()
+    tight.run()
+    assert len(tight.records) == len(default.records)
+    assert max(tight.agent_finish_s) > max(default.agent_finish_s)
+    with pytest.raises(ValueError, match="attention_quota_s"):
+        small_spec(attention_quota_s=0.0)
+
+
 def test_the_front_end_admits_turns_one_after_another():
     # hopper-8x400 / 8 admits 1,250 turns/s: 0.8 ms each, in the order they were sent. Five
     # agents start together; their first turns reach the scheduler 0.8 ms apart, and every
