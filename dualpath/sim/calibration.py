@@ -22,8 +22,9 @@ The fit's runs (since the generator's floor of tokens per turn, ``TrajectoryTarg
 secant search from the earlier 0.4745 tried 0.4745 -> 2,788.5 s, 0.4178 -> 3,115.0 s,
 0.4088 -> 3,103.3 s, 0.4580 -> 2,863.7 s, 0.3957 -> 3,229.0 s, 0.4062 -> 3,228.4 s and did
 not settle (the JCT is not smooth in the factor); their mean JCT x efficiency gave 0.4101,
-from which ``fit_prefill_efficiency`` tried 0.4101 -> 3,111.5 s, 0.4029 -> 3,169.1 s,
-0.4030 -> 3,184.8 s, 0.4038 -> 3,189.7 s, 0.4045 -> 3,181.0 s, 0.4049 -> 3,163.4 s: **0.4048**.
+from which the fit tried 0.4101 -> 3,111.5 s, 0.4029 -> 3,169.1 s, 0.4030 -> 3,184.8 s,
+0.4038 -> 3,189.7 s, 0.4045 -> 3,181.0 s, 0.4049 -> 3,163.4 s: **0.4048** (the line through
+these runs and their mean JCT x efficiency alone both give it).
 Before the floor the longest agent's 3,196 turns set the JCT and the fit was 0.4745.
 """
 
@@ -67,10 +68,12 @@ def fit_prefill_efficiency(
     """The ``prefill_efficiency`` (others fixed) whose calibration run meets the target JCT,
     and every (efficiency, JCT s) tried. Each run is a full-size simulation (about a minute).
 
-    Prefill-bound, JCT is about K / efficiency, but not smoothly: a change in the third
-    decimal moves it by 2-4% (docs/simulator.md), which sends a secant search astray. So every
-    run estimates K = JCT x efficiency, the next run tries mean(K) / target, and the answer is
-    mean(K) / target over all ``runs``: the noise averages out instead of steering."""
+    The JCT is about a + b / efficiency (the prefill-bound part scales with the factor, the
+    rest does not), but not smoothly: a change in the third decimal moves it by 2-4%
+    (docs/simulator.md), which sends a secant search astray. So every run adds a point, the
+    next run tries the efficiency at which the least-squares line through all of them meets
+    the target, and the answer is that efficiency after ``runs`` runs: the noise averages out
+    instead of steering."""
     from dualpath.sim.runner import run_simulation
 
     if runs < 1:
@@ -87,6 +90,19 @@ def fit_prefill_efficiency(
 
 
 def _efficiency_for_target(tried: list[tuple[float, float]]) -> float:
-    """mean(JCT x efficiency) / target, kept in (0, 1]."""
+    """Where JCT = a + b / efficiency, fitted to ``tried`` by least squares, meets the target;
+    kept in (0, 1].
+
+    b is clipped to [K / 4, K], K = mean(JCT x efficiency): b = K is a JCT all prefill
+    (a = 0), and runs too close together for a slope fall back to that."""
     k = sum(efficiency * jct_s for efficiency, jct_s in tried) / len(tried)
-    return min(1.0, k / CALIBRATION_TARGET_JCT_S)
+    xs = [1.0 / efficiency for efficiency, _ in tried]
+    ys = [jct_s for _, jct_s in tried]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    var_x = sum((x - mean_x) ** 2 for x in xs)
+    slope = k
+    if var_x > 0:
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var_x
+    slope = min(k, max(k / 4, slope))
+    x_target = mean_x + (CALIBRATION_TARGET_JCT_S - mean_y) / slope
+    return 1.0 if x_target <= 1.0 else 1.0 / x_target

@@ -35,22 +35,25 @@ def test_only_the_calibration_check_is_marked_fitted():
     assert prediction.as_dict()["fitted"] is False
 
 
-def test_the_fit_averages_noisy_runs_instead_of_chasing_them(monkeypatch) -> None:
-    # A prefill-bound JCT of K / efficiency, each run +-3% off in turn (the real one is not
-    # smooth in the factor): the fit lands near K / target; a secant would chase the noise.
-    k = 1300.0
+@pytest.mark.parametrize("fixed_s", [0.0, 900.0])
+def test_the_fit_averages_noisy_runs_instead_of_chasing_them(monkeypatch, fixed_s) -> None:
+    # A JCT of fixed + K / efficiency (all prefill-bound, or not), each run +-3% off in turn
+    # (the real one is not smooth in the factor): the fit lands near the efficiency that
+    # meets the target; a secant would chase the noise.
+    k = 1300.0 if fixed_s == 0 else 700.0
     noise = iter([1.03, 0.97] * 4)
     tried_specs = []
 
     def fake_run(spec):
         tried_specs.append(spec)
-        return SimpleNamespace(jct_s=k / spec.factors.prefill_efficiency * next(noise))
+        jct_s = fixed_s + k / spec.factors.prefill_efficiency
+        return SimpleNamespace(jct_s=jct_s * next(noise))
 
     monkeypatch.setattr(runner, "run_simulation", fake_run)
     answer, tried = calibration.fit_prefill_efficiency(start=0.5, runs=6)
     assert len(tried) == len(tried_specs) == 6
     assert tried[0][0] == 0.5
     assert all(spec == calibration_spec(spec.factors) for spec in tried_specs)
-    assert answer == pytest.approx(k / CALIBRATION_TARGET_JCT_S, rel=0.01)
+    assert answer == pytest.approx(k / (CALIBRATION_TARGET_JCT_S - fixed_s), rel=0.02)
     with pytest.raises(ValueError, match="runs"):
         calibration.fit_prefill_efficiency(runs=0)
