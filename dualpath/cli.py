@@ -629,6 +629,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "per prefill batch (default SPEC §6's 0.3); 0.3 / 61 reads the quota as a whole "
         "DeepSeek-V3.2 forward instead (docs/simulator.md, 'ping-pong')",
     )
+    p.add_argument(
+        "--quota-per-forward",
+        action="store_true",
+        help="read SPEC §6's 300 ms compute quota as the attention time of a whole forward "
+        "(300 ms / layers per layer), with that reading's own fitted prefill efficiency: an "
+        "alternative to the default per-layer reading, for experiments, free-form runs and "
+        "--calibrate (docs/simulator.md, 'ping-pong')",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
@@ -645,7 +653,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.calibrate:
         from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, fit_prefill_efficiency
 
-        answer, tried = fit_prefill_efficiency()
+        answer, tried = fit_prefill_efficiency(quota_per_forward=args.quota_per_forward)
         for efficiency, jct_s in tried:
             print(f"prefill_efficiency {efficiency:.4f}: JCT {jct_s:.1f} s")
         print(
@@ -657,7 +665,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
         return _run_fidelity(args)
     if args.experiment is not None:
         result = experiments.run_experiment(
-            args.experiment, scale_down=args.scale_down, full=args.full
+            args.experiment,
+            scale_down=args.scale_down,
+            full=args.full,
+            quota_per_forward=args.quota_per_forward,
         )
     else:
         presets = {32768: "32k", 49152: "48k", 65536: "64k"}
@@ -683,6 +694,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             read_path=args.read_path,
             frontend_requests_per_s=args.frontend_rps,
             attention_quota_s=args.attention_quota_s,
+            quota_per_forward=args.quota_per_forward,
         )
     data = report.result_json([result], time.perf_counter() - start_s)
     print(report.format_table(result))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
+from dualpath.sim import experiments, online
 from dualpath.sim.agents import scaled_append_agents
+from dualpath.sim.calibration import FROZEN_FACTORS, FROZEN_FACTORS_PER_FORWARD
 from dualpath.sim.experiments import ExperimentResult, _Runner
+from dualpath.sim.runner import build_simulator
 from tests.sim.test_simulator import small_spec
 
 
@@ -34,3 +38,47 @@ def test_copied_agents_repeat_the_trajectories_under_fresh_ids():
         assert copy.prompt_tokens == original.prompt_tokens
         assert copy.hit_tokens == original.hit_tokens
         assert copy.output_tokens == original.output_tokens
+
+
+def test_the_quota_read_per_forward_reaches_every_run_of_an_experiment(monkeypatch) -> None:
+    # --quota-per-forward: every spec of the experiment, the online probes' base included,
+    # runs with that reading and its own fitted factors, and the JSON says so.
+    seen = []
+
+    def fake_run(spec):
+        seen.append(spec)
+        simulator = build_simulator(small_spec(num_agents=8, scale_down=8))
+        simulator.run()
+        return SimpleNamespace(
+            spec=spec,
+            jct_s=3000.0,
+            snic_load_balance=1.0,
+            num_requests=1,
+            num_events=1,
+            wall_s=1.0,
+            events_per_s=1.0,
+            records=simulator.records,
+        )
+
+    probed = []
+    monkeypatch.setattr(experiments, "run_simulation", fake_run)
+    monkeypatch.setattr(online, "find_capacity", lambda spec, *_: probed.append(spec) or [])
+    ablation = experiments.run_experiment("ablation", scale_down=8, quota_per_forward=True)
+    experiments.run_experiment("online-capacity", scale_down=8, quota_per_forward=True)
+    assert len(seen) >= 4 and len(probed) == 4
+    for spec in seen + probed:
+        assert spec.quota_per_forward and spec.factors == FROZEN_FACTORS_PER_FORWARD
+    assert all(run["quota_per_forward"] for run in ablation.runs)
+    seen.clear()
+    default = experiments.run_experiment("ablation", scale_down=8)
+    assert seen and not any(spec.quota_per_forward for spec in seen)
+    assert all(spec.factors == FROZEN_FACTORS for spec in seen)
+    assert not any(run["quota_per_forward"] for run in default.runs)
+
+
+def test_the_quota_read_per_forward_is_300_ms_over_the_layers() -> None:
+    per_layer = build_simulator(small_spec()).cluster.scheduler.attention_quota_s
+    per_forward = build_simulator(small_spec(quota_per_forward=True))
+    assert per_forward.cluster.scheduler.attention_quota_s == per_layer / 61 == 0.3 / 61
+    chosen = build_simulator(small_spec(quota_per_forward=True, attention_quota_s=0.01))
+    assert chosen.cluster.scheduler.attention_quota_s == 0.01
