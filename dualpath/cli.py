@@ -657,8 +657,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
         for efficiency, jct_s in tried:
             print(f"prefill_efficiency {efficiency:.4f}: JCT {jct_s:.1f} s")
         print(
-            f"fitted prefill_efficiency {answer:.4f} (mean of JCT x efficiency / target "
-            f"{CALIBRATION_TARGET_JCT_S:.0f} s, Table 3's 2P4D)"
+            f"fitted prefill_efficiency {answer:.4f} (where a least-squares line through the "
+            f"runs in 1 / efficiency meets Table 3's 2P4D {CALIBRATION_TARGET_JCT_S:.0f} s)"
         )
         return 0
     if args.experiment == "fidelity":

@@ -55,7 +55,9 @@ FROZEN_FACTORS_PER_FORWARD = replace(FROZEN_FACTORS, prefill_efficiency=0.2970)
 CALIBRATION_TARGET_JCT_S = 3167.0
 
 
-def calibration_spec(factors: EfficiencyFactors = FROZEN_FACTORS, *, quota_per_forward=False):
+def calibration_spec(
+    factors: EfficiencyFactors = FROZEN_FACTORS, *, quota_per_forward: bool = False
+):
     """The one configuration the fit uses (a ``RunSpec``)."""
     from dualpath.sim.runner import RunSpec
 

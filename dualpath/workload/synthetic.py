@@ -77,7 +77,7 @@ class TrajectoryTargets:
     def __post_init__(self) -> None:
         if self.num_turns < _MIN_TURNS:
             raise ValueError(f"num_turns must be >= {_MIN_TURNS}, got {self.num_turns}")
-        if not 2 <= self.min_tokens_per_turn * self.num_turns <= self.total_tokens:
+        if not 2 <= self.min_tokens_per_turn <= self.total_tokens / self.num_turns:
             raise ValueError(
                 f"min_tokens_per_turn must be in [2, total_tokens / num_turns="
                 f"{self.total_tokens / self.num_turns:g}], got {self.min_tokens_per_turn}"
@@ -208,7 +208,7 @@ def _fit_turns(
 ) -> tuple[np.ndarray, float]:
     """Step 1: turn counts whose mean is the target and mean(S/T) = append + gen, none with
     fewer than ``min_tokens_per_turn`` tokens a turn."""
-    cap = np.maximum(_MIN_TURNS, totals // max(2, targets.min_tokens_per_turn))
+    cap = np.maximum(_MIN_TURNS, totals // targets.min_tokens_per_turn)
 
     def turns_for(sigma: float) -> np.ndarray:
         raw = np.exp(sigma * turn_z)

@@ -183,6 +183,8 @@ def test_bad_targets_and_arguments_are_rejected() -> None:
         TrajectoryTargets(32_768, 60, 608, 148, 28_639, 30_000)
     with pytest.raises(ValueError, match="min_tokens_per_turn"):
         TrajectoryTargets(32_768, 60, 608, 148, 28_639, 17_183, min_tokens_per_turn=500)
+    with pytest.raises(ValueError, match="min_tokens_per_turn"):
+        TrajectoryTargets(32_768, 60, 608, 148, 28_639, 17_183, min_tokens_per_turn=1)
     with pytest.raises(ValueError, match="num_trajectories"):
         generate_trajectories(PRESETS["32k"], 0, seed=0, vocab_size=VOCAB_SIZE)
     with pytest.raises(ValueError, match="length_scale"):
