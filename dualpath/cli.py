@@ -760,6 +760,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scale-down", type=_positive_int, default=1, help="simulate a K-times smaller cluster"
     )
+    p.add_argument(
+        "--quota-per-forward",
+        action="store_true",
+        help="simulate with SPEC §6's compute quota read as a whole forward, as `dualpath "
+        "simulate --quota-per-forward` (default: per attention layer)",
+    )
     p.set_defaults(func=_run_plan)
 
 
@@ -777,6 +783,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         preset=presets[args.max_len],
         mode=args.mode,
         scale_down=args.scale_down,
+        quota_per_forward=args.quota_per_forward,
     )
     print("\n".join(advice.lines))
     return 0

@@ -51,6 +51,12 @@ FROZEN_FACTORS = EfficiencyFactors(
 # was taken with it, and 0.2970 gives 3,172.1 s).
 FROZEN_FACTORS_PER_FORWARD = replace(FROZEN_FACTORS, prefill_efficiency=0.2970)
 
+
+def frozen_factors(*, quota_per_forward: bool = False) -> EfficiencyFactors:
+    """The frozen factors fitted under the given reading of SPEC §6's quota."""
+    return FROZEN_FACTORS_PER_FORWARD if quota_per_forward else FROZEN_FACTORS
+
+
 # Table 3 (SPEC §7): 2P4D JCT, seconds. The run it is compared with: ``calibration_spec()``.
 CALIBRATION_TARGET_JCT_S = 3167.0
 
@@ -89,7 +95,7 @@ def fit_prefill_efficiency(
 
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    frozen = FROZEN_FACTORS_PER_FORWARD if quota_per_forward else FROZEN_FACTORS
+    frozen = frozen_factors(quota_per_forward=quota_per_forward)
     tried: list[tuple[float, float]] = []
     guess = frozen.prefill_efficiency if start is None else start
     for _ in range(runs):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dualpath.config import parse_node_shape
-from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, FROZEN_FACTORS_PER_FORWARD
+from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, frozen_factors
 from dualpath.sim.runner import RunResult, RunSpec, run_simulation
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class _Runner:
         and its own fitted factors."""
         if not self._quota_per_forward or spec.quota_per_forward:
             return spec
-        return replace(spec, quota_per_forward=True, factors=FROZEN_FACTORS_PER_FORWARD)
+        return replace(spec, quota_per_forward=True, factors=frozen_factors(quota_per_forward=True))
 
     def __call__(self, spec: RunSpec, **labels: object) -> RunResult:
         """``labels`` go into the run's JSON record (e.g. what a given workload is)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpath.sim.calibration import frozen_factors
 from dualpath.sim.profiles import HARDWARE
 from dualpath.sim.runner import RunSpec, run_simulation
 from dualpath.transfer.links import bottleneck_free_pd_range
@@ -30,8 +31,10 @@ def recommend_pd(
     preset: str,
     mode: str = "dualpath",
     scale_down: int = 1,
+    quota_per_forward: bool = False,
 ) -> PlanAdvice:
-    """Simulate every P + D = ``total_nodes`` and return the best by turns/s per GPU."""
+    """Simulate every P + D = ``total_nodes`` and return the best by turns/s per GPU;
+    ``quota_per_forward`` reads SPEC §6's quota as a whole forward, with its own factors."""
     if total_nodes < 2:
         raise ValueError(f"need at least 2 nodes (one per role), got {total_nodes}")
     profile = HARDWARE[hardware]
@@ -54,6 +57,8 @@ def recommend_pd(
                 preset=preset,
                 mode=mode,
                 scale_down=scale_down,
+                quota_per_forward=quota_per_forward,
+                factors=frozen_factors(quota_per_forward=quota_per_forward),
             )
         )
         num_gpus = total_nodes * profile.num_gpus_per_node // scale_down
