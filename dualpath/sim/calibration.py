@@ -61,10 +61,9 @@ def frozen_factors(*, quota_per_forward: bool = False) -> EfficiencyFactors:
 CALIBRATION_TARGET_JCT_S = 3167.0
 
 
-def calibration_spec(
-    factors: EfficiencyFactors = FROZEN_FACTORS, *, quota_per_forward: bool = False
-):
-    """The one configuration the fit uses (a ``RunSpec``)."""
+def calibration_spec(factors: EfficiencyFactors | None = None, *, quota_per_forward: bool = False):
+    """The one configuration the fit uses (a ``RunSpec``; ``factors`` None: the frozen ones
+    of the quota reading)."""
     from dualpath.sim.runner import RunSpec
 
     return RunSpec(

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dualpath.config import parse_node_shape
-from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, frozen_factors
+from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S
 from dualpath.sim.runner import RunResult, RunSpec, run_simulation
 
 logger = logging.getLogger(__name__)
@@ -100,10 +100,10 @@ class _Runner:
 
     def adjust(self, spec: RunSpec) -> RunSpec:
         """The spec as this experiment runs it: with the quota read per forward, that reading
-        and its own fitted factors."""
+        and (``factors=None``) its own fitted factors."""
         if not self._quota_per_forward or spec.quota_per_forward:
             return spec
-        return replace(spec, quota_per_forward=True, factors=frozen_factors(quota_per_forward=True))
+        return replace(spec, quota_per_forward=True, factors=None)
 
     def __call__(self, spec: RunSpec, **labels: object) -> RunResult:
         """``labels`` go into the run's JSON record (e.g. what a given workload is)."""

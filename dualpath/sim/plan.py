@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath.sim.calibration import frozen_factors
 from dualpath.sim.profiles import HARDWARE
 from dualpath.sim.runner import RunSpec, run_simulation
 from dualpath.transfer.links import bottleneck_free_pd_range
@@ -58,7 +57,6 @@ def recommend_pd(
                 mode=mode,
                 scale_down=scale_down,
                 quota_per_forward=quota_per_forward,
-                factors=frozen_factors(quota_per_forward=quota_per_forward),
             )
         )
         num_gpus = total_nodes * profile.num_gpus_per_node // scale_down

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from dualpath.config import READ_PATHS, SchedulerConfig, mode_settings, parse_node_shape
 from dualpath.scheduler import make_cluster_topology
 from dualpath.sim.agents import AgentTrace, synthetic_agents
-from dualpath.sim.calibration import FROZEN_FACTORS
+from dualpath.sim.calibration import frozen_factors
 from dualpath.sim.cluster import ClusterModel, RequestRecord
 from dualpath.sim.cost import (
     ConstantCostModel,
@@ -50,7 +50,9 @@ class RunSpec:
     mode: str = "dualpath"
     seed: int = 0
     scale_down: int = 1
-    factors: EfficiencyFactors = FROZEN_FACTORS
+    # None: the frozen factors fitted under this spec's reading of the quota
+    # (``calibration.frozen_factors``), set on construction.
+    factors: EfficiencyFactors | None = None
     # None = the roofline model; a ConstantCostModel for hand-computable tests.
     constant_cost: ConstantCostModel | None = None
     # Forces the scheduler ("dualpath" / "round_robin") instead of the mode's (SNIC balance).
@@ -64,7 +66,7 @@ class RunSpec:
     # SPEC §6's 300 ms; per layer or per forward is an open question (docs/simulator.md).
     attention_quota_s: float | None = None
     # Read SPEC §6's 300 ms as the attention time of a whole forward: 300 ms / layers per
-    # layer (``attention_quota_s`` wins). Pair it with ``FROZEN_FACTORS_PER_FORWARD``.
+    # layer (``attention_quota_s`` wins), with that reading's own fitted factors by default.
     quota_per_forward: bool = False
     arrivals_s: tuple[float, ...] | None = None  # per agent; None = all at 0 (offline)
     # Measured costs and links of this machine (``local.py``); replaces the hardware profile
@@ -73,6 +75,9 @@ class RunSpec:
     agents: tuple[AgentTrace, ...] | None = field(default=None, compare=False)  # overrides
 
     def __post_init__(self) -> None:
+        if self.factors is None:
+            factors = frozen_factors(quota_per_forward=self.quota_per_forward)
+            object.__setattr__(self, "factors", factors)
         mode_settings(self.mode)
         parse_node_shape(self.nodes)
         if self.read_path is not None and self.read_path not in READ_PATHS:

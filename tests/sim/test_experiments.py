@@ -9,7 +9,7 @@ from dualpath.sim import experiments, online
 from dualpath.sim.agents import scaled_append_agents
 from dualpath.sim.calibration import FROZEN_FACTORS, FROZEN_FACTORS_PER_FORWARD
 from dualpath.sim.experiments import ExperimentResult, _Runner
-from dualpath.sim.runner import build_simulator
+from dualpath.sim.runner import RunSpec, build_simulator
 from tests.sim.test_simulator import small_spec
 
 
@@ -82,3 +82,6 @@ def test_the_quota_read_per_forward_is_300_ms_over_the_layers() -> None:
     assert per_forward.cluster.scheduler.attention_quota_s == per_layer / 61 == 0.3 / 61
     chosen = build_simulator(small_spec(quota_per_forward=True, attention_quota_s=0.01))
     assert chosen.cluster.scheduler.attention_quota_s == 0.01
+    # A spec that names no factors gets the ones fitted under its reading.
+    assert RunSpec().factors == FROZEN_FACTORS
+    assert RunSpec(quota_per_forward=True).factors == FROZEN_FACTORS_PER_FORWARD
