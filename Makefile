@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-faults soak lint format bench-store gpu-check clean
+.PHONY: run test test-faults compiled test-compiled soak lint format bench-store gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,17 @@ test-faults: $(STAMP)
 	bash scripts/setup_faults.sh
 	$(BIN)/pytest -q -s -m faults tests/faults
 
+# Optional: the simulator's and the scheduler's hot modules compiled with mypyc (about 4
+# minutes; simulations ~1.5x faster, results identical). Loaded only while their sources are
+# unchanged: rebuild after editing them. DUALPATH_COMPILED=0 runs the sources anyway.
+compiled: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,compiled]'
+	$(BIN)/python scripts/build_compiled.py
+
+# The simulator's and the scheduler's tests against the compiled build (required, not optional).
+test-compiled: compiled
+	DUALPATH_COMPILED=1 $(BIN)/pytest -q tests/sim tests/scheduler tests/test_compiled.py
+
 # 256 concurrent multi-turn sessions for 10 minutes against `dualpath serve`: lost requests,
 # 429 rate, RSS over time, fd and /dev/shm leaks, latency percentiles. Not in CI.
 soak: $(STAMP)
@@ -52,4 +63,4 @@ gpu-check: $(STAMP)
 	NIXL_LOG_LEVEL=WARN $(BIN)/python scripts/gpu_check.py --json results/gpu_check.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info dualpath/_compiled

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dualpath import compiled as _compiled
+
+_compiled.install()  # loads the optional compiled simulator when it is fresh (compiled.py)
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 

@@ -698,7 +698,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
         )
     data = report.result_json([result], time.perf_counter() - start_s)
     print(report.format_table(result))
-    print(f"wall {data['wall_s']:.1f} s, {data['events_per_s']} events/s")
+    build = "compiled build" if data["compiled"] else "Python sources"
+    print(f"wall {data['wall_s']:.1f} s, {data['events_per_s']} events/s ({build})")
     if args.json is not None:
         report.write_json(data, args.json)
     if args.png is not None:

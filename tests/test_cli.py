@@ -103,3 +103,25 @@ def test_demo_runs_on_the_embedded_default(
     assert [r[0] for r in rows] == ["1", "2", "3"]
     assert int(rows[0][2]) == 0 and int(rows[2][2]) > 0  # turn 3 finds turn 1-2's blocks
     assert (tmp_path / "models" / "tiny" / "config.json").is_file()
+
+
+def test_simulate_free_form_writes_runs_and_says_which_build_ran(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from dualpath import compiled
+
+    out_json = tmp_path / "sim.json"
+    code, out, _ = run_cli(
+        capsys,
+        "simulate",
+        *("--nodes", "2P4D", "--agents", "512", "--scale-down", "8"),
+        *("--modes", "basic,dualpath", "--json", str(out_json)),
+    )
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    assert [run["mode"] for run in data["runs"]] == ["basic", "dualpath"]
+    assert all(run["agents"] == 64 and run["jct_s"] > 0 for run in data["runs"])
+    assert data["compiled"] is compiled.is_active()
+    build = "compiled build" if data["compiled"] else "Python sources"
+    assert f"events/s ({build})" in out
+    assert "basic |" in out and "dualpath |" in out

@@ -78,16 +78,12 @@ def pack_prefill_batch(
     """
     _check_quota(quota_s, min_chunk_tokens, chunk_align_tokens)
     align = chunk_align_tokens
-
-    def fits(num_whole: int, cut_tokens: int | None = None) -> bool:
-        """Whether the first ``num_whole`` requests, plus ``cut_tokens`` of the next one,
-        stay within the quota."""
-        batch = [(work.num_cached_tokens, work.num_new_tokens) for work in waiting[:num_whole]]
-        if cut_tokens is not None:
-            batch.append((waiting[num_whole].num_cached_tokens, cut_tokens))
-        return predictor.predict_s(batch) <= quota_s
-
-    num_whole = _largest_fitting_prefix(len(waiting), fits)
+    # (The predicates call a module-level _fits, not a nested function: compiled with mypyc,
+    # a nested function that a lambda calls and the lambda's environment reference each
+    # other, a cycle per batch that the simulator's run, collector off, would keep.)
+    num_whole = _largest_fitting_prefix(
+        len(waiting), lambda k: _fits(waiting, predictor, quota_s, k)
+    )
     chunks = [
         PrefillChunk(work.request_id, work.num_cached_tokens, work.num_new_tokens, True)
         for work in waiting[:num_whole]
@@ -97,7 +93,7 @@ def pack_prefill_batch(
         num_units = _most_tokens_fitting(
             min_chunk_tokens // align,
             (work.num_new_tokens - 1) // align,
-            lambda n: fits(num_whole, n * align),
+            lambda n: _fits(waiting, predictor, quota_s, num_whole, n * align),
         )
         cut_tokens = None if num_units is None else num_units * align
         if cut_tokens is None and num_whole == 0:
@@ -113,6 +109,21 @@ def pack_prefill_batch(
             )
     batch_pairs = [(chunk.num_cached_tokens, chunk.num_new_tokens) for chunk in chunks]
     return PrefillBatch(tuple(chunks), predictor.predict_s(batch_pairs))
+
+
+def _fits(
+    waiting: Sequence[PrefillWork],
+    predictor: AttentionTimePredictor,
+    quota_s: float,
+    num_whole: int,
+    cut_tokens: int | None = None,
+) -> bool:
+    """Whether the first ``num_whole`` requests, plus ``cut_tokens`` of the next one, stay
+    within the quota."""
+    batch = [(work.num_cached_tokens, work.num_new_tokens) for work in waiting[:num_whole]]
+    if cut_tokens is not None:
+        batch.append((waiting[num_whole].num_cached_tokens, cut_tokens))
+    return predictor.predict_s(batch) <= quota_s
 
 
 def _check_quota(quota_s: float, min_chunk_tokens: int, chunk_align_tokens: int) -> None:

@@ -16,6 +16,7 @@ takes the next DE in cluster order. Neither choice looks at load. Fitted into th
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from dualpath.config import SchedulerConfig
 from dualpath.scheduler.cluster_view import ClusterView
@@ -90,9 +91,14 @@ class RoundRobinScheduler:
         """See ``Scheduler.withdraw_engine``: the turn skips the lost engine from now on."""
         self._dead_engine_ids.add(engine_id)
         withdrawn: list[SchedulerRequest] = []
-        for queues in (self._prefill_group_queues, self._decode_group_queues):
+        # (PE queues hold (request, PE) entries, DE queues (request, PE, DE): one loop for both.)
+        role_queues: tuple[list[deque[Any]], ...] = (
+            self._prefill_group_queues,
+            self._decode_group_queues,
+        )
+        for queues in role_queues:
             for index, queue in enumerate(queues):
-                kept = deque()
+                kept: deque[Any] = deque()
                 for entry in queue:
                     if engine_id in entry[1:]:
                         withdrawn.append(entry[0])

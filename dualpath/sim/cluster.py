@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dualpath.config import SchedulerConfig
-from dualpath.scheduler import ClusterTopology
+from dualpath.scheduler import ClusterTopology, GroupSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,8 @@ class EngineGroup:
         # engines in changed_engines (their load changed since: rebuilt at the next report).
         self.engine_snapshots: list = [engine.snapshot() for engine in engines]
         self.changed_engines: list = []
-        self.snapshot = None  # the last GroupSnapshot; None once a node's read_q changed
+        # The last report; None once a node's read_q changed.
+        self.snapshot: GroupSnapshot | None = None
         self.fetch_phase_s = 0.0  # its leader fetches at fetch_phase_s + k * fetch_interval_s
         # Σ tok_e over its engines, kept by SimEngine.change_load (what a report would sum).
         self.num_tokens = sum(engine.num_tokens for engine in engines)

@@ -135,7 +135,7 @@ class RooflineCostModel:
         keys = mean_context
         top_k = model.attention_top_k_tokens
         if top_k is not None and top_k < mean_context:
-            keys = top_k
+            keys = float(top_k)  # (a float for mypyc: the same products, below 2**53)
         num_layers = model.num_layers
         kv_bytes = num_seqs * num_layers * keys * model.kv_bytes_per_token_per_layer
         index_bytes = num_context_tokens * num_layers * model.indexer_bytes_per_token_per_layer

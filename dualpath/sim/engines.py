@@ -21,11 +21,15 @@ import math
 from collections import deque
 from collections.abc import Callable
 from heapq import heappop, heappush
+from typing import TYPE_CHECKING, Any
 
 from dualpath.scheduler import EngineSnapshot, LoadPlan, NodeSnapshot, PrefillBatcher
 from dualpath.sim.cost import CostModel
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import SimLink, TrafficClass
+
+if TYPE_CHECKING:
+    from dualpath.sim.cluster import EngineGroup
 
 # An Enum member looked up on its class costs ~0.2 us; a module constant a few ns.
 _STEP_DONE = EventPriority.STEP_DONE
@@ -56,6 +60,12 @@ class SimRequest:
         "num_context_tokens",
     )
 
+    # Set at placement, read only after it: the PE at the PE fetch, the DE and the read plan
+    # at the DE fetch.
+    prefill_engine: SimPrefillEngine
+    decode_engine: SimDecodeEngine
+    load_plan: LoadPlan
+
     def __init__(
         self,
         request_id: int,
@@ -72,9 +82,6 @@ class SimRequest:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_hit_tokens = num_hit_tokens
         self.num_output_tokens = num_output_tokens
-        self.prefill_engine: SimPrefillEngine | None = None
-        self.decode_engine: SimDecodeEngine | None = None
-        self.load_plan: LoadPlan | None = None
         self.num_pending_reads = 0
         self.num_pending_kv = 0  # PE->DE flows still moving, +1 until the prefill is done
         self.submit_s = submit_s
@@ -107,6 +114,8 @@ class SimNode:
         "_snapshot",
     )
 
+    group: EngineGroup  # the EngineGroup it belongs to, set when the group is built
+
     def __init__(
         self,
         node_id: int,
@@ -121,9 +130,8 @@ class SimNode:
         self.snic_write = snic_write
         self.read_queue_tokens = 0  # read_q: tokens queued or being read (SPEC §6)
         self.max_inflight_reads = max_inflight_reads
-        self.group = None  # the EngineGroup it belongs to, set when the group is built
         self._num_inflight = 0
-        self._waiting: deque[tuple[float, int, Callable, object]] = deque()
+        self._waiting: deque[tuple[float, int, Callable[[Any], None], Any]] = deque()
         self._snapshot = NodeSnapshot(node_id, 0)
 
     def snapshot(self) -> NodeSnapshot:
@@ -134,7 +142,7 @@ class SimNode:
         return snapshot
 
     def read(
-        self, num_bytes: float, num_tokens: int, on_done: Callable[[object], None], token: object
+        self, num_bytes: float, num_tokens: int, on_done: Callable[[Any], None], token: Any
     ) -> None:
         """Queue a storage read; ``on_done(token)`` when its bytes are in the host buffer."""
         self.read_queue_tokens += num_tokens
@@ -150,12 +158,12 @@ class SimNode:
             self._start(*self._waiting.popleft())
 
     def _start(
-        self, num_bytes: float, num_tokens: int, on_done: Callable[[object], None], token: object
+        self, num_bytes: float, num_tokens: int, on_done: Callable[[Any], None], token: Any
     ) -> None:
         self._num_inflight += 1
         self.snic_read.start(num_bytes, _KV, self._on_read_done, (num_tokens, on_done, token))
 
-    def _on_read_done(self, entry: tuple[int, Callable, object]) -> None:
+    def _on_read_done(self, entry: tuple[int, Callable[[Any], None], Any]) -> None:
         num_tokens, on_done, token = entry
         self._num_inflight -= 1
         self.read_queue_tokens -= num_tokens
@@ -188,7 +196,8 @@ class SimEngine:
         self.engine_id = engine_id
         self.node = node
         self.cnic = cnic
-        self.group = None  # its PrefillGroup / DecodeGroup, set when the group is built
+        # Its PrefillGroup / DecodeGroup, set when the group is built.
+        self.group: EngineGroup | None = None
         self.position = 0  # its index among the group's engines (snapshot order)
         self._num_seqs = 0
         self._num_tokens = 0

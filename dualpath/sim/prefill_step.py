@@ -12,12 +12,12 @@ next ``PrefillBatcher`` batch and lasts as long as the slowest PE's compute:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from dualpath.scheduler import AttentionTimePredictor, PrefillBatch
+from dualpath.scheduler import AttentionTimePredictor, PrefillBatch, PrefillChunk
 from dualpath.sim.engines import SimPrefillEngine, SimRequest
-from dualpath.sim.events import EventPriority
+from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import TrafficClass
 
 # An Enum member looked up on its class costs ~0.2 us; a module constant a few ns.
@@ -26,7 +26,9 @@ _KV = TrafficClass.KV
 _INFERENCE = TrafficClass.INFERENCE
 
 if TYPE_CHECKING:
-    from dualpath.sim.cluster import PrefillGroup
+    from dualpath.config import ModeSettings
+    from dualpath.sim.cluster import ClusterModel, EngineGroup, PrefillGroup
+    from dualpath.sim.cost import CostModel
 
 
 class HbmCappedPredictor:
@@ -82,6 +84,26 @@ class PrefillStep:
 class PrefillSteps:
     """``Simulator``'s prefill-step methods (see the module docstring)."""
 
+    # What the steps use of ``Simulator`` (which sets and defines them), declared here so the
+    # methods type-check (and compile with mypyc) on their own.
+    cluster: ClusterModel
+    settings: ModeSettings
+    queue: EventQueue
+    _prefill_cost: CostModel
+    _requests_in_flight: dict[int, SimRequest]
+    _kv_bytes_per_token: int
+    _block_size: int
+    _num_waiting_prefill: int
+
+    def _on_kv_arrived(self, request: SimRequest) -> None:
+        raise NotImplementedError
+
+    def _request_fetch(self, group: EngineGroup, handler: Callable[[Any], None]) -> None:
+        raise NotImplementedError
+
+    def _fetch_prefill(self, group: PrefillGroup) -> None:
+        raise NotImplementedError
+
     def _start_step(self, group: PrefillGroup) -> None:
         batches = []
         for engine in group.engines:
@@ -131,7 +153,13 @@ class PrefillSteps:
             step,
         )
 
-    def _start_all_to_all(self, engine, num_new: int, step: PrefillStep, on_done) -> None:
+    def _start_all_to_all(
+        self,
+        engine: SimPrefillEngine,
+        num_new: int,
+        step: PrefillStep,
+        on_done: Callable[[PrefillStep], None],
+    ) -> None:
         """The step's expert-parallel all-to-all on the engine's CNIC (inference class), if
         the model has one; ``on_done(step)`` when it ends."""
         if self.cluster.all_to_all_bytes_per_token and num_new:
@@ -143,7 +171,13 @@ class PrefillSteps:
                 step,
             )
 
-    def _send_chunk(self, request: SimRequest, chunk, on_done, token) -> None:
+    def _send_chunk(
+        self,
+        request: SimRequest,
+        chunk: PrefillChunk,
+        on_done: Callable[[Any], None],
+        token: Any,
+    ) -> None:
         """PE -> DE buffer: the chunk's new KV, plus the PE-side hit blocks with the first
         chunk (DE-side hit blocks are already in the DE buffer). The DE's buffer -> HBM copy
         of the chunk's share of the prompt rides in the same flow on the DE's CNIC (both are

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dualpath import compiled
 from dualpath.sim.experiments import ExperimentResult
 
 
@@ -15,6 +16,8 @@ def result_json(results: list[ExperimentResult], wall_s: float) -> dict:
     return {
         "wall_s": round(wall_s, 3),
         "events_per_s": round(num_events / sim_wall_s) if sim_wall_s > 0 else None,
+        # Speeds depend on it: the mypyc build (``make compiled``) or the Python sources.
+        "compiled": compiled.is_active(),
         "cost_model": "roofline (dualpath.sim.cost.RooflineCostModel), factors in "
         "dualpath/sim/calibration.py",
         "runs": [run for r in results for run in r.runs],

@@ -30,7 +30,8 @@ from __future__ import annotations
 import gc
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from dualpath.config import mode_settings
 from dualpath.scheduler import (
@@ -152,6 +153,9 @@ class Simulator(PrefillSteps):
             self.nodes.append(node)
             node_id_to_node[spec.node_id] = node
         self.engines: dict[int, SimPrefillEngine | SimDecodeEngine] = {}
+        # The same engines by role, for the placements (which store them on the request).
+        self._prefill_engines: dict[int, SimPrefillEngine] = {}
+        self._decode_engines: dict[int, SimDecodeEngine] = {}
         self.prefill_groups: list[PrefillGroup] = []
         self.decode_groups: list[DecodeGroup] = []
         for group in c.topology.groups:
@@ -161,6 +165,7 @@ class Simulator(PrefillSteps):
                 node = node_id_to_node[node_spec.node_id]
                 for engine_id in node_spec.engine_ids:
                     cnic = self._link(f"engine{engine_id}.cnic", c.cnic_bytes_per_s)
+                    engine: SimPrefillEngine | SimDecodeEngine
                     if group.role == EngineRole.PREFILL:
                         capped = HbmCappedPredictor(
                             predictor,
@@ -172,9 +177,11 @@ class Simulator(PrefillSteps):
                         batcher = PrefillBatcher.from_config(
                             config, capped, chunk_align_tokens=self._block_size
                         )
-                        engine = SimPrefillEngine(engine_id, node, batcher, cnic)
+                        engine = self._prefill_engines[engine_id] = SimPrefillEngine(
+                            engine_id, node, batcher, cnic
+                        )
                     else:
-                        engine = SimDecodeEngine(
+                        engine = self._decode_engines[engine_id] = SimDecodeEngine(
                             engine_id,
                             node,
                             cnic,
@@ -276,7 +283,7 @@ class Simulator(PrefillSteps):
 
     # --- fetches -----------------------------------------------------------------------------
 
-    def _request_fetch(self, group, handler) -> None:
+    def _request_fetch(self, group: EngineGroup, handler: Callable[[Any], None]) -> None:
         """A fetch at the group's next tick (``fetch_phase_s`` + k x ``fetch_interval_s``,
         after now), unless one is pending."""
         if group.is_fetch_pending:
@@ -316,7 +323,7 @@ class Simulator(PrefillSteps):
         self._num_waiting_prefill -= num_placed
         self._num_waiting_decode += num_placed
         requests = self._requests_in_flight
-        engines = self.engines
+        engines = self._prefill_engines
         for request_id, engine_id in zip(
             placed.request_ids, placed.prefill_engine_ids, strict=True
         ):
@@ -396,8 +403,10 @@ class Simulator(PrefillSteps):
         ):
             request = requests[request_id]
             assert request.prefill_engine.engine_id == prefill_id, "the PE changed after placement"
-            request.prefill_engine.group.num_awaiting_decode -= 1
-            engine = self.engines[decode_id]
+            prefill_group = request.prefill_engine.group
+            assert isinstance(prefill_group, PrefillGroup)  # (for the type checker)
+            prefill_group.num_awaiting_decode -= 1
+            engine = self._decode_engines[decode_id]
             request.decode_engine = engine
             request.load_plan = plan
             num_decode_tokens = request.num_prompt_tokens + request.num_output_tokens
@@ -439,6 +448,7 @@ class Simulator(PrefillSteps):
             PrefillWork(request.request_id, request.num_hit_tokens, request.num_new_tokens)
         )
         group = engine.group
+        assert isinstance(group, PrefillGroup)  # (for the type checker)
         if not group.is_busy:
             group.is_busy = True  # claimed now; the step starts as its own event
             self.queue.push(self.queue.now_s, _STEP_DONE, self._start_step, group)
@@ -500,7 +510,9 @@ class Simulator(PrefillSteps):
             )
         )
         if self._num_waiting_decode:
-            self._request_decode_fetch(engine.group)
+            decode_group = engine.group
+            assert isinstance(decode_group, DecodeGroup)  # (for the type checker)
+            self._request_decode_fetch(decode_group)
         agent = self.agents[request.agent_index]
         next_turn = request.turn_index + 1
         if next_turn < agent.num_turns:
