@@ -7,9 +7,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from dualpath.config import SchedulerConfig
-from dualpath.scheduler import ClusterTopology, GroupSnapshot
+from dualpath.scheduler import ClusterTopology, EngineSnapshot, GroupSnapshot
+from dualpath.sim.engines import SimDecodeEngine, SimEngine, SimNode, SimPrefillEngine
+
+# The engine type of a group: typed lists let the compiled build (mypyc) read the engines'
+# attributes and call their methods natively instead of through generic Python look-ups.
+EngineT = TypeVar("EngineT", bound=SimEngine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +64,7 @@ class RequestRecord:
     num_output_tokens: int
 
 
-class EngineGroup:
+class EngineGroup(Generic[EngineT]):
     """The engines of one scheduler group (all PEs or all DEs): they fetch together.
 
     The group owns its engines (``engine.group``, ``engine.position``) and nodes
@@ -79,7 +85,7 @@ class EngineGroup:
         "num_tokens",
     )
 
-    def __init__(self, group_id: int, engines: list, nodes: list):
+    def __init__(self, group_id: int, engines: list[EngineT], nodes: list[SimNode]):
         self.group_id = group_id
         self.engines = engines
         self.nodes = nodes
@@ -91,8 +97,8 @@ class EngineGroup:
             node.group = self
         # Per position, the engine's snapshot as the next report will send it, except for the
         # engines in changed_engines (their load changed since: rebuilt at the next report).
-        self.engine_snapshots: list = [engine.snapshot() for engine in engines]
-        self.changed_engines: list = []
+        self.engine_snapshots: list[EngineSnapshot] = [engine.snapshot() for engine in engines]
+        self.changed_engines: list[EngineT] = []
         # The last report; None once a node's read_q changed.
         self.snapshot: GroupSnapshot | None = None
         self.fetch_phase_s = 0.0  # its leader fetches at fetch_phase_s + k * fetch_interval_s
@@ -104,12 +110,12 @@ class EngineGroup:
         return all(engine.num_seqs == 0 for engine in self.engines)
 
 
-class PrefillGroup(EngineGroup):
+class PrefillGroup(EngineGroup[SimPrefillEngine]):
     """The PEs of one scheduler group: they also step in lockstep."""
 
     __slots__ = ("is_busy", "is_full", "num_awaiting_decode")
 
-    def __init__(self, group_id: int, engines: list, nodes: list):
+    def __init__(self, group_id: int, engines: list[SimPrefillEngine], nodes: list[SimNode]):
         super().__init__(group_id, engines, nodes)
         self.is_busy = False
         # Its last fetch placed nothing from a non-empty FIFO (Algorithm 1: every PE over β).
@@ -121,7 +127,7 @@ class PrefillGroup(EngineGroup):
         return not self.is_busy and super().is_idle()
 
 
-class DecodeGroup(EngineGroup):
+class DecodeGroup(EngineGroup[SimDecodeEngine]):
     """The DEs of one scheduler group."""
 
     __slots__ = ()

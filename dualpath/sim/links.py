@@ -26,15 +26,25 @@ import math
 from collections.abc import Callable
 from enum import IntEnum
 from heapq import heappop, heappush
-from typing import Any
+from typing import Any, Final
 
 from dualpath.sim.events import EventPriority, EventQueue
 
-_EPSILON_BYTES = 1e-3  # finish tags within this of the clock are due (float rounding)
-_TOLERANCE_S = 1e-9  # ... or within this many seconds at the flow's rate
-_INF = math.inf
-# An Enum member looked up on its class costs ~0.2 us; a module constant a few ns.
-_TRANSFER_DONE = EventPriority.TRANSFER_DONE
+_EPSILON_BYTES: Final = 1e-3  # finish tags within this of the clock are due (float rounding)
+_TOLERANCE_S: Final = 1e-9  # ... or within this many seconds at the flow's rate
+_INF: Final = math.inf
+# An Enum member looked up on its class costs ~0.2 us; a module constant a few ns (Final: the
+# compiled build keeps it in a C static instead of looking it up in the module's dict).
+_TRANSFER_DONE: Final = EventPriority.TRANSFER_DONE
+
+# NOTE(compiled): in the per-event methods below, ``x / float(len(heap))`` and
+# ``a[i] = a[i] + x`` are ``x / len(heap)`` and ``a[i] += x`` (the same floats: a list's
+# length converts to a float exactly) in the form mypyc compiles to C arithmetic; it
+# compiles a float divided by an int, and ``+=`` on a list item, as generic Python calls.
+
+# A flow in its class's heap: (finish tag, seq_no, size_bytes, on_done, token). Typed, so the
+# compiled build (mypyc) compares and unpacks the tags natively.
+_Flow = tuple[float, int, float, Callable[[Any], None], Any]
 
 
 class TrafficClass(IntEnum):
@@ -92,7 +102,7 @@ class SimLink:
         )
         self._shared_total = self._shared_rates[0] + self._shared_rates[1]
         self._clocks = [0.0, 0.0]  # per-class virtual clock: bytes served to each flow
-        self._heaps: tuple[list, list] = ([], [])  # (finish tag, seq, size, on_done, token)
+        self._heaps: tuple[list[_Flow], list[_Flow]] = ([], [])
         self._last_s = 0.0
         self._version = 0
         self._pending_s = math.inf  # time of the live completion event; inf = none
@@ -154,14 +164,15 @@ class SimLink:
             if heap0 and heap1:
                 rate0, rate1 = self._shared_rates
                 clocks = self._clocks
-                clocks[0] += elapsed_s * rate0 / len(heap0)
-                clocks[1] += elapsed_s * rate1 / len(heap1)
+                clocks[0] = clocks[0] + elapsed_s * rate0 / float(len(heap0))
+                clocks[1] = clocks[1] + elapsed_s * rate1 / float(len(heap1))
                 total_rate = self._shared_total
             elif heap0 or heap1:
                 total_rate = self.capacity_bytes_per_s
                 traffic_class = 0 if heap0 else 1
-                self._clocks[traffic_class] += (
-                    elapsed_s * total_rate / len(self._heaps[traffic_class])
+                clocks = self._clocks
+                clocks[traffic_class] = clocks[traffic_class] + elapsed_s * total_rate / float(
+                    len(self._heaps[traffic_class])
                 )
             else:
                 total_rate = 0.0
@@ -172,7 +183,7 @@ class SimLink:
                 index = int(now_s / window_s)
                 windows = self.window_bytes
                 if index == int(self._last_s / window_s) and index < len(windows):
-                    windows[index] += elapsed_s * total_rate
+                    windows[index] = windows[index] + elapsed_s * total_rate
                 else:
                     self._count_window_bytes(self._last_s, now_s, elapsed_s * total_rate)
         self._last_s = now_s
@@ -227,10 +238,10 @@ class SimLink:
         next_s = _INF
         if heap0:
             left = heap0[0][0] - self._clocks[0]
-            next_s = now_s + (left if left > 0.0 else 0.0) / (rate0 / len(heap0))
+            next_s = now_s + (left if left > 0.0 else 0.0) / (rate0 / float(len(heap0)))
         if heap1:
             left = heap1[0][0] - self._clocks[1]
-            due_s = now_s + (left if left > 0.0 else 0.0) / (rate1 / len(heap1))
+            due_s = now_s + (left if left > 0.0 else 0.0) / (rate1 / float(len(heap1)))
             if due_s < next_s:
                 next_s = due_s
         if next_s < self._pending_s:
@@ -253,17 +264,17 @@ class SimLink:
             rates = (self.capacity_bytes_per_s, self.capacity_bytes_per_s)  # see _reschedule
         clocks = self._clocks
         finished_bytes = self.finished_bytes
-        done = []
+        done: list[tuple[Callable[[Any], None], Any]] = []
         for traffic_class in (0, 1):
             heap = heaps[traffic_class]
             if not heap:
                 continue
             # Due: ends within a nanosecond (covers float rounding of the event time).
-            slack = rates[traffic_class] / len(heap) * _TOLERANCE_S
+            slack = rates[traffic_class] / float(len(heap)) * _TOLERANCE_S
             limit = clocks[traffic_class] + (slack if slack > _EPSILON_BYTES else _EPSILON_BYTES)
             while heap and heap[0][0] <= limit:
                 _, _, size_bytes, on_done, token = heappop(heap)
-                finished_bytes[traffic_class] += size_bytes
+                finished_bytes[traffic_class] = finished_bytes[traffic_class] + size_bytes
                 done.append((on_done, token))
             if not heap:
                 clocks[traffic_class] = 0.0  # keep tags small: no float drift

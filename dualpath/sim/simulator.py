@@ -31,7 +31,7 @@ import gc
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from dualpath.config import mode_settings
 from dualpath.scheduler import (
@@ -58,13 +58,13 @@ from dualpath.sim.links import SimLink, TrafficClass
 from dualpath.sim.prefill_step import HbmCappedPredictor, PrefillSteps
 
 # An Enum member looked up on its class costs ~0.2 us; a module constant a few ns, and every
-# request pushes several events.
-_STEP_DONE = EventPriority.STEP_DONE
-_ARRIVAL = EventPriority.ARRIVAL
-_FETCH = EventPriority.FETCH
-_KV = TrafficClass.KV
-_NODE_SNAPSHOT = SimNode.snapshot
-_floor = math.floor
+# request pushes several events (Final: the compiled build keeps them in C statics instead of
+# looking them up in the module's dict).
+_STEP_DONE: Final = EventPriority.STEP_DONE
+_ARRIVAL: Final = EventPriority.ARRIVAL
+_FETCH: Final = EventPriority.FETCH
+_KV: Final = TrafficClass.KV
+_NODE_SNAPSHOT: Final = SimNode.snapshot
 
 
 class Simulator(PrefillSteps):
@@ -160,7 +160,8 @@ class Simulator(PrefillSteps):
         self.decode_groups: list[DecodeGroup] = []
         for group in c.topology.groups:
             nodes = [node_id_to_node[n] for n in group.node_ids]
-            engines = []
+            prefill_engines: list[SimPrefillEngine] = []
+            decode_engines: list[SimDecodeEngine] = []
             for node_spec in (c.topology.nodes[node.node_index] for node in nodes):
                 node = node_id_to_node[node_spec.node_id]
                 for engine_id in node_spec.engine_ids:
@@ -180,6 +181,7 @@ class Simulator(PrefillSteps):
                         engine = self._prefill_engines[engine_id] = SimPrefillEngine(
                             engine_id, node, batcher, cnic
                         )
+                        prefill_engines.append(engine)
                     else:
                         engine = self._decode_engines[engine_id] = SimDecodeEngine(
                             engine_id,
@@ -190,13 +192,13 @@ class Simulator(PrefillSteps):
                             decode_cost,
                             self._on_decode_finish,
                         )
-                    engines.append(engine)
+                        decode_engines.append(engine)
                     self.engines[engine_id] = engine
             if group.role == EngineRole.PREFILL:
-                prefill_group = PrefillGroup(group.group_id, engines, nodes)
+                prefill_group = PrefillGroup(group.group_id, prefill_engines, nodes)
                 self.prefill_groups.append(prefill_group)
             else:
-                decode_group = DecodeGroup(group.group_id, engines, nodes)
+                decode_group = DecodeGroup(group.group_id, decode_engines, nodes)
                 self.decode_groups.append(decode_group)
 
         # NOTE(sim): PE leaders fetch at staggered phases, as independent timers would: group g
@@ -298,7 +300,8 @@ class Simulator(PrefillSteps):
         """The group's first grid tick after now."""
         interval_s = self._fetch_interval_s
         phase_s = group.fetch_phase_s
-        return phase_s + (_floor((self.queue.now_s - phase_s) / interval_s) + 1) * interval_s
+        # (math.floor itself, not an alias: the compiled build calls C's floor for it.)
+        return phase_s + (math.floor((self.queue.now_s - phase_s) / interval_s) + 1) * interval_s
 
     def _fetch_prefill(self, group: PrefillGroup) -> None:
         group.is_fetch_pending = False
