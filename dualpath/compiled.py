@@ -20,6 +20,7 @@ compiled and source modules of one build cannot run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -56,7 +57,7 @@ MANIFEST_NAME = "manifest.json"
 ENV_VAR = "DUALPATH_COMPILED"
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
-_decision: dict[str, bool] = {}  # {"active": ...} once decided (one process, one answer)
+_COMPILED = frozenset(COMPILED_MODULES)
 
 
 def build_dir() -> Path:
@@ -104,7 +105,7 @@ def unusable_reason(directory: Path) -> str | None:
         return f"unreadable manifest {manifest_path}: {error}"
     if python != sys.implementation.cache_tag:
         return f"the build is for {python}, this interpreter is {sys.implementation.cache_tag}"
-    if set(modules) != set(COMPILED_MODULES):
+    if set(modules) != _COMPILED:
         return "the build compiled other modules than this version compiles"
     for module in COMPILED_MODULES:
         if modules[module] != source_digest(module):
@@ -131,19 +132,14 @@ def decide(setting: str, directory: Path) -> bool:
     return False
 
 
-def _is_active() -> bool:
-    active = _decision.get("active")
-    if active is None:
-        directory = build_dir()
-        active = _decision["active"] = decide(os.environ.get(ENV_VAR, ""), directory)
-        if active and str(directory) not in sys.path:
-            sys.path.append(str(directory))  # the shared library is a top-level module
-    return active
-
-
+@functools.cache  # one process, one answer
 def is_active() -> bool:
     """Whether this process runs the compiled build (reported with simulation speeds)."""
-    return _is_active()
+    directory = build_dir()
+    active = decide(os.environ.get(ENV_VAR, ""), directory)
+    if active and str(directory) not in sys.path:
+        sys.path.append(str(directory))  # the shared library is a top-level module
+    return active
 
 
 class _CompiledFinder:
@@ -151,16 +147,13 @@ class _CompiledFinder:
     is used, else nothing (the normal finders load the source)."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None):
-        if fullname not in _COMPILED or not _is_active():
+        if fullname not in _COMPILED or not is_active():
             return None
         location = build_dir().joinpath(*fullname.split("."))
         suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
         return importlib.util.spec_from_file_location(
             fullname, location.with_name(location.name + suffix)
         )
-
-
-_COMPILED = frozenset(COMPILED_MODULES)
 
 
 def install() -> None:
