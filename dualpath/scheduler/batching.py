@@ -22,43 +22,59 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from dualpath.config import SchedulerConfig
 from dualpath.scheduler.attention_predictor import AttentionTimePredictor
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class PrefillWork:
     """A request's prefill still to do on its PE."""
 
-    request_id: int
-    num_cached_tokens: int  # KV already there: the hit plus chunks computed earlier
-    num_new_tokens: int  # tokens still to compute; > 0
+    request_id: Final[int]
+    num_cached_tokens: Final[int]  # KV already there: the hit plus chunks computed earlier
+    num_new_tokens: Final[int]  # tokens still to compute; > 0
 
-    def __post_init__(self) -> None:
-        if self.num_cached_tokens < 0 or self.num_new_tokens <= 0:
+    def __init__(self, request_id: int, num_cached_tokens: int, num_new_tokens: int) -> None:
+        if num_cached_tokens < 0 or num_new_tokens <= 0:
             raise ValueError(
-                f"request {self.request_id}: need num_cached_tokens >= 0 and "
-                f"num_new_tokens > 0, got {self.num_cached_tokens} and {self.num_new_tokens}"
+                f"request {request_id}: need num_cached_tokens >= 0 and "
+                f"num_new_tokens > 0, got {num_cached_tokens} and {num_new_tokens}"
             )
+        self.request_id = request_id
+        self.num_cached_tokens = num_cached_tokens
+        self.num_new_tokens = num_new_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class PrefillChunk:
     """How many new tokens of one request a batch computes."""
 
-    request_id: int
-    num_cached_tokens: int  # context before this chunk
-    num_new_tokens: int  # computed in this batch
-    is_last_chunk: bool  # the prompt is complete after this batch
+    request_id: Final[int]
+    num_cached_tokens: Final[int]  # context before this chunk
+    num_new_tokens: Final[int]  # computed in this batch
+    is_last_chunk: Final[bool]  # the prompt is complete after this batch
+
+    def __init__(
+        self, request_id: int, num_cached_tokens: int, num_new_tokens: int, is_last_chunk: bool
+    ) -> None:
+        self.request_id = request_id
+        self.num_cached_tokens = num_cached_tokens
+        self.num_new_tokens = num_new_tokens
+        self.is_last_chunk = is_last_chunk
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class PrefillBatch:
     """One PE batch; ``chunks`` in FIFO order, at most the last one cut."""
 
-    chunks: tuple[PrefillChunk, ...]
-    predicted_attention_time_s: float
+    chunks: Final[tuple[PrefillChunk, ...]]
+    predicted_attention_time_s: Final[float]
+
+    def __init__(self, chunks: tuple[PrefillChunk, ...], predicted_attention_time_s: float) -> None:
+        self.chunks = chunks
+        self.predicted_attention_time_s = predicted_attention_time_s
 
 
 def pack_prefill_batch(

@@ -2,44 +2,62 @@
 
 A request is sent in full once (``SchedulerRequest``, at ``submit``). A leader's fetch carries
 its group's state (``GroupSnapshot``); the answer is a tuple of assignments. All objects are
-frozen plain data, so the runtime can serialise them and the simulator can pass them as is.
+immutable plain data, so the runtime can serialise them and the simulator can pass them as is.
 Token counts are the proxy for GPU, disk and network load alike (SPEC §6).
+
+Every message is a dataclass whose fields are ``Final``, with a written-out ``__init__``
+(``@dataclass(slots=True, init=False, unsafe_hash=True)``) rather than ``frozen=True``: a frozen dataclass sets each field
+through ``object.__setattr__`` in interpreted code, and these are built millions of times a
+simulated hour (a quarter of a compiled 48P96D run went to those constructors). Written out,
+the constructor compiles to C in the compiled build (``dualpath/compiled.py``), where ``Final``
+fields are also read-only at run time; mypy rejects a write anywhere it checks. Equality,
+hashing, ``repr`` and ``dataclasses.fields`` / ``replace`` are the dataclass's, as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from dualpath.scheduler.load_planner import LoadPlan
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class SchedulerRequest:
     """One turn's request, as placement needs it; no token ids, no sampling parameters."""
 
-    request_id: int
-    num_prompt_tokens: int  # the whole context sent this turn
+    request_id: Final[int]
+    num_prompt_tokens: Final[int]  # the whole context sent this turn
     # Leading prompt tokens whose KV the store holds: whole Full Blocks (SPEC §3).
-    num_cached_tokens: int
+    num_cached_tokens: Final[int]
     # Generation budget; with the prompt it sizes the request's DE memory (SPEC §6, len_r).
-    max_num_output_tokens: int
+    max_num_output_tokens: Final[int]
 
-    def __post_init__(self) -> None:
-        if self.num_prompt_tokens <= 0:
+    def __init__(
+        self,
+        request_id: int,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        max_num_output_tokens: int,
+    ) -> None:
+        if num_prompt_tokens <= 0:
             raise ValueError(
-                f"request {self.request_id}: num_prompt_tokens must be > 0, "
-                f"got {self.num_prompt_tokens}"
+                f"request {request_id}: num_prompt_tokens must be > 0, got {num_prompt_tokens}"
             )
-        if not 0 <= self.num_cached_tokens <= self.num_prompt_tokens:
+        if not 0 <= num_cached_tokens <= num_prompt_tokens:
             raise ValueError(
-                f"request {self.request_id}: num_cached_tokens must be in "
-                f"[0, {self.num_prompt_tokens}], got {self.num_cached_tokens}"
+                f"request {request_id}: num_cached_tokens must be in "
+                f"[0, {num_prompt_tokens}], got {num_cached_tokens}"
             )
-        if self.max_num_output_tokens < 0:
+        if max_num_output_tokens < 0:
             raise ValueError(
-                f"request {self.request_id}: max_num_output_tokens must be >= 0, "
-                f"got {self.max_num_output_tokens}"
+                f"request {request_id}: max_num_output_tokens must be >= 0, "
+                f"got {max_num_output_tokens}"
             )
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = num_cached_tokens
+        self.max_num_output_tokens = max_num_output_tokens
 
     @property
     def num_new_tokens(self) -> int:
@@ -52,27 +70,39 @@ class SchedulerRequest:
         return self.num_prompt_tokens + self.max_num_output_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class EngineSnapshot:
     """One engine's load, as its group leader reports it at a fetch."""
 
-    engine_id: int
-    num_seqs: int  # seq_e: assigned, unfinished requests
-    num_tokens: int  # tok_e: their total tokens (prompt tokens on a PE, len_r on a DE)
+    engine_id: Final[int]
+    num_seqs: Final[int]  # seq_e: assigned, unfinished requests
+    num_tokens: Final[int]  # tok_e: their total tokens (prompt tokens on a PE, len_r on a DE)
     # Free device KV memory in Full Blocks; decode engines only (layer-wise prefill keeps a
     # PE's KV footprint to one layer, SPEC §3).
-    num_free_kv_blocks: int = 0
+    num_free_kv_blocks: Final[int]
+
+    def __init__(
+        self, engine_id: int, num_seqs: int, num_tokens: int, num_free_kv_blocks: int = 0
+    ) -> None:
+        self.engine_id = engine_id
+        self.num_seqs = num_seqs
+        self.num_tokens = num_tokens
+        self.num_free_kv_blocks = num_free_kv_blocks
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class NodeSnapshot:
     """One node's storage read queue, as its group leader reports it at a fetch."""
 
-    node_id: int
-    read_queue_tokens: int  # read_q: tokens queued for storage reads on this node's SNIC
+    node_id: Final[int]
+    read_queue_tokens: Final[int]  # read_q: tokens queued for storage reads on this node's SNIC
+
+    def __init__(self, node_id: int, read_queue_tokens: int) -> None:
+        self.node_id = node_id
+        self.read_queue_tokens = read_queue_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class GroupSnapshot:
     """A group leader's report at a fetch.
 
@@ -80,31 +110,53 @@ class GroupSnapshot:
     exactly; the scheduler rejects any other shape with ``ValueError``.
     """
 
-    group_id: int
-    engines: tuple[EngineSnapshot, ...]
-    nodes: tuple[NodeSnapshot, ...]
+    group_id: Final[int]
+    engines: Final[tuple[EngineSnapshot, ...]]
+    nodes: Final[tuple[NodeSnapshot, ...]]
+
+    def __init__(
+        self,
+        group_id: int,
+        engines: tuple[EngineSnapshot, ...],
+        nodes: tuple[NodeSnapshot, ...],
+    ) -> None:
+        self.group_id = group_id
+        self.engines = engines
+        self.nodes = nodes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class PrefillAssignment:
     """One request's PE: the per-request view of a ``PrefillFetchResult``."""
 
-    request_id: int
-    prefill_engine_id: int
+    request_id: Final[int]
+    prefill_engine_id: Final[int]
+
+    def __init__(self, request_id: int, prefill_engine_id: int) -> None:
+        self.request_id = request_id
+        self.prefill_engine_id = prefill_engine_id
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class DecodeAssignment:
     """One request's final (PE, DE) pair and read plan: the per-request view of a
     ``DecodeFetchResult``."""
 
-    request_id: int
-    prefill_engine_id: int
-    decode_engine_id: int
-    load_plan: LoadPlan
+    request_id: Final[int]
+    prefill_engine_id: Final[int]
+    decode_engine_id: Final[int]
+    load_plan: Final[LoadPlan]
+
+    def __init__(
+        self, request_id: int, prefill_engine_id: int, decode_engine_id: int, load_plan: LoadPlan
+    ) -> None:
+        self.request_id = request_id
+        self.prefill_engine_id = prefill_engine_id
+        self.decode_engine_id = decode_engine_id
+        self.load_plan = load_plan
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class PrefillFetchResult:
     """A PE fetch's answer: the requests placed now on the group's PEs, FIFO order.
 
@@ -114,8 +166,12 @@ class PrefillFetchResult:
     cheap to build on the placement path and to serialise.
     """
 
-    request_ids: tuple[int, ...]
-    prefill_engine_ids: tuple[int, ...]
+    request_ids: Final[tuple[int, ...]]
+    prefill_engine_ids: Final[tuple[int, ...]]
+
+    def __init__(self, request_ids: tuple[int, ...], prefill_engine_ids: tuple[int, ...]) -> None:
+        self.request_ids = request_ids
+        self.prefill_engine_ids = prefill_engine_ids
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -127,7 +183,7 @@ class PrefillFetchResult:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class DecodeFetchResult:
     """A DE fetch's answer: requests whose (PE, DE) pair and read plan are now final.
 
@@ -136,10 +192,22 @@ class DecodeFetchResult:
     (SPEC §6, order of decisions), and the PE prefills as its hit KV arrives layer by layer.
     """
 
-    request_ids: tuple[int, ...]
-    prefill_engine_ids: tuple[int, ...]
-    decode_engine_ids: tuple[int, ...]
-    load_plans: tuple[LoadPlan, ...]
+    request_ids: Final[tuple[int, ...]]
+    prefill_engine_ids: Final[tuple[int, ...]]
+    decode_engine_ids: Final[tuple[int, ...]]
+    load_plans: Final[tuple[LoadPlan, ...]]
+
+    def __init__(
+        self,
+        request_ids: tuple[int, ...],
+        prefill_engine_ids: tuple[int, ...],
+        decode_engine_ids: tuple[int, ...],
+        load_plans: tuple[LoadPlan, ...],
+    ) -> None:
+        self.request_ids = request_ids
+        self.prefill_engine_ids = prefill_engine_ids
+        self.decode_engine_ids = decode_engine_ids
+        self.load_plans = load_plans
 
     def __len__(self) -> int:
         return len(self.request_ids)

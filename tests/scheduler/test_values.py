@@ -1,0 +1,115 @@
+"""The scheduler's messages and the simulator's records are immutable values (message.py):
+dataclasses with ``Final`` fields and a written-out ``__init__``, built millions of times a
+simulated hour. They keep a dataclass's equality, hashing, ``repr``, ``fields`` and
+``replace``; their fields are read-only in the compiled build (`make test-compiled`)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import dualpath
+from dualpath import compiled
+from dualpath.scheduler import batching, load_planner, message
+from dualpath.sim import cluster
+
+VALUES = {
+    message.SchedulerRequest: (7, 400, 320, 32),
+    message.EngineSnapshot: (3, 2, 900, 11),
+    message.NodeSnapshot: (1, 4096),
+    message.GroupSnapshot: (
+        2,
+        (message.EngineSnapshot(0, 1, 10), message.EngineSnapshot(1, 0, 0, 5)),
+        (message.NodeSnapshot(0, 64),),
+    ),
+    message.PrefillAssignment: (7, 2),
+    message.DecodeAssignment: (7, 2, 5, load_planner.LoadPlan(3, 1)),
+    message.PrefillFetchResult: ((7, 8), (2, 2)),
+    message.DecodeFetchResult: ((7,), (2,), (5,), (load_planner.LoadPlan(0, 4),)),
+    batching.PrefillWork: (7, 320, 80),
+    batching.PrefillChunk: (7, 320, 64, False),
+    batching.PrefillBatch: ((batching.PrefillChunk(7, 320, 64, False),), 0.25),
+    load_planner.LoadPlan: (3, 1),
+    cluster.RequestRecord: (4, 2, 10.0, 10.5, 10.25, 12.0, 64),
+}
+
+
+def _class_def(cls: type) -> ast.ClassDef:
+    # From the source file: in the compiled build the module is an extension.
+    relative = cls.__module__.removeprefix("dualpath.").replace(".", "/") + ".py"
+    tree = ast.parse((Path(dualpath.__file__).parent / relative).read_text(encoding="utf-8"))
+    return next(
+        node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls.__name__
+    )
+
+
+@pytest.mark.parametrize("cls", VALUES, ids=lambda cls: cls.__name__)
+def test_a_value_is_built_from_its_fields_in_order_and_compares_by_value(cls):
+    args = VALUES[cls]
+    value = cls(*args)
+    names = [field.name for field in dataclasses.fields(cls)]
+    assert tuple(getattr(value, name) for name in names) == args
+    assert cls(**dict(zip(names, args, strict=True))) == value
+    assert hash(cls(*args)) == hash(value)
+    assert repr(value).startswith(f"{cls.__name__}({names[0]}={args[0]!r}")
+    other = args[0] * 2  # another value of the first field's type (an int or a tuple)
+    changed = dataclasses.replace(value, **{names[0]: other})
+    assert getattr(changed, names[0]) == other and changed != value
+    assert getattr(value, names[0]) == args[0]
+
+
+@pytest.mark.parametrize("cls", VALUES, ids=lambda cls: cls.__name__)
+def test_every_field_is_final_and_set_once_by_init(cls):
+    """mypy (and the compiled build's type check) rejects a write to a ``Final`` field; a
+    field that ``__init__`` forgot would be unset."""
+    node = _class_def(cls)
+    annotated = {
+        stmt.target.id: ast.unparse(stmt.annotation)
+        for stmt in node.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+    }
+    assert list(annotated) == [field.name for field in dataclasses.fields(cls)]
+    not_final = [
+        name for name, annotation in annotated.items() if not annotation.startswith("Final")
+    ]
+    assert not not_final, f"{cls.__name__}: fields not Final: {not_final}"
+    init = next(
+        stmt for stmt in node.body if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__"
+    )
+    assigned = [
+        target.attr
+        for stmt in ast.walk(init)
+        if isinstance(stmt, ast.Assign)
+        for target in stmt.targets
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    ]
+    assert assigned == list(annotated)
+    assert [arg.arg for arg in init.args.args[1:]] == list(annotated)
+
+
+@pytest.mark.skipif(
+    not compiled.is_active(), reason="no compiled build in use (`make test-compiled` runs it)"
+)
+@pytest.mark.parametrize("cls", VALUES, ids=lambda cls: cls.__name__)
+def test_fields_are_read_only_in_the_compiled_build(cls):
+    value = cls(*VALUES[cls])
+    name = dataclasses.fields(cls)[0].name
+    with pytest.raises(AttributeError):
+        setattr(value, name, VALUES[cls][0] * 2)
+    assert getattr(value, name) == VALUES[cls][0]
+
+
+def test_invalid_requests_and_work_are_refused():
+    with pytest.raises(ValueError, match="num_prompt_tokens must be > 0"):
+        message.SchedulerRequest(1, 0, 0, 8)
+    with pytest.raises(ValueError, match=r"num_cached_tokens must be in \[0, 10\]"):
+        message.SchedulerRequest(1, 10, 11, 8)
+    with pytest.raises(ValueError, match="max_num_output_tokens must be >= 0"):
+        message.SchedulerRequest(1, 10, 0, -1)
+    with pytest.raises(ValueError, match="num_new_tokens > 0"):
+        batching.PrefillWork(1, 0, 0)
