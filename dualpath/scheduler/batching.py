@@ -22,19 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
 
 from dualpath.config import SchedulerConfig
 from dualpath.scheduler.attention_predictor import AttentionTimePredictor
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PrefillWork:
     """A request's prefill still to do on its PE."""
 
-    request_id: Final[int]
-    num_cached_tokens: Final[int]  # KV already there: the hit plus chunks computed earlier
-    num_new_tokens: Final[int]  # tokens still to compute; > 0
+    request_id: int
+    num_cached_tokens: int  # KV already there: the hit plus chunks computed earlier
+    num_new_tokens: int  # tokens still to compute; > 0
 
     def __init__(self, request_id: int, num_cached_tokens: int, num_new_tokens: int) -> None:
         if num_cached_tokens < 0 or num_new_tokens <= 0:
@@ -42,39 +41,39 @@ class PrefillWork:
                 f"request {request_id}: need num_cached_tokens >= 0 and "
                 f"num_new_tokens > 0, got {num_cached_tokens} and {num_new_tokens}"
             )
-        self.request_id = request_id
-        self.num_cached_tokens = num_cached_tokens
-        self.num_new_tokens = num_new_tokens
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "num_cached_tokens", num_cached_tokens)
+        object.__setattr__(self, "num_new_tokens", num_new_tokens)
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PrefillChunk:
     """How many new tokens of one request a batch computes."""
 
-    request_id: Final[int]
-    num_cached_tokens: Final[int]  # context before this chunk
-    num_new_tokens: Final[int]  # computed in this batch
-    is_last_chunk: Final[bool]  # the prompt is complete after this batch
+    request_id: int
+    num_cached_tokens: int  # context before this chunk
+    num_new_tokens: int  # computed in this batch
+    is_last_chunk: bool  # the prompt is complete after this batch
 
     def __init__(
         self, request_id: int, num_cached_tokens: int, num_new_tokens: int, is_last_chunk: bool
     ) -> None:
-        self.request_id = request_id
-        self.num_cached_tokens = num_cached_tokens
-        self.num_new_tokens = num_new_tokens
-        self.is_last_chunk = is_last_chunk
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "num_cached_tokens", num_cached_tokens)
+        object.__setattr__(self, "num_new_tokens", num_new_tokens)
+        object.__setattr__(self, "is_last_chunk", is_last_chunk)
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PrefillBatch:
     """One PE batch; ``chunks`` in FIFO order, at most the last one cut."""
 
-    chunks: Final[tuple[PrefillChunk, ...]]
-    predicted_attention_time_s: Final[float]
+    chunks: tuple[PrefillChunk, ...]
+    predicted_attention_time_s: float
 
     def __init__(self, chunks: tuple[PrefillChunk, ...], predicted_attention_time_s: float) -> None:
-        self.chunks = chunks
-        self.predicted_attention_time_s = predicted_attention_time_s
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "predicted_attention_time_s", predicted_attention_time_s)
 
 
 def pack_prefill_batch(

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Protocol
 
 from dualpath.config import READ_PATHS
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class LoadPlan:
     """How a request's hit Full Blocks are split between the two storage read paths.
 
@@ -46,12 +46,12 @@ class LoadPlan:
     hit prefix; the engine maps them to store handles.
     """
 
-    num_prefill_side_blocks: Final[int]
-    num_decode_side_blocks: Final[int]
+    num_prefill_side_blocks: int
+    num_decode_side_blocks: int
 
     def __init__(self, num_prefill_side_blocks: int, num_decode_side_blocks: int) -> None:
-        self.num_prefill_side_blocks = num_prefill_side_blocks
-        self.num_decode_side_blocks = num_decode_side_blocks
+        object.__setattr__(self, "num_prefill_side_blocks", num_prefill_side_blocks)
+        object.__setattr__(self, "num_decode_side_blocks", num_decode_side_blocks)
 
     @property
     def num_hit_blocks(self) -> int:

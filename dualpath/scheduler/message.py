@@ -2,36 +2,35 @@
 
 A request is sent in full once (``SchedulerRequest``, at ``submit``). A leader's fetch carries
 its group's state (``GroupSnapshot``); the answer is a tuple of assignments. All objects are
-immutable plain data, so the runtime can serialise them and the simulator can pass them as is.
+frozen plain data, so the runtime can serialise them and the simulator can pass them as is.
 Token counts are the proxy for GPU, disk and network load alike (SPEC §6).
 
-Every message is a dataclass whose fields are ``Final``, with a written-out ``__init__``
-(``@dataclass(slots=True, init=False, unsafe_hash=True)``) rather than ``frozen=True``: a frozen dataclass sets each field
-through ``object.__setattr__`` in interpreted code, and these are built millions of times a
-simulated hour (a quarter of a compiled 48P96D run went to those constructors). Written out,
-the constructor compiles to C in the compiled build (``dualpath/compiled.py``), where ``Final``
-fields are also read-only at run time; mypy rejects a write anywhere it checks. Equality,
-hashing, ``repr`` and ``dataclasses.fields`` / ``replace`` are the dataclass's, as before.
+Each is a frozen dataclass with a written-out ``__init__`` that stores its fields through
+``object.__setattr__`` (``init=False``): the same stores as the generated one, and from the
+sources the same cost. The compiled build (``dualpath/compiled.py``) turns those calls into
+direct stores in C, where the generated ``__init__`` would stay interpreted Python: these
+objects are built millions of times a simulated hour, and their constructors were a quarter of
+a compiled 48P96D run. Keep a new field's store in ``__init__``, in field order
+(``tests/scheduler/test_values.py`` checks it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
 from dualpath.scheduler.load_planner import LoadPlan
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class SchedulerRequest:
     """One turn's request, as placement needs it; no token ids, no sampling parameters."""
 
-    request_id: Final[int]
-    num_prompt_tokens: Final[int]  # the whole context sent this turn
+    request_id: int
+    num_prompt_tokens: int  # the whole context sent this turn
     # Leading prompt tokens whose KV the store holds: whole Full Blocks (SPEC §3).
-    num_cached_tokens: Final[int]
+    num_cached_tokens: int
     # Generation budget; with the prompt it sizes the request's DE memory (SPEC §6, len_r).
-    max_num_output_tokens: Final[int]
+    max_num_output_tokens: int
 
     def __init__(
         self,
@@ -54,10 +53,10 @@ class SchedulerRequest:
                 f"request {request_id}: max_num_output_tokens must be >= 0, "
                 f"got {max_num_output_tokens}"
             )
-        self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_cached_tokens = num_cached_tokens
-        self.max_num_output_tokens = max_num_output_tokens
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "num_prompt_tokens", num_prompt_tokens)
+        object.__setattr__(self, "num_cached_tokens", num_cached_tokens)
+        object.__setattr__(self, "max_num_output_tokens", max_num_output_tokens)
 
     @property
     def num_new_tokens(self) -> int:
@@ -70,39 +69,39 @@ class SchedulerRequest:
         return self.num_prompt_tokens + self.max_num_output_tokens
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class EngineSnapshot:
     """One engine's load, as its group leader reports it at a fetch."""
 
-    engine_id: Final[int]
-    num_seqs: Final[int]  # seq_e: assigned, unfinished requests
-    num_tokens: Final[int]  # tok_e: their total tokens (prompt tokens on a PE, len_r on a DE)
+    engine_id: int
+    num_seqs: int  # seq_e: assigned, unfinished requests
+    num_tokens: int  # tok_e: their total tokens (prompt tokens on a PE, len_r on a DE)
     # Free device KV memory in Full Blocks; decode engines only (layer-wise prefill keeps a
     # PE's KV footprint to one layer, SPEC §3).
-    num_free_kv_blocks: Final[int]
+    num_free_kv_blocks: int
 
     def __init__(
         self, engine_id: int, num_seqs: int, num_tokens: int, num_free_kv_blocks: int = 0
     ) -> None:
-        self.engine_id = engine_id
-        self.num_seqs = num_seqs
-        self.num_tokens = num_tokens
-        self.num_free_kv_blocks = num_free_kv_blocks
+        object.__setattr__(self, "engine_id", engine_id)
+        object.__setattr__(self, "num_seqs", num_seqs)
+        object.__setattr__(self, "num_tokens", num_tokens)
+        object.__setattr__(self, "num_free_kv_blocks", num_free_kv_blocks)
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class NodeSnapshot:
     """One node's storage read queue, as its group leader reports it at a fetch."""
 
-    node_id: Final[int]
-    read_queue_tokens: Final[int]  # read_q: tokens queued for storage reads on this node's SNIC
+    node_id: int
+    read_queue_tokens: int  # read_q: tokens queued for storage reads on this node's SNIC
 
     def __init__(self, node_id: int, read_queue_tokens: int) -> None:
-        self.node_id = node_id
-        self.read_queue_tokens = read_queue_tokens
+        object.__setattr__(self, "node_id", node_id)
+        object.__setattr__(self, "read_queue_tokens", read_queue_tokens)
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class GroupSnapshot:
     """A group leader's report at a fetch.
 
@@ -110,9 +109,9 @@ class GroupSnapshot:
     exactly; the scheduler rejects any other shape with ``ValueError``.
     """
 
-    group_id: Final[int]
-    engines: Final[tuple[EngineSnapshot, ...]]
-    nodes: Final[tuple[NodeSnapshot, ...]]
+    group_id: int
+    engines: tuple[EngineSnapshot, ...]
+    nodes: tuple[NodeSnapshot, ...]
 
     def __init__(
         self,
@@ -120,43 +119,43 @@ class GroupSnapshot:
         engines: tuple[EngineSnapshot, ...],
         nodes: tuple[NodeSnapshot, ...],
     ) -> None:
-        self.group_id = group_id
-        self.engines = engines
-        self.nodes = nodes
+        object.__setattr__(self, "group_id", group_id)
+        object.__setattr__(self, "engines", engines)
+        object.__setattr__(self, "nodes", nodes)
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PrefillAssignment:
     """One request's PE: the per-request view of a ``PrefillFetchResult``."""
 
-    request_id: Final[int]
-    prefill_engine_id: Final[int]
+    request_id: int
+    prefill_engine_id: int
 
     def __init__(self, request_id: int, prefill_engine_id: int) -> None:
-        self.request_id = request_id
-        self.prefill_engine_id = prefill_engine_id
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "prefill_engine_id", prefill_engine_id)
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class DecodeAssignment:
     """One request's final (PE, DE) pair and read plan: the per-request view of a
     ``DecodeFetchResult``."""
 
-    request_id: Final[int]
-    prefill_engine_id: Final[int]
-    decode_engine_id: Final[int]
-    load_plan: Final[LoadPlan]
+    request_id: int
+    prefill_engine_id: int
+    decode_engine_id: int
+    load_plan: LoadPlan
 
     def __init__(
         self, request_id: int, prefill_engine_id: int, decode_engine_id: int, load_plan: LoadPlan
     ) -> None:
-        self.request_id = request_id
-        self.prefill_engine_id = prefill_engine_id
-        self.decode_engine_id = decode_engine_id
-        self.load_plan = load_plan
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "prefill_engine_id", prefill_engine_id)
+        object.__setattr__(self, "decode_engine_id", decode_engine_id)
+        object.__setattr__(self, "load_plan", load_plan)
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PrefillFetchResult:
     """A PE fetch's answer: the requests placed now on the group's PEs, FIFO order.
 
@@ -166,12 +165,12 @@ class PrefillFetchResult:
     cheap to build on the placement path and to serialise.
     """
 
-    request_ids: Final[tuple[int, ...]]
-    prefill_engine_ids: Final[tuple[int, ...]]
+    request_ids: tuple[int, ...]
+    prefill_engine_ids: tuple[int, ...]
 
     def __init__(self, request_ids: tuple[int, ...], prefill_engine_ids: tuple[int, ...]) -> None:
-        self.request_ids = request_ids
-        self.prefill_engine_ids = prefill_engine_ids
+        object.__setattr__(self, "request_ids", request_ids)
+        object.__setattr__(self, "prefill_engine_ids", prefill_engine_ids)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -183,7 +182,7 @@ class PrefillFetchResult:
         )
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class DecodeFetchResult:
     """A DE fetch's answer: requests whose (PE, DE) pair and read plan are now final.
 
@@ -192,10 +191,10 @@ class DecodeFetchResult:
     (SPEC §6, order of decisions), and the PE prefills as its hit KV arrives layer by layer.
     """
 
-    request_ids: Final[tuple[int, ...]]
-    prefill_engine_ids: Final[tuple[int, ...]]
-    decode_engine_ids: Final[tuple[int, ...]]
-    load_plans: Final[tuple[LoadPlan, ...]]
+    request_ids: tuple[int, ...]
+    prefill_engine_ids: tuple[int, ...]
+    decode_engine_ids: tuple[int, ...]
+    load_plans: tuple[LoadPlan, ...]
 
     def __init__(
         self,
@@ -204,10 +203,10 @@ class DecodeFetchResult:
         decode_engine_ids: tuple[int, ...],
         load_plans: tuple[LoadPlan, ...],
     ) -> None:
-        self.request_ids = request_ids
-        self.prefill_engine_ids = prefill_engine_ids
-        self.decode_engine_ids = decode_engine_ids
-        self.load_plans = load_plans
+        object.__setattr__(self, "request_ids", request_ids)
+        object.__setattr__(self, "prefill_engine_ids", prefill_engine_ids)
+        object.__setattr__(self, "decode_engine_ids", decode_engine_ids)
+        object.__setattr__(self, "load_plans", load_plans)
 
     def __len__(self) -> int:
         return len(self.request_ids)

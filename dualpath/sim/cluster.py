@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from dualpath.config import SchedulerConfig
 from dualpath.scheduler import ClusterTopology, EngineSnapshot, GroupSnapshot
@@ -51,17 +51,17 @@ class ClusterModel:
     kv_weight: int = 1
 
 
-@dataclass(slots=True, init=False, unsafe_hash=True)
+@dataclass(frozen=True, slots=True, init=False)
 class RequestRecord:
     """One finished request, for metrics (seconds of simulated time)."""
 
-    agent_index: Final[int]
-    turn_index: Final[int]
-    submit_s: Final[float]
-    first_token_s: Final[float]
-    decode_start_s: Final[float]
-    finish_s: Final[float]
-    num_output_tokens: Final[int]
+    agent_index: int
+    turn_index: int
+    submit_s: float
+    first_token_s: float
+    decode_start_s: float
+    finish_s: float
+    num_output_tokens: int
 
     def __init__(
         self,
@@ -73,13 +73,13 @@ class RequestRecord:
         finish_s: float,
         num_output_tokens: int,
     ) -> None:
-        self.agent_index = agent_index
-        self.turn_index = turn_index
-        self.submit_s = submit_s
-        self.first_token_s = first_token_s
-        self.decode_start_s = decode_start_s
-        self.finish_s = finish_s
-        self.num_output_tokens = num_output_tokens
+        object.__setattr__(self, "agent_index", agent_index)
+        object.__setattr__(self, "turn_index", turn_index)
+        object.__setattr__(self, "submit_s", submit_s)
+        object.__setattr__(self, "first_token_s", first_token_s)
+        object.__setattr__(self, "decode_start_s", decode_start_s)
+        object.__setattr__(self, "finish_s", finish_s)
+        object.__setattr__(self, "num_output_tokens", num_output_tokens)
 
 
 class EngineGroup(Generic[EngineT]):
