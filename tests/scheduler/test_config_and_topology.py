@@ -102,3 +102,5 @@ def test_request_counts_and_validation():
         SchedulerRequest(1, num_prompt_tokens=100, num_cached_tokens=128, max_num_output_tokens=0)
     with pytest.raises(ValueError, match="num_prompt_tokens must be > 0"):
         SchedulerRequest(1, num_prompt_tokens=0, num_cached_tokens=0, max_num_output_tokens=0)
+    with pytest.raises(ValueError, match="max_num_output_tokens must be >= 0"):
+        SchedulerRequest(1, num_prompt_tokens=10, num_cached_tokens=0, max_num_output_tokens=-1)
