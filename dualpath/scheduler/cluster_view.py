@@ -12,16 +12,12 @@ one fetch, and fetches of other groups before the next report, see the reads alr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 
 from dualpath.config import SchedulerConfig
 from dualpath.scheduler.load_planner import LoadPlan, LoadPlanner
 from dualpath.scheduler.message import GroupSnapshot, SchedulerRequest
 from dualpath.scheduler.thresholds import resolve_alpha_tokens
 from dualpath.scheduler.topology import ClusterTopology, EngineGroupSpec, EngineRole
-
-_ENGINE_ID = attrgetter("engine_id")
-_NODE_ID = attrgetter("node_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +27,7 @@ class GroupIndex:
     spec: EngineGroupSpec
     index: int  # position among the groups of its role, 0-based
     node_indices: tuple[int, ...]  # per engine position: index into ClusterView's node lists
+    spec_node_indices: tuple[int, ...]  # the same per node of ``spec.node_ids``
 
 
 class ClusterView:
@@ -69,6 +66,7 @@ class ClusterView:
                 spec=spec,
                 index=index,
                 node_indices=tuple(self.engine_id_to_node_index[e] for e in spec.engine_ids),
+                spec_node_indices=tuple(self._node_id_to_index[n] for n in spec.node_ids),
             )
             for index, spec in enumerate(self.topology.groups_of(role))
         )
@@ -91,19 +89,37 @@ class ClusterView:
         """Validate a leader's report against the topology and record its nodes' ``read_q``."""
         group = self.group(snapshot.group_id, role)
         spec = group.spec
-        engine_ids = tuple(map(_ENGINE_ID, snapshot.engines))
-        if engine_ids != spec.engine_ids:
+        # (Explicit loops rather than tuples of ids: every fetch runs this, and compiled they
+        # read each field in C.)
+        engines = snapshot.engines
+        expected_engine_ids = spec.engine_ids
+        valid = len(engines) == len(expected_engine_ids)
+        if valid:
+            for engine, engine_id in zip(engines, expected_engine_ids):
+                if engine.engine_id != engine_id:
+                    valid = False
+                    break
+        if not valid:
+            engine_ids = tuple(engine.engine_id for engine in engines)
             raise ValueError(
                 f"group {spec.group_id}: snapshot engines {engine_ids} must be {spec.engine_ids}"
             )
-        node_ids = tuple(map(_NODE_ID, snapshot.nodes))
-        if node_ids != spec.node_ids:
+        nodes = snapshot.nodes
+        expected_node_ids = spec.node_ids
+        valid = len(nodes) == len(expected_node_ids)
+        if valid:
+            for node, node_id in zip(nodes, expected_node_ids):
+                if node.node_id != node_id:
+                    valid = False
+                    break
+        if not valid:
+            node_ids = tuple(node.node_id for node in nodes)
             raise ValueError(
                 f"group {spec.group_id}: snapshot nodes {node_ids} must be {spec.node_ids}"
             )
         read_queue_tokens = self.read_queue_tokens
-        for node in snapshot.nodes:
-            read_queue_tokens[self._node_id_to_index[node.node_id]] = node.read_queue_tokens
+        for node, node_index in zip(nodes, group.spec_node_indices):
+            read_queue_tokens[node_index] = node.read_queue_tokens
         return group
 
     def plan_load(

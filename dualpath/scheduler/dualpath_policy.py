@@ -33,7 +33,6 @@ from __future__ import annotations
 from bisect import insort
 from collections import deque
 from heapq import heapify, heappop, heapreplace
-from operator import attrgetter
 
 from dualpath.config import SchedulerConfig
 from dualpath.scheduler.cluster_view import ClusterView, GroupIndex
@@ -56,10 +55,6 @@ _PlacedOnPrefill = tuple[SchedulerRequest, int, int, int, int]
 
 # Phase 1's load of a DE group whose engines are all lost: no request goes there again.
 _DEAD_GROUP_TOKENS = 1 << 62
-
-_NUM_TOKENS = attrgetter("num_tokens")
-_NUM_SEQS = attrgetter("num_seqs")
-_NUM_FREE_KV_BLOCKS = attrgetter("num_free_kv_blocks")
 
 
 class DualPathScheduler:
@@ -209,7 +204,7 @@ class DualPathScheduler:
         Each placed request's read plan is fixed here from both nodes' latest ``read_q``.
         """
         group = self._cluster.accept(snapshot, EngineRole.DECODE)
-        tokens = list(map(_NUM_TOKENS, snapshot.engines))
+        tokens = [engine.num_tokens for engine in snapshot.engines]
         self._record_decode_load(group.index, sum(tokens))
         self._distribute_global_queue()
         if not self._decode_group_queues[group.index]:
@@ -263,10 +258,11 @@ class DualPathScheduler:
     ) -> DecodeFetchResult:
         """Phase 2: steps (1)-(4) of SPEC §6 over the group's private queue."""
         queue = self._decode_group_queues[group.index]
-        free_blocks = list(map(_NUM_FREE_KV_BLOCKS, engines))
+        free_blocks = [engine.num_free_kv_blocks for engine in engines]
         z_tokens = self._z_tokens(queue, tokens, sum(free_blocks))
         # Engines by (seq_e, tok_e, position), kept sorted as placements add to them.
-        order = sorted(zip(map(_NUM_SEQS, engines), tokens, range(len(engines)), strict=True))
+        order = [(engine.num_seqs, tokens[i], i) for i, engine in enumerate(engines)]
+        order.sort()
         engine_ids = group.spec.engine_ids
         node_indices = group.node_indices
         plan_load = self._cluster.plan_load

@@ -64,7 +64,6 @@ _STEP_DONE: Final = EventPriority.STEP_DONE
 _ARRIVAL: Final = EventPriority.ARRIVAL
 _FETCH: Final = EventPriority.FETCH
 _KV: Final = TrafficClass.KV
-_NODE_SNAPSHOT: Final = SimNode.snapshot
 
 
 class Simulator(PrefillSteps):
@@ -82,6 +81,11 @@ class Simulator(PrefillSteps):
     ) -> None:
         self.cluster = cluster
         self.agents = list(agents)
+        # The agents' turns as the hot path reads them (AgentTrace is plain Python: its
+        # attributes cost a dictionary lookup each in the compiled build).
+        self._agent_turns = [
+            (agent.prompt_tokens, agent.hit_tokens, agent.output_tokens) for agent in self.agents
+        ]
         self.settings = mode_settings(cluster.mode)
         self.queue = EventQueue()
         self.scheduler = make_scheduler(cluster.scheduler, cluster.topology)
@@ -240,14 +244,14 @@ class Simulator(PrefillSteps):
 
     def _submit_turn(self, entry: tuple[int, int]) -> None:
         agent_index, turn = entry
-        agent = self.agents[agent_index]
+        prompt_tokens, hit_tokens, output_tokens = self._agent_turns[agent_index]
         request = SimRequest(
             self._next_request_id,
             agent_index,
             turn,
-            agent.prompt_tokens[turn],
-            agent.hit_tokens[turn],
-            agent.output_tokens[turn],
+            prompt_tokens[turn],
+            hit_tokens[turn],
+            output_tokens[turn],
             self.queue.now_s,
         )
         self._next_request_id += 1
@@ -516,9 +520,8 @@ class Simulator(PrefillSteps):
             decode_group = engine.group
             assert isinstance(decode_group, DecodeGroup)  # (for the type checker)
             self._request_decode_fetch(decode_group)
-        agent = self.agents[request.agent_index]
         next_turn = request.turn_index + 1
-        if next_turn < agent.num_turns:
+        if next_turn < len(self._agent_turns[request.agent_index][0]):
             if self._sends_reach_scheduler_later:
                 # The send only creates the request and queues it at the front end, whose
                 # order is the order of the sends either way: made here, it saves one event a
@@ -545,6 +548,6 @@ def _group_snapshot(group: EngineGroup) -> GroupSnapshot:
         snapshots[engine.position] = engine.snapshot()
     changed.clear()
     snapshot = group.snapshot = GroupSnapshot(
-        group.group_id, tuple(snapshots), tuple(map(_NODE_SNAPSHOT, group.nodes))
+        group.group_id, tuple(snapshots), tuple([node.snapshot() for node in group.nodes])
     )
     return snapshot

@@ -114,6 +114,14 @@ def test_snapshot_must_match_the_group(topology):
     engines = [make_engine(e) for e in (1, 0, 2, 3)]
     with pytest.raises(ValueError, match="snapshot engines"):
         scheduler.fetch_prefill(make_group_snapshot(topology, PREFILL_GROUP, engines=engines))
+    for engine_ids in ((0, 1, 2), (0, 1, 2, 3, 4)):  # one short, one too many
+        engines = [make_engine(e) for e in engine_ids]
+        with pytest.raises(ValueError, match="snapshot engines"):
+            scheduler.fetch_prefill(make_group_snapshot(topology, PREFILL_GROUP, engines=engines))
+    snapshot = make_group_snapshot(topology, PREFILL_GROUP, read_queue_tokens=[5, 7])
+    for nodes in (snapshot.nodes[::-1], snapshot.nodes[:1], snapshot.nodes + snapshot.nodes[:1]):
+        with pytest.raises(ValueError, match="snapshot nodes"):
+            scheduler.fetch_prefill(replace(snapshot, nodes=nodes))
     with pytest.raises(ValueError, match="is a decode group"):
         scheduler.fetch_prefill(make_group_snapshot(topology, 1))
     with pytest.raises(ValueError, match="unknown group"):
