@@ -23,14 +23,13 @@ Choices SPEC leaves open, made here:
   then the engine listed first; phase 1 the group listed first.
 
 Cost per placement: Algorithm 1 keeps one heap per category (O(log E), E = the group's
-engines); phase 1 one heap over DE groups (O(log G)); phase 2 a list of the group's engines
-sorted by (``seq_e``, ``tok_e``) that is scanned to the first engine with room under Z.
+engines); phase 1 one heap over DE groups (O(log G)); phase 2 one pass over the group's
+engines (O(E), E small; a sorted order kept up to date cost more in tuples than it saved).
 Nothing is proportional to the cluster's engine count.
 """
 
 from __future__ import annotations
 
-from bisect import insort
 from collections import deque
 from heapq import heapify, heappop, heapreplace
 
@@ -260,9 +259,8 @@ class DualPathScheduler:
         queue = self._decode_group_queues[group.index]
         free_blocks = [engine.num_free_kv_blocks for engine in engines]
         z_tokens = self._z_tokens(queue, tokens, sum(free_blocks))
-        # Engines by (seq_e, tok_e, position), kept sorted as placements add to them.
-        order = [(engine.num_seqs, tokens[i], i) for i, engine in enumerate(engines)]
-        order.sort()
+        # Per engine position, seq_e / tok_e / free blocks as placements add to them.
+        seqs = [engine.num_seqs for engine in engines]
         engine_ids = group.spec.engine_ids
         node_indices = group.node_indices
         plan_load = self._cluster.plan_load
@@ -271,12 +269,14 @@ class DualPathScheduler:
         request_ids, prefill_engine_ids, decode_engine_ids, load_plans = [], [], [], []
         while queue:
             request, prefill_engine_id, prefill_node, num_tokens, num_blocks = queue[0]
-            index = _choose_decode_engine(order, free_blocks, num_tokens, num_blocks, z_tokens)
-            if index is None:
+            position = _choose_decode_engine(
+                seqs, tokens, free_blocks, num_tokens, num_blocks, z_tokens
+            )
+            if position < 0:
                 break  # step (4): no DE has room for the head request; the fetch ends
             queue.popleft()
-            engine_seqs, engine_tokens, position = order.pop(index)
-            insort(order, (engine_seqs + 1, engine_tokens + num_tokens, position))
+            seqs[position] += 1
+            tokens[position] += num_tokens
             free_blocks[position] -= num_blocks
             num_placed_tokens += num_tokens
             del waiting_request_ids[request.request_id]
@@ -309,22 +309,32 @@ class DualPathScheduler:
 
 
 def _choose_decode_engine(
-    order: list[tuple[int, int, int]],
+    seqs: list[int],
+    tokens: list[int],
     free_blocks: list[int],
     num_tokens: int,
     num_blocks: int,
     z_tokens: float,
-) -> int | None:
-    """Step (3) for one request, as an index into ``order`` (engines by seq_e, tok_e,
-    position): the first DE with room and ``tok_e + len_r <= Z``; else the DE with room and
-    the least ``tok_e`` (then position); None when no DE has room (step 4). One pass: a fetch
-    ends with a failed search, so the failure must be cheap too."""
-    fallback = None
-    fallback_key = (0, 0)
-    for index, (_, engine_tokens, position) in enumerate(order):
-        if free_blocks[position] >= num_blocks:
-            if engine_tokens + num_tokens <= z_tokens:
-                return index
-            if fallback is None or (engine_tokens, position) < fallback_key:
-                fallback, fallback_key = index, (engine_tokens, position)
-    return fallback
+) -> int:
+    """Step (3) for one request, as an engine position: among the DEs with room, the least
+    (``seq_e``, ``tok_e``, position) with ``tok_e + len_r <= Z``; else the least (``tok_e``,
+    position); -1 when no DE has room (step 4). One pass over the group's engines in position
+    order (a strict ``<`` keeps the first of equal keys): a fetch ends with a failed search,
+    so the failure must be cheap too, and E is a group's engines (16 on 8-GPU nodes)."""
+    best = -1
+    best_seqs = best_tokens = 0
+    fallback = -1
+    fallback_tokens = 0
+    for position in range(len(seqs)):
+        if free_blocks[position] < num_blocks:
+            continue
+        engine_tokens = tokens[position]
+        if engine_tokens + num_tokens <= z_tokens:
+            engine_seqs = seqs[position]
+            if best < 0 or engine_seqs < best_seqs or (
+                engine_seqs == best_seqs and engine_tokens < best_tokens
+            ):
+                best, best_seqs, best_tokens = position, engine_seqs, engine_tokens
+        elif best < 0 and (fallback < 0 or engine_tokens < fallback_tokens):
+            fallback, fallback_tokens = position, engine_tokens
+    return best if best >= 0 else fallback
