@@ -2,7 +2,7 @@
 
 * No request is lost or placed twice, for both schedulers and every read path.
 * A DE fetch never places more on an engine than its reported free memory.
-* Algorithm 1 and phase 2 agree with a direct, slow reading of SPEC §6.
+* Algorithm 1 and phases 1 and 2 agree with a direct, slow reading of SPEC §6.
 * Split reads: both sides' read times differ by at most one block, and no split is better.
 * Batching never exceeds the quota except for a single minimum chunk, cuts the overflowing
   request as long as it can, and loses no token.
@@ -184,7 +184,7 @@ def _reference_algorithm_1(tokens, is_short_queue, prompt_tokens):
 @given(
     data=st.data(),
     nodes_per_group=st.integers(1, 3),
-    engines_per_node=st.integers(1, 3),
+    engines_per_node=st.integers(1, 8),
     prompt_tokens=st.lists(st.integers(1, 700), min_size=1, max_size=25),
 )
 def test_algorithm_1_matches_a_direct_reading_of_spec(
@@ -263,6 +263,44 @@ def test_decode_phase_2_matches_a_direct_reading_of_spec(data, num_engines, deco
     result = scheduler.fetch_decode(make_group_snapshot(topology, group.group_id, engines=engines))
     expected = _reference_phase_2(seqs, tokens, free_blocks, decode_tokens)
     assert result.decode_engine_ids == tuple(group.engine_ids[p] for p in expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    group_loads=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    prompt_tokens=st.lists(st.integers(1, 200), min_size=1, max_size=25),
+)
+def test_decode_phase_1_matches_a_direct_reading_of_spec(group_loads, prompt_tokens):
+    """Each request, FIFO, to the DE group with the least Σ tok_e + Σ len_r queued, ties to
+    the group listed first (loads drawn from a small range, so ties are common)."""
+    topology = make_topology(
+        num_prefill_nodes=1, num_decode_nodes=len(group_loads), nodes_per_group=1
+    )
+    decode_groups = topology.groups_of(EngineRole.DECODE)
+    scheduler = DualPathScheduler(make_config(beta_tokens=10**9), topology)
+    for group, load in zip(decode_groups, group_loads, strict=True):
+        scheduler.report_decode_load(group.group_id, load)
+    requests = [make_request(i, num_prompt_tokens=n) for i, n in enumerate(prompt_tokens)]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.fetch_prefill(make_group_snapshot(topology, 0))
+    loads = list(group_loads)
+    expected: list[list[int]] = [[] for _ in decode_groups]
+    for request in requests:
+        index = min(range(len(loads)), key=lambda g: (loads[g], g))
+        expected[index].append(request.request_id)
+        loads[index] += request.num_decode_tokens
+    for index, (group, load) in enumerate(zip(decode_groups, group_loads, strict=True)):
+        # Each group reports the load it was given (the first fetch runs phase 1 for all)
+        # and has room for everything, so phase 2 places its whole private queue.
+        engines = [
+            make_engine(e, num_tokens=load if i == 0 else 0, num_free_kv_blocks=10**6)
+            for i, e in enumerate(group.engine_ids)
+        ]
+        result = scheduler.fetch_decode(
+            make_group_snapshot(topology, group.group_id, engines=engines)
+        )
+        assert sorted(result.request_ids) == expected[index]
 
 
 @settings(max_examples=500, deadline=None)
