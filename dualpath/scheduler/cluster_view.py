@@ -95,8 +95,8 @@ class ClusterView:
         expected_engine_ids = spec.engine_ids
         valid = len(engines) == len(expected_engine_ids)
         if valid:
-            for engine, engine_id in zip(engines, expected_engine_ids):
-                if engine.engine_id != engine_id:
+            for position, engine in enumerate(engines):
+                if engine.engine_id != expected_engine_ids[position]:
                     valid = False
                     break
         if not valid:
@@ -108,8 +108,8 @@ class ClusterView:
         expected_node_ids = spec.node_ids
         valid = len(nodes) == len(expected_node_ids)
         if valid:
-            for node, node_id in zip(nodes, expected_node_ids):
-                if node.node_id != node_id:
+            for position, node in enumerate(nodes):
+                if node.node_id != expected_node_ids[position]:
                     valid = False
                     break
         if not valid:
@@ -118,8 +118,9 @@ class ClusterView:
                 f"group {spec.group_id}: snapshot nodes {node_ids} must be {spec.node_ids}"
             )
         read_queue_tokens = self.read_queue_tokens
-        for node, node_index in zip(nodes, group.spec_node_indices):
-            read_queue_tokens[node_index] = node.read_queue_tokens
+        node_indices = group.spec_node_indices
+        for position, node in enumerate(nodes):
+            read_queue_tokens[node_indices[position]] = node.read_queue_tokens
         return group
 
     def plan_load(

@@ -332,8 +332,10 @@ def _choose_decode_engine(
         engine_tokens = tokens[position]
         if engine_tokens + num_tokens <= z_tokens:
             engine_seqs = seqs[position]
-            if best < 0 or engine_seqs < best_seqs or (
-                engine_seqs == best_seqs and engine_tokens < best_tokens
+            if (
+                best < 0
+                or engine_seqs < best_seqs
+                or (engine_seqs == best_seqs and engine_tokens < best_tokens)
             ):
                 best, best_seqs, best_tokens = position, engine_seqs, engine_tokens
         elif best < 0 and (fallback < 0 or engine_tokens < fallback_tokens):
