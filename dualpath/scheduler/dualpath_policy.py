@@ -200,12 +200,19 @@ class DualPathScheduler:
         Each placed request's read plan is fixed here from both nodes' latest ``read_q``.
         """
         group = self._cluster.accept(snapshot, EngineRole.DECODE)
-        tokens = [engine.num_tokens for engine in snapshot.engines]
-        self._record_decode_load(group.index, sum(tokens))
+        # (Loops that also sum, rather than comprehensions and sum(): compiled, they add
+        # machine integers.)
+        tokens: list[int] = []
+        num_group_tokens = 0
+        for engine in snapshot.engines:
+            num_tokens = engine.num_tokens
+            tokens.append(num_tokens)
+            num_group_tokens += num_tokens
+        self._record_decode_load(group.index, num_group_tokens)
         self._distribute_global_queue()
         if not self._decode_group_queues[group.index]:
             return EMPTY_DECODE_FETCH_RESULT
-        return self._place_in_group(group, snapshot.engines, tokens)
+        return self._place_in_group(group, snapshot.engines, tokens, num_group_tokens)
 
     def decode_fetch_may_place(self, group_id: int) -> bool:
         """Whether a fetch by DE group ``group_id`` could place anything now: a request waits
@@ -254,14 +261,24 @@ class DualPathScheduler:
             queued_tokens[index] = loads[index] - group_tokens[index]
 
     def _place_in_group(
-        self, group: GroupIndex, engines: tuple[EngineSnapshot, ...], tokens: list[int]
+        self,
+        group: GroupIndex,
+        engines: tuple[EngineSnapshot, ...],
+        tokens: list[int],
+        num_group_tokens: int,
     ) -> DecodeFetchResult:
-        """Phase 2: steps (1)-(4) of SPEC §6 over the group's private queue."""
+        """Phase 2: steps (1)-(4) of SPEC §6 over the group's private queue; ``tokens`` is
+        every engine's ``tok_e``, ``num_group_tokens`` their sum."""
         queue = self._decode_group_queues[group.index]
-        free_blocks = [engine.num_free_kv_blocks for engine in engines]
-        z_tokens = self._z_tokens(queue, tokens, sum(free_blocks))
         # Per engine position, seq_e / tok_e / free blocks as placements add to them.
-        seqs = [engine.num_seqs for engine in engines]
+        seqs: list[int] = []
+        free_blocks: list[int] = []
+        num_free_blocks = 0
+        for engine in engines:
+            seqs.append(engine.num_seqs)
+            free_blocks.append(engine.num_free_kv_blocks)
+            num_free_blocks += engine.num_free_kv_blocks
+        z_tokens = self._z_tokens(queue, num_group_tokens, len(engines), num_free_blocks)
         engine_ids = group.spec.engine_ids
         node_indices = group.node_indices
         plan_load = self._cluster.plan_load
@@ -295,7 +312,11 @@ class DualPathScheduler:
         )
 
     def _z_tokens(
-        self, queue: deque[_PlacedOnPrefill], tokens: list[int], num_free_blocks: int
+        self,
+        queue: deque[_PlacedOnPrefill],
+        num_group_tokens: int,
+        num_engines: int,
+        num_free_blocks: int,
     ) -> float:
         """Steps (1)-(2): R = the queue's longest prefix that fits the group's free memory
         (ignoring fragmentation); Z = z_factor x (Σ_R len_r + Σ_e tok_e) / |E|."""
@@ -306,7 +327,7 @@ class DualPathScheduler:
             if num_r_blocks > num_free_blocks:
                 break
             num_r_tokens += num_tokens
-        return self._z_factor * (num_r_tokens + sum(tokens)) / len(tokens)
+        return self._z_factor * (num_r_tokens + num_group_tokens) / num_engines
 
 
 def _choose_decode_engine(

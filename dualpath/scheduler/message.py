@@ -169,6 +169,10 @@ class PrefillFetchResult:
     prefill_engine_ids: tuple[int, ...]
 
     def __init__(self, request_ids: tuple[int, ...], prefill_engine_ids: tuple[int, ...]) -> None:
+        if len(prefill_engine_ids) != len(request_ids):
+            raise ValueError(
+                f"{len(request_ids)} request ids, {len(prefill_engine_ids)} prefill engine ids"
+            )
         object.__setattr__(self, "request_ids", request_ids)
         object.__setattr__(self, "prefill_engine_ids", prefill_engine_ids)
 
@@ -203,6 +207,12 @@ class DecodeFetchResult:
         decode_engine_ids: tuple[int, ...],
         load_plans: tuple[LoadPlan, ...],
     ) -> None:
+        num = len(request_ids)
+        if not len(prefill_engine_ids) == len(decode_engine_ids) == len(load_plans) == num:
+            raise ValueError(
+                f"{num} request ids, {len(prefill_engine_ids)} prefill engine ids, "
+                f"{len(decode_engine_ids)} decode engine ids, {len(load_plans)} load plans"
+            )
         object.__setattr__(self, "request_ids", request_ids)
         object.__setattr__(self, "prefill_engine_ids", prefill_engine_ids)
         object.__setattr__(self, "decode_engine_ids", decode_engine_ids)

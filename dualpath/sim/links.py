@@ -259,25 +259,26 @@ class SimLink:
             self._advance(now_s)
         heaps = self._heaps
         if heaps[0] and heaps[1]:
-            rates = self._shared_rates
+            rate0, rate1 = self._shared_rates
         else:
-            rates = (self.capacity_bytes_per_s, self.capacity_bytes_per_s)  # see _reschedule
+            rate0 = rate1 = self.capacity_bytes_per_s  # see _reschedule
         clocks = self._clocks
         finished_bytes = self.finished_bytes
-        done: list[tuple[Callable[[Any], None], Any]] = []
-        for traffic_class in (0, 1):
+        done: list[_Flow] = []
+        for traffic_class in range(2):
             heap = heaps[traffic_class]
             if not heap:
                 continue
             # Due: ends within a nanosecond (covers float rounding of the event time).
-            slack = rates[traffic_class] / float(len(heap)) * _TOLERANCE_S
+            rate = rate0 if traffic_class == 0 else rate1
+            slack = rate / float(len(heap)) * _TOLERANCE_S
             limit = clocks[traffic_class] + (slack if slack > _EPSILON_BYTES else _EPSILON_BYTES)
             while heap and heap[0][0] <= limit:
-                _, _, size_bytes, on_done, token = heappop(heap)
-                finished_bytes[traffic_class] = finished_bytes[traffic_class] + size_bytes
-                done.append((on_done, token))
+                flow = heappop(heap)
+                finished_bytes[traffic_class] = finished_bytes[traffic_class] + flow[2]
+                done.append(flow)
             if not heap:
                 clocks[traffic_class] = 0.0  # keep tags small: no float drift
         self._reschedule(now_s)
-        for on_done, token in done:
-            on_done(token)
+        for flow in done:
+            flow[3](flow[4])  # on_done(token)

@@ -331,11 +331,13 @@ class Simulator(PrefillSteps):
         self._num_waiting_decode += num_placed
         requests = self._requests_in_flight
         engines = self._prefill_engines
-        for request_id, engine_id in zip(
-            placed.request_ids, placed.prefill_engine_ids, strict=True
-        ):
-            request = requests[request_id]
-            engine = engines[engine_id]
+        request_ids = placed.request_ids
+        prefill_engine_ids = placed.prefill_engine_ids
+        # (Indexing rather than zip(): compiled, zip iterates through the generic protocol.
+        # The result's tuples have equal lengths: PrefillFetchResult checks.)
+        for index in range(num_placed):
+            request = requests[request_ids[index]]
+            engine = engines[prefill_engine_ids[index]]
             request.prefill_engine = engine
             engine.change_load(1, request.num_prompt_tokens)
         if not self._every_decode_fetch_pending:
@@ -399,17 +401,20 @@ class Simulator(PrefillSteps):
             scheduler.report_decode_load(group.group_id, group.num_tokens)
             return
         final = scheduler.fetch_decode(_group_snapshot(group))
-        self._num_waiting_decode -= len(final.request_ids)
+        request_ids = final.request_ids
+        prefill_engine_ids = final.prefill_engine_ids
+        decode_engine_ids = final.decode_engine_ids
+        load_plans = final.load_plans
+        num_placed = len(request_ids)
+        self._num_waiting_decode -= num_placed
         requests = self._requests_in_flight
-        for request_id, prefill_id, decode_id, plan in zip(
-            final.request_ids,
-            final.prefill_engine_ids,
-            final.decode_engine_ids,
-            final.load_plans,
-            strict=True,
-        ):
-            request = requests[request_id]
-            assert request.prefill_engine.engine_id == prefill_id, "the PE changed after placement"
+        for index in range(num_placed):  # (see _fetch_prefill; DecodeFetchResult checks lengths)
+            request = requests[request_ids[index]]
+            decode_id = decode_engine_ids[index]
+            plan = load_plans[index]
+            assert request.prefill_engine.engine_id == prefill_engine_ids[index], (
+                "the PE changed after placement"
+            )
             prefill_group = request.prefill_engine.group
             assert isinstance(prefill_group, PrefillGroup)  # (for the type checker)
             prefill_group.num_awaiting_decode -= 1

@@ -1,4 +1,5 @@
-"""Boundary objects: SchedulerConfig (validation, α/β), the cluster topology, requests."""
+"""Boundary objects: SchedulerConfig (validation, α/β), the cluster topology, requests, fetch
+results."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import pytest
 
 from dualpath.scheduler import (
     ClusterTopology,
+    DecodeFetchResult,
     EngineRole,
+    LoadPlan,
     NodeSpec,
+    PrefillFetchResult,
     SchedulerConfig,
     SchedulerRequest,
     make_cluster_topology,
@@ -104,3 +108,14 @@ def test_request_counts_and_validation():
         SchedulerRequest(1, num_prompt_tokens=0, num_cached_tokens=0, max_num_output_tokens=0)
     with pytest.raises(ValueError, match="max_num_output_tokens must be >= 0"):
         SchedulerRequest(1, num_prompt_tokens=10, num_cached_tokens=0, max_num_output_tokens=-1)
+
+
+def test_fetch_results_need_one_entry_per_request_in_every_column():
+    plan = LoadPlan(0, 4)
+    assert len(PrefillFetchResult((7, 8), (2, 3))) == 2
+    with pytest.raises(ValueError, match="2 request ids, 1 prefill engine ids"):
+        PrefillFetchResult((7, 8), (2,))
+    assert len(DecodeFetchResult((7,), (2,), (5,), (plan,))) == 1
+    for columns in (((2, 2), (5,), (plan,)), ((2,), (), (plan,)), ((2,), (5,), (plan, plan))):
+        with pytest.raises(ValueError, match="1 request ids"):
+            DecodeFetchResult((7,), *columns)

@@ -36,6 +36,14 @@ VALUES = {
 }
 
 
+def _another(value):
+    """Another value of the first field's type: an int doubled, a tuple of ints shifted (the
+    same length: a fetch result's columns must stay equal), another tuple repeated."""
+    if isinstance(value, tuple) and all(isinstance(item, int) for item in value):
+        return tuple(item + 1 for item in value)
+    return value * 2
+
+
 def _class_def(cls: type) -> ast.ClassDef:
     # From the source file: in the compiled build the module is an extension.
     tree = ast.parse(compiled.source_path(cls.__module__).read_text(encoding="utf-8"))
@@ -53,7 +61,7 @@ def test_a_value_is_built_from_its_fields_in_order_and_compares_by_value(cls):
     assert cls(**dict(zip(names, args, strict=True))) == value
     assert hash(cls(*args)) == hash(value)
     assert repr(value).startswith(f"{cls.__name__}({names[0]}={args[0]!r}")
-    other = args[0] * 2  # another value of the first field's type (an int or a tuple)
+    other = _another(args[0])
     changed = dataclasses.replace(value, **{names[0]: other})
     assert getattr(changed, names[0]) == other and changed != value
     assert getattr(value, names[0]) == args[0]
