@@ -200,19 +200,15 @@ class DualPathScheduler:
         Each placed request's read plan is fixed here from both nodes' latest ``read_q``.
         """
         group = self._cluster.accept(snapshot, EngineRole.DECODE)
-        # (Loops that also sum, rather than comprehensions and sum(): compiled, they add
-        # machine integers.)
-        tokens: list[int] = []
+        # (A loop rather than sum() of a list: compiled, it adds machine integers.)
         num_group_tokens = 0
         for engine in snapshot.engines:
-            num_tokens = engine.num_tokens
-            tokens.append(num_tokens)
-            num_group_tokens += num_tokens
+            num_group_tokens += engine.num_tokens
         self._record_decode_load(group.index, num_group_tokens)
         self._distribute_global_queue()
         if not self._decode_group_queues[group.index]:
             return EMPTY_DECODE_FETCH_RESULT
-        return self._place_in_group(group, snapshot.engines, tokens, num_group_tokens)
+        return self._place_in_group(group, snapshot.engines, num_group_tokens)
 
     def decode_fetch_may_place(self, group_id: int) -> bool:
         """Whether a fetch by DE group ``group_id`` could place anything now: a request waits
@@ -261,24 +257,21 @@ class DualPathScheduler:
             queued_tokens[index] = loads[index] - group_tokens[index]
 
     def _place_in_group(
-        self,
-        group: GroupIndex,
-        engines: tuple[EngineSnapshot, ...],
-        tokens: list[int],
-        num_group_tokens: int,
+        self, group: GroupIndex, engines: tuple[EngineSnapshot, ...], num_group_tokens: int
     ) -> DecodeFetchResult:
-        """Phase 2: steps (1)-(4) of SPEC §6 over the group's private queue; ``tokens`` is
-        every engine's ``tok_e``, ``num_group_tokens`` their sum."""
+        """Phase 2: steps (1)-(4) of SPEC §6 over the group's private queue
+        (``num_group_tokens``: Σ ``tok_e`` of ``engines``)."""
         queue = self._decode_group_queues[group.index]
-        # Per engine position, seq_e / tok_e / free blocks as placements add to them.
-        seqs: list[int] = []
-        free_blocks: list[int] = []
         num_free_blocks = 0
         for engine in engines:
-            seqs.append(engine.num_seqs)
-            free_blocks.append(engine.num_free_kv_blocks)
             num_free_blocks += engine.num_free_kv_blocks
         z_tokens = self._z_tokens(queue, num_group_tokens, len(engines), num_free_blocks)
+        # Per engine position, what this fetch has placed there so far (sequences, tokens,
+        # KV blocks): the engine's load is its snapshot's plus these.
+        num_engines = len(engines)
+        added_seqs = [0] * num_engines
+        added_tokens = [0] * num_engines
+        added_blocks = [0] * num_engines
         engine_ids = group.spec.engine_ids
         node_indices = group.node_indices
         plan_load = self._cluster.plan_load
@@ -288,14 +281,14 @@ class DualPathScheduler:
         while queue:
             request, prefill_engine_id, prefill_node, num_tokens, num_blocks = queue[0]
             position = _choose_decode_engine(
-                seqs, tokens, free_blocks, num_tokens, num_blocks, z_tokens
+                engines, added_seqs, added_tokens, added_blocks, num_tokens, num_blocks, z_tokens
             )
             if position < 0:
                 break  # step (4): no DE has room for the head request; the fetch ends
             queue.popleft()
-            seqs[position] += 1
-            tokens[position] += num_tokens
-            free_blocks[position] -= num_blocks
+            added_seqs[position] += 1
+            added_tokens[position] += num_tokens
+            added_blocks[position] += num_blocks
             num_placed_tokens += num_tokens
             del waiting_request_ids[request.request_id]
             request_ids.append(request.request_id)
@@ -331,28 +324,31 @@ class DualPathScheduler:
 
 
 def _choose_decode_engine(
-    seqs: list[int],
-    tokens: list[int],
-    free_blocks: list[int],
+    engines: tuple[EngineSnapshot, ...],
+    added_seqs: list[int],
+    added_tokens: list[int],
+    added_blocks: list[int],
     num_tokens: int,
     num_blocks: int,
     z_tokens: float,
 ) -> int:
     """Step (3) for one request, as an engine position: among the DEs with room, the least
     (``seq_e``, ``tok_e``, position) with ``tok_e + len_r <= Z``; else the least (``tok_e``,
-    position); -1 when no DE has room (step 4). One pass over the group's engines in position
+    position); -1 when no DE has room (step 4). An engine's load is its snapshot's plus what
+    this fetch has added (``added_*``, per position). One pass over the group's engines in position
     order (a strict ``<`` keeps the first of equal keys): a fetch ends with a failed search,
     so the failure must be cheap too, and E is a group's engines (16 on 8-GPU nodes)."""
     best = -1
     best_seqs = best_tokens = 0
     fallback = -1
     fallback_tokens = 0
-    for position in range(len(seqs)):
-        if free_blocks[position] < num_blocks:
+    for position in range(len(engines)):
+        engine = engines[position]
+        if engine.num_free_kv_blocks - added_blocks[position] < num_blocks:
             continue
-        engine_tokens = tokens[position]
+        engine_tokens = engine.num_tokens + added_tokens[position]
         if engine_tokens + num_tokens <= z_tokens:
-            engine_seqs = seqs[position]
+            engine_seqs = engine.num_seqs + added_seqs[position]
             if (
                 best < 0
                 or engine_seqs < best_seqs
