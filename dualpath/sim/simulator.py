@@ -31,7 +31,7 @@ import gc
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from dualpath.config import mode_settings
 from dualpath.scheduler import (
@@ -52,7 +52,13 @@ from dualpath.sim.cluster import (
     RequestRecord,
 )
 from dualpath.sim.cost import CostModel
-from dualpath.sim.engines import SimDecodeEngine, SimNode, SimPrefillEngine, SimRequest
+from dualpath.sim.engines import (
+    SimDecodeEngine,
+    SimEngine,
+    SimNode,
+    SimPrefillEngine,
+    SimRequest,
+)
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import SimLink, TrafficClass
 from dualpath.sim.prefill_step import HbmCappedPredictor, PrefillSteps
@@ -544,7 +550,8 @@ def _group_snapshot(group: EngineGroup) -> GroupSnapshot:
     """The leader's report: every engine's and node's snapshot, in topology order. Only the
     engines whose load changed since the last report get a new snapshot
     (``EngineGroup.changed_engines``); an unchanged group sends its last report again."""
-    changed = group.changed_engines
+    # (Typed as the base class: compiled, each call below is then a direct native call.)
+    changed = cast("list[SimEngine]", group.changed_engines)
     snapshot = group.snapshot
     if snapshot is not None and not changed:
         return snapshot  # nothing changed since the last report
