@@ -32,7 +32,7 @@ test-faults: $(STAMP)
 	$(BIN)/pytest -q -s -m faults tests/faults
 
 # Optional: the simulator's and the scheduler's hot modules compiled with mypyc (about 4
-# minutes; simulations ~2x faster, results identical). Loaded only while their sources are
+# minutes; simulations ~3x faster, results identical). Loaded only while their sources are
 # unchanged: rebuild after editing them. DUALPATH_COMPILED=0 runs the sources anyway.
 compiled: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,compiled]'

@@ -5,7 +5,7 @@
     DUALPATH_COMPILED=1 ...   # require the build: ImportError when it is missing or stale
 
 The build is the same source compiled to C extensions by mypyc (as black and mypy ship
-themselves): simulations run ~2x faster with identical results, bit for bit
+themselves): simulations run ~3x faster with identical results, bit for bit
 (``make test-compiled`` runs the simulator's and the scheduler's tests against it). Nothing
 needs it: without a build everything runs from the sources.
 

@@ -89,34 +89,22 @@ class ClusterView:
         """Validate a leader's report against the topology and record its nodes' ``read_q``."""
         group = self.group(snapshot.group_id, role)
         spec = group.spec
-        # (Explicit loops rather than tuples of ids: every fetch runs this, and compiled they
-        # read each field in C.)
+        # (Compared entry by entry rather than as tuples of ids: every fetch runs this, and
+        # compiled, any() over a generator is a loop that reads each field in C.)
         engines = snapshot.engines
-        expected_engine_ids = spec.engine_ids
-        valid = len(engines) == len(expected_engine_ids)
-        if valid:
-            for position, engine in enumerate(engines):
-                if engine.engine_id != expected_engine_ids[position]:
-                    valid = False
-                    break
-        if not valid:
-            engine_ids = tuple(engine.engine_id for engine in engines)
-            raise ValueError(
-                f"group {spec.group_id}: snapshot engines {engine_ids} must be {spec.engine_ids}"
-            )
+        engine_ids = spec.engine_ids
+        if len(engines) != len(engine_ids) or any(
+            engine.engine_id != engine_ids[i] for i, engine in enumerate(engines)
+        ):
+            got = tuple(engine.engine_id for engine in engines)
+            raise ValueError(f"group {spec.group_id}: snapshot engines {got} must be {engine_ids}")
         nodes = snapshot.nodes
-        expected_node_ids = spec.node_ids
-        valid = len(nodes) == len(expected_node_ids)
-        if valid:
-            for position, node in enumerate(nodes):
-                if node.node_id != expected_node_ids[position]:
-                    valid = False
-                    break
-        if not valid:
-            node_ids = tuple(node.node_id for node in nodes)
-            raise ValueError(
-                f"group {spec.group_id}: snapshot nodes {node_ids} must be {spec.node_ids}"
-            )
+        node_ids = spec.node_ids
+        if len(nodes) != len(node_ids) or any(
+            node.node_id != node_ids[i] for i, node in enumerate(nodes)
+        ):
+            got = tuple(node.node_id for node in nodes)
+            raise ValueError(f"group {spec.group_id}: snapshot nodes {got} must be {node_ids}")
         read_queue_tokens = self.read_queue_tokens
         node_indices = group.spec_node_indices
         for position, node in enumerate(nodes):
