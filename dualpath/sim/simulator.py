@@ -87,8 +87,8 @@ class Simulator(PrefillSteps):
     ) -> None:
         self.cluster = cluster
         self.agents = list(agents)
-        # The agents' turns as the hot path reads them (AgentTrace is plain Python: its
-        # attributes cost a dictionary lookup each in the compiled build).
+        # The agents' turns (prompt, hit, output tokens per turn) as the hot path reads them:
+        # AgentTrace is not compiled, so each of its attributes costs a generic lookup.
         self._agent_turns = [
             (agent.prompt_tokens, agent.hit_tokens, agent.output_tokens) for agent in self.agents
         ]
@@ -532,7 +532,7 @@ class Simulator(PrefillSteps):
             assert isinstance(decode_group, DecodeGroup)  # (for the type checker)
             self._request_decode_fetch(decode_group)
         next_turn = request.turn_index + 1
-        if next_turn < len(self._agent_turns[request.agent_index][0]):
+        if next_turn < len(self._agent_turns[request.agent_index][0]):  # (a prompt per turn)
             if self._sends_reach_scheduler_later:
                 # The send only creates the request and queues it at the front end, whose
                 # order is the order of the sends either way: made here, it saves one event a
