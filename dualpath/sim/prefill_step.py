@@ -52,7 +52,9 @@ class HbmCappedPredictor:
         self._over_s = 2 * quota_s
 
     def predict_s(self, chunks: Sequence[tuple[int, int]]) -> float:
-        held_tokens = sum(map(sum, chunks))  # each chunk's cached + new tokens (ints: exact)
+        held_tokens = 0  # each chunk's cached + new tokens (a loop: compiled, it adds in C)
+        for num_cached_tokens, num_new_tokens in chunks:
+            held_tokens += num_cached_tokens + num_new_tokens
         time_s = self._inner.predict_s(chunks)
         if held_tokens * self._bytes_per_token > self._capacity_bytes:
             return time_s + self._over_s
