@@ -1,0 +1,207 @@
+"""The experiments' checks: each recomputable from the JSON's ``runs``, and the paper's figures
+at reduced size (``--scale-down 8``) for the checks ``test_paper_checks.py`` does not make.
+
+``recomputed_checks`` reads only the run records an experiment writes to its JSON, so it
+also shows a user how to recompute every ``ours`` from a results file. Misses at this size
+are strict xfails carrying the figure (docs/simulator.md, "Known gaps"): a change that
+mends one turns its test red until the mark goes.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+
+from dualpath.sim import experiments, online
+from dualpath.sim.experiments import V32, ExperimentResult
+from dualpath.sim.online import OnlineProbe
+
+SCALE_DOWN = 8
+
+
+def _jct_by_mode(runs: list[dict]) -> dict[str, float]:
+    jct = {run["mode"]: run["jct_s"] for run in runs}
+    assert len(jct) == len(runs), "one run per mode expected"
+    return jct
+
+
+def recomputed_checks(name: str, runs: list[dict]) -> dict[str, float]:
+    """Every check of experiment ``name``, from its run records alone (as in ``--json``)."""
+    checks: dict[str, float] = {}
+    if name == "offline-jct":
+        target = [
+            r
+            for r in runs
+            if (r["model"], r["nodes"], r["max_len"]) == (V32, "2P4D", 65_536)
+            and r["agents"] * r["scale_down"] == 2048
+        ]
+        jct = _jct_by_mode(target)
+        prefix = "offline_660b_2p4d_64k_2048"
+        checks[f"{prefix}_dualpath_over_basic"] = jct["basic"] / jct["dualpath"]
+        checks[f"{prefix}_jct_dualpath_over_oracle"] = jct["dualpath"] / jct["oracle"]
+        if target[0]["scale_down"] == 1:
+            checks[f"{prefix}_dualpath_jct_s"] = jct["dualpath"]
+    elif name == "ablation":
+        jct = _jct_by_mode(runs)
+        for mode in ("layerwise", "layerwise+dual", "dualpath"):
+            checks[f"ablation_{mode}_jct_reduction_pct"] = 100 * (1 - jct[mode] / jct["basic"])
+    elif name == "snic-balance":
+        balance = {run["mode"]: run["snic_load_balance"] for run in runs}
+        checks["snic_balance_scheduler"] = balance["dualpath"]
+        checks["snic_balance_round_robin"] = balance["layerwise+dual"]
+    elif name == "pd-ratio":
+        pairs: dict[tuple, dict[str, float]] = defaultdict(dict)
+        for run in runs:
+            pairs[run["nodes"], run["agents"]][run["mode"]] = run["jct_s"]
+        checks["pd_ratio_mean_speedup"] = statistics.fmean(
+            jct["basic"] / jct["dualpath"] for jct in pairs.values()
+        )
+    elif name == "scale":
+        (small,) = [r for r in runs if r["nodes"] == "2P4D"]
+        (big,) = [r for r in runs if r["nodes"] != "2P4D"]
+        checks[f"scale_{big['nodes'].lower()}_over_2p4d_jct"] = big["jct_s"] / small["jct_s"]
+        if small["scale_down"] == 1:
+            checks["offline_660b_2p4d_64k_2048_dualpath_jct_s"] = small["jct_s"]
+    elif name == "online-capacity":
+        capacity: dict[str, dict[str, float]] = defaultdict(dict)
+        for run in runs:
+            if "aps" in run:  # a probe; the offline and unloaded runs carry no capacity
+                capacity[run["model"]][run["mode"]] = run["capacity_aps"]
+        for model, by_mode in capacity.items():
+            short = "660b" if model == V32 else model
+            ratio = by_mode["dualpath"] / by_mode["basic"]
+            checks[f"online_capacity_{short}_dualpath_over_basic"] = ratio
+    return checks
+
+
+def _assert_recomputable(result: ExperimentResult) -> None:
+    recomputed = recomputed_checks(result.name, result.runs)
+    assert sorted(recomputed) == sorted(check.name for check in result.checks)
+    for check in result.checks:
+        # Records round JCTs to 1 ms and SNIC balances to 1e-4.
+        assert check.ours == pytest.approx(recomputed[check.name], rel=1e-4, abs=1e-4), check
+
+
+# --- every experiment and grid, with made-up run results -------------------------------
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """``run_simulation`` and the online search replaced by draws from one seeded stream."""
+    rng = random.Random(7)
+
+    def fake_run(spec):
+        return SimpleNamespace(
+            spec=spec,
+            jct_s=rng.uniform(500.0, 9000.0),
+            snic_load_balance=rng.uniform(1.0, 2.0),
+            num_requests=1,
+            num_events=1,
+            wall_s=1.0,
+            events_per_s=1.0,
+            records=[SimpleNamespace(turn_index=i) for i in range(rng.randint(1, 200))],
+        )
+
+    def fake_find_capacity(spec, start_aps, window_s):
+        probes = []
+        for _ in range(rng.randint(2, online.MAX_PROBES)):
+            aps = start_aps * rng.uniform(0.2, 4.0)
+            probes.append(OnlineProbe(aps, 1, 1, rng.uniform(0.0, 8.0), 0.01, 1, 1.0))
+        probes.append(OnlineProbe(start_aps * 0.1, 1, 1, 0.5, 0.01, 1, 1.0))  # one pass
+        return probes
+
+    monkeypatch.setattr(experiments, "run_simulation", fake_run)
+    monkeypatch.setattr(online, "find_capacity", fake_find_capacity)
+
+
+@pytest.mark.parametrize("name", sorted(experiments.EXPERIMENTS))
+@pytest.mark.parametrize(("scale_down", "full"), [(1, False), (SCALE_DOWN, True)])
+def test_every_check_is_recomputable_from_the_runs(fake_runs, name, scale_down, full):
+    if (name, scale_down) == ("scale", 1) or (name, scale_down) == ("append-scaling", 1):
+        scale_down = 4  # their workloads are generated for real: keep them small
+    result = experiments.run_experiment(name, scale_down=scale_down, full=full)
+    assert result.runs
+    _assert_recomputable(result)
+
+
+def test_the_recomputation_notices_a_wrong_ours(fake_runs):
+    result = experiments.run_experiment("pd-ratio", scale_down=SCALE_DOWN)
+    check = result.checks[0]
+    result.checks[0] = experiments.Check(check.name, check.paper, check.ours * 1.01, 0.1)
+    with pytest.raises(AssertionError):
+        _assert_recomputable(result)
+
+
+# --- the paper's figures at reduced size ------------------------------------------------
+
+
+@functools.cache
+def _experiment(name: str) -> ExperimentResult:
+    return experiments.run_experiment(name, scale_down=SCALE_DOWN)
+
+
+def _ours(name: str, check_name: str) -> float:
+    (check,) = [c for c in _experiment(name).checks if c.name == check_name]
+    return check.ours
+
+
+@pytest.mark.parametrize("name", ["snic-balance", "pd-ratio", "scale", "online-capacity"])
+def test_the_reduced_runs_checks_are_recomputable_from_their_records(name):
+    # Not inside the xfail tests below, where a failure would read as the expected miss.
+    _assert_recomputable(_experiment(name))
+
+
+def test_round_robin_snic_balance_is_within_0_1_of_1_53():
+    balance = _ours("snic-balance", "snic_balance_round_robin")
+    assert abs(balance - 1.53) <= 0.1, balance
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TODO(#7): 1.030 at this size (1.038 at full size): the 27B run is storage-"
+    "saturated, every SNIC reads at its rate (docs/simulator.md, SNIC balance)",
+)
+def test_scheduler_snic_balance_is_within_0_1_of_1_18():
+    balance = _ours("snic-balance", "snic_balance_scheduler")
+    assert abs(balance - 1.18) <= 0.1, balance
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TODO(#7): 2.09x at this size (2.10x at full size): 1P2D's 2.85x, our 27B is "
+    "more storage-bound than the paper's (docs/simulator.md)",
+)
+def test_pd_ratio_mean_speedup_is_within_15_percent_of_1_64():
+    speedup = _ours("pd-ratio", "pd_ratio_mean_speedup")
+    assert abs(speedup - 1.64) <= 0.15 * 1.64, speedup
+
+
+def test_a_bigger_cluster_with_proportionally_more_agents_keeps_the_jct_within_5_percent():
+    # Table 3's 48P96D vs 2P4D, here 8P16D vs 2P4D (the default grid), 1-GPU nodes.
+    ratio = _ours("scale", "scale_8p16d_over_2p4d_jct")
+    assert abs(ratio - 3201 / 3167) <= 0.05, ratio
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TODO(#7): 1.85x at this size (1.17x at full size): lockstep prefill steps wait "
+    "for a group's largest chunk under the per-layer quota (docs/simulator.md)",
+)
+def test_online_capacity_660b_ratio_is_within_15_percent_of_2_25():
+    ratio = _ours("online-capacity", "online_capacity_660b_dualpath_over_basic")
+    assert abs(ratio - 2.25) <= 0.15 * 2.25, ratio
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TODO(#7): 1.96x at this size against 1.80x (ok) at full size: the 1-GPU nodes "
+    "of --scale-down 8 are not a neutral shrink (test_paper_checks.py)",
+)
+def test_online_capacity_27b_ratio_is_within_15_percent_of_1_67():
+    ratio = _ours("online-capacity", "online_capacity_27b_dualpath_over_basic")
+    assert abs(ratio - 1.67) <= 0.15 * 1.67, ratio
