@@ -640,7 +640,29 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
+    _add_no_progress(p)
     p.set_defaults(func=_run_simulate)
+
+
+def _add_no_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar per simulated run and no line per finished run on stderr",
+    )
+
+
+def _print_run(record: dict) -> None:
+    """One finished run, on stderr above the progress bars (the table goes to stdout)."""
+    from tqdm import tqdm
+
+    jct = "" if record["jct_s"] is None else f" JCT {record['jct_s']:,.1f} s"
+    aps = f" at {record['aps']:.4g} APS" if "aps" in record else ""
+    tqdm.write(
+        f"done: {record['model']} {record['nodes']} {record['mode']} {record['agents']} "
+        f"agents{aps}:{jct} ({record['wall_s']:.1f} s)",
+        file=sys.stderr,
+    )
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
@@ -653,7 +675,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.calibrate:
         from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, fit_prefill_efficiency
 
-        answer, tried = fit_prefill_efficiency(quota_per_forward=args.quota_per_forward)
+        answer, tried = fit_prefill_efficiency(
+            quota_per_forward=args.quota_per_forward, progress=not args.no_progress
+        )
         for efficiency, jct_s in tried:
             print(f"prefill_efficiency {efficiency:.4f}: JCT {jct_s:.1f} s")
         print(
@@ -669,6 +693,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             scale_down=args.scale_down,
             full=args.full,
             quota_per_forward=args.quota_per_forward,
+            on_run=None if args.no_progress else _print_run,
+            progress=not args.no_progress,
         )
     else:
         presets = {32768: "32k", 49152: "48k", 65536: "64k"}
@@ -695,6 +721,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             frontend_requests_per_s=args.frontend_rps,
             attention_quota_s=args.attention_quota_s,
             quota_per_forward=args.quota_per_forward,
+            on_run=None if args.no_progress else _print_run,
+            progress=not args.no_progress,
         )
     data = report.result_json([result], time.perf_counter() - start_s)
     print(report.format_table(result))
@@ -767,6 +795,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="simulate with SPEC §6's compute quota read as a whole forward, as `dualpath "
         "simulate --quota-per-forward` (default: per attention layer)",
     )
+    _add_no_progress(p)
     p.set_defaults(func=_run_plan)
 
 
@@ -785,6 +814,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         mode=args.mode,
         scale_down=args.scale_down,
         quota_per_forward=args.quota_per_forward,
+        progress=not args.no_progress,
     )
     print("\n".join(advice.lines))
     return 0

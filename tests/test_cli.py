@@ -111,7 +111,7 @@ def test_simulate_free_form_writes_runs_and_says_which_build_ran(
     from dualpath import compiled
 
     out_json = tmp_path / "sim.json"
-    code, out, _ = run_cli(
+    code, out, err = run_cli(
         capsys,
         "simulate",
         *("--nodes", "2P4D", "--agents", "512", "--scale-down", "8"),
@@ -125,3 +125,14 @@ def test_simulate_free_form_writes_runs_and_says_which_build_ran(
     build = "compiled build" if data["compiled"] else "Python sources"
     assert f"events/s ({build})" in out
     assert "basic |" in out and "dualpath |" in out
+    assert "done: deepseek-v3.2-660b 2P4D basic 64 agents: JCT" in err  # beside the bars
+    assert "done:" not in out
+
+
+def test_simulate_without_progress_writes_nothing_to_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ("simulate", "--model", "27b", "--nodes", "1P1D", "--agents", "8", "--scale-down", "8")
+    code, out, err = run_cli(capsys, *args, "--modes", "dualpath", "--no-progress")
+    assert code == 0 and "dualpath |" in out
+    assert err == ""

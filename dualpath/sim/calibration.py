@@ -79,7 +79,11 @@ def calibration_spec(factors: EfficiencyFactors | None = None, *, quota_per_forw
 
 
 def fit_prefill_efficiency(
-    *, start: float | None = None, runs: int = 6, quota_per_forward: bool = False
+    *,
+    start: float | None = None,
+    runs: int = 6,
+    quota_per_forward: bool = False,
+    progress: bool = False,
 ) -> tuple[float, list[tuple[float, float]]]:
     """The ``prefill_efficiency`` (others fixed) whose calibration run meets the target JCT,
     and every (efficiency, JCT s) tried. Each run is a full-size simulation (about a minute).
@@ -100,7 +104,7 @@ def fit_prefill_efficiency(
     for _ in range(runs):
         factors = replace(frozen, prefill_efficiency=guess)
         spec = calibration_spec(factors, quota_per_forward=quota_per_forward)
-        jct_s = run_simulation(spec).jct_s
+        jct_s = run_simulation(spec, progress=progress).jct_s
         logger.info("prefill_efficiency %.4f -> JCT %.1f s", guess, jct_s)
         tried.append((guess, jct_s))
         guess = _efficiency_for_target(tried)

@@ -82,6 +82,11 @@ class EventQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def next_time_s(self) -> float:
+        """When the next pending event runs (``inf`` when none is pending)."""
+        heap = self._heap
+        return heap[0][0] if heap else float("inf")
+
     def run(self, until_s: float = float("inf")) -> None:
         """Run events in order until the heap is empty or the next one is after ``until_s``."""
         heap = self._heap

@@ -15,10 +15,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from dualpath.config import parse_node_shape
 from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S
 from dualpath.sim.runner import RunResult, RunSpec, run_simulation
+
+if TYPE_CHECKING:
+    from dualpath.sim.online import OnlineProbe
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +94,11 @@ class _Runner:
         on_run: Callable[[dict], None] | None,
         *,
         quota_per_forward: bool = False,
+        progress: bool = False,
     ):
         self._experiment = experiment
         self._quota_per_forward = quota_per_forward
+        self.progress = progress  # a progress bar per run (online probes too) on stderr
         # Keyed by the spec and its agents: ``RunSpec.agents`` is left out of the spec's
         # equality, so two specs with different given workloads compare equal.
         self._cache: dict[tuple[RunSpec, object], RunResult] = {}
@@ -110,15 +116,18 @@ class _Runner:
         spec = self.adjust(spec)
         key = (spec, spec.agents)
         if key not in self._cache:
-            result = run_simulation(spec)
+            result = run_simulation(spec, progress=self.progress)
             self._cache[key] = result
-            record = run_record(self._experiment.name, result) | labels
-            self._experiment.runs.append(record)
-            self._experiment.num_events += result.num_events
-            self._experiment.sim_wall_s += result.wall_s
-            if self._on_run is not None:
-                self._on_run(record)
+            self.add(run_record(self._experiment.name, result) | labels, result)
         return self._cache[key]
+
+    def add(self, record: dict, result: RunResult | OnlineProbe) -> None:
+        """A finished run's (or online probe's) record, for the JSON and ``on_run``."""
+        self._experiment.runs.append(record)
+        self._experiment.num_events += result.num_events
+        self._experiment.sim_wall_s += result.wall_s
+        if self._on_run is not None:
+            self._on_run(record)
 
 
 def _offline_jct(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
@@ -282,12 +291,10 @@ def _online_capacity(run: _Runner, result: ExperimentResult, k: int, full: bool)
             spec = replace(base, mode=mode)
             offline = run(spec)
             start_aps = 0.5 * (base.num_agents // k) / offline.jct_s
-            probes = online.find_capacity(spec, start_aps, window_s)
+            probes = online.find_capacity(spec, start_aps, window_s, progress=run.progress)
             capacity[mode] = online.capacity_aps(probes)
             for probe in probes:
-                result.runs.append(_probe_record(spec, probe, capacity[mode], window_s))
-                result.num_events += probe.num_events
-                result.sim_wall_s += probe.wall_s
+                run.add(_probe_record(spec, probe, capacity[mode], window_s), probe)
             shown = ", ".join(
                 f"{p.aps:.4g}{'+' if p.is_attained else '-'}: {p.p90_ttft_s:.2f}/"
                 f"{1e3 * p.p90_tpot_s:.0f}"
@@ -351,14 +358,16 @@ def run_experiment(
     full: bool = False,
     quota_per_forward: bool = False,
     on_run: Callable[[dict], None] | None = None,
+    progress: bool = False,
 ) -> ExperimentResult:
     """Run one experiment of ``EXPERIMENTS`` (``ValueError`` for an unknown name);
     ``quota_per_forward`` runs every spec with SPEC §6's quota read as a whole forward and
-    that reading's fitted factors."""
+    that reading's fitted factors; ``on_run`` gets each run's record as it finishes;
+    ``progress`` shows a progress bar per run on stderr."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
     result = ExperimentResult(name)
-    runner = _Runner(result, on_run, quota_per_forward=quota_per_forward)
+    runner = _Runner(result, on_run, quota_per_forward=quota_per_forward, progress=progress)
     EXPERIMENTS[name](runner, result, scale_down, full)
     return result
 
@@ -378,6 +387,7 @@ def free_form(
     attention_quota_s: float | None = None,
     quota_per_forward: bool = False,
     on_run: Callable[[dict], None] | None = None,
+    progress: bool = False,
 ) -> ExperimentResult:
     """Runs of the given modes on one configuration (generated workload or given agents);
     ``read_path`` forces every mode's read side (e.g. "split"), ``frontend_requests_per_s``
@@ -385,7 +395,7 @@ def free_form(
     ``quota_per_forward`` reads SPEC §6's quota as a whole forward (``run_experiment``)."""
     parse_node_shape(nodes)
     result = ExperimentResult("free-form")
-    run = _Runner(result, on_run, quota_per_forward=quota_per_forward)
+    run = _Runner(result, on_run, quota_per_forward=quota_per_forward, progress=progress)
     result.table.append("mode | JCT s | SNIC max/avg")
     for mode in modes:
         spec = RunSpec(

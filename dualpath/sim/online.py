@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dualpath.sim.runner import RunSpec, build_simulator
+from dualpath.sim.runner import RunSpec, build_simulator, progress_bar
 from dualpath.workload import poisson_arrival_offsets_s
 
 SLO_TTFT_S = 4.0  # SPEC §7
@@ -64,8 +64,9 @@ class OnlineProbe:
         return self.p90_ttft_s <= SLO_TTFT_S and self.p90_tpot_s <= SLO_TPOT_S
 
 
-def run_probe(base: RunSpec, aps: float, window_s: float) -> OnlineProbe:
-    """Simulate ``base`` (its mode, cluster, seed) under Poisson arrivals at ``aps``."""
+def run_probe(base: RunSpec, aps: float, window_s: float, *, progress: bool = False) -> OnlineProbe:
+    """Simulate ``base`` (its mode, cluster, seed) under Poisson arrivals at ``aps``
+    (``progress``: a progress bar on stderr)."""
     import time
 
     num_agents = max(2, round(aps * window_s))
@@ -78,7 +79,10 @@ def run_probe(base: RunSpec, aps: float, window_s: float) -> OnlineProbe:
     )
     simulator = build_simulator(spec)
     start_s = time.perf_counter()
-    simulator.run(until_s=window_s + DRAIN_S)
+    until_s = window_s + DRAIN_S
+    label = f"{base.nodes} {base.mode} at {aps:.4g} APS"
+    with progress_bar(simulator, label, enabled=progress, until_s=until_s) as on_progress:
+        simulator.run(until_s, on_progress)
     wall_s = time.perf_counter() - start_s
     ttfts, tpots = [], []
     half_s = window_s / 2
@@ -141,9 +145,11 @@ def capacity_aps(probes: list[OnlineProbe]) -> float:
     return max(passed) if passed else 0.0
 
 
-def find_capacity(base: RunSpec, start_aps: float, window_s: float) -> list[OnlineProbe]:
+def find_capacity(
+    base: RunSpec, start_aps: float, window_s: float, *, progress: bool = False
+) -> list[OnlineProbe]:
     """Every probe of the search, in order (``capacity_aps`` reads the answer from them)."""
     probes: list[OnlineProbe] = []
     while (aps := next_aps(probes, start_aps)) is not None:
-        probes.append(run_probe(base, aps, window_s))
+        probes.append(run_probe(base, aps, window_s, progress=progress))
     return probes

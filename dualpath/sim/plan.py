@@ -31,9 +31,11 @@ def recommend_pd(
     mode: str = "dualpath",
     scale_down: int = 1,
     quota_per_forward: bool = False,
+    progress: bool = False,
 ) -> PlanAdvice:
     """Simulate every P + D = ``total_nodes`` and return the best by turns/s per GPU;
-    ``quota_per_forward`` reads SPEC §6's quota as a whole forward, with its own factors."""
+    ``quota_per_forward`` reads SPEC §6's quota as a whole forward, with its own factors;
+    ``progress`` shows a progress bar per run on stderr."""
     if total_nodes < 2:
         raise ValueError(f"need at least 2 nodes (one per role), got {total_nodes}")
     profile = HARDWARE[hardware]
@@ -57,7 +59,8 @@ def recommend_pd(
                 mode=mode,
                 scale_down=scale_down,
                 quota_per_forward=quota_per_forward,
-            )
+            ),
+            progress=progress,
         )
         num_gpus = total_nodes * profile.num_gpus_per_node // scale_down
         per_gpu = result.num_requests / result.jct_s / num_gpus

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from dualpath.config import READ_PATHS, SchedulerConfig, mode_settings, parse_node_shape
@@ -258,11 +260,34 @@ def _machine(
     )
 
 
-def run_simulation(spec: RunSpec) -> RunResult:
-    """Build, run and summarise one simulation."""
+@contextmanager
+def progress_bar(
+    simulator: Simulator, label: str, *, enabled: bool, until_s: float = math.inf
+) -> Iterator[Callable[[float, int], None] | None]:
+    """A progress bar (stderr) of ``simulator``'s finished turns and simulated time, as the
+    ``on_progress`` of its ``run``; None when not ``enabled``. It goes when the run ends
+    (callers print one line per finished run)."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    of = "" if until_s == math.inf else f" of {until_s:,.0f}"
+    with tqdm(total=simulator.num_turns, desc=label, unit="turn", leave=False) as bar:
+
+        def on_progress(now_s: float, num_finished: int) -> None:
+            bar.set_postfix_str(f"{now_s:,.0f}{of} s simulated", refresh=False)
+            bar.update(num_finished - bar.n)
+
+        yield on_progress
+
+
+def run_simulation(spec: RunSpec, *, progress: bool = False) -> RunResult:
+    """Build, run and summarise one simulation (``progress``: a progress bar on stderr)."""
     simulator = build_simulator(spec)
     start_s = time.perf_counter()
-    simulator.run()
+    with progress_bar(simulator, f"{spec.nodes} {spec.mode}", enabled=progress) as on_progress:
+        simulator.run(on_progress=on_progress)
     wall_s = time.perf_counter() - start_s
     jct_s = max(simulator.agent_finish_s)
     snic_links = [(n.snic_read, n.snic_write) for n in simulator.nodes]

@@ -71,6 +71,10 @@ _ARRIVAL: Final = EventPriority.ARRIVAL
 _FETCH: Final = EventPriority.FETCH
 _KV: Final = TrafficClass.KV
 
+# Simulated seconds between two ``on_progress`` calls of ``Simulator.run``: ~300 updates on a
+# paper-sized offline run, each a slice of the event loop (no event of its own).
+PROGRESS_EVERY_S: Final = 10.0
+
 
 class Simulator(PrefillSteps):
     """One simulated run. Not reusable: build, ``run()`` once, read the results."""
@@ -101,6 +105,7 @@ class Simulator(PrefillSteps):
         self._block_size = cluster.scheduler.block_size_tokens
         self.records: list[RequestRecord] = []
         self.agent_finish_s = [-1.0] * len(self.agents)
+        self.num_turns = sum(len(turns[0]) for turns in self._agent_turns)
         self.num_submitted = 0
         self._requests_in_flight: dict[int, SimRequest] = {}
         # The scheduler's num_waiting_prefill / num_waiting_decode, counted here from the
@@ -223,9 +228,18 @@ class Simulator(PrefillSteps):
 
     # --- the run -----------------------------------------------------------------------------
 
-    def run(self, until_s: float = float("inf")) -> None:
+    def run(
+        self,
+        until_s: float = float("inf"),
+        on_progress: Callable[[float, int], None] | None = None,
+    ) -> None:
         """Replay every agent to its last turn, or stop at ``until_s`` (an online probe);
-        requests still in flight then stay in ``requests_in_flight``."""
+        requests still in flight then stay in ``requests_in_flight``.
+
+        ``on_progress(now_s, num_finished_turns)`` is called after every
+        ``PROGRESS_EVERY_S`` of simulated time that holds an event (a progress bar); the
+        run is the same with or without it: the queue runs the same events in the same
+        order, in slices."""
         for index, agent in enumerate(self.agents):
             self.queue.push(agent.arrival_s, EventPriority.ARRIVAL, self._submit_turn, (index, 0))
         # NOTE(sim): the run makes no reference cycles (a collection after a whole run finds
@@ -235,7 +249,13 @@ class Simulator(PrefillSteps):
         was_collecting = gc.isenabled()
         gc.disable()
         try:
-            self.queue.run(until_s)
+            if on_progress is None:
+                self.queue.run(until_s)
+            else:
+                queue = self.queue
+                while (next_s := queue.next_time_s()) <= until_s and len(queue):
+                    queue.run(min(until_s, next_s + PROGRESS_EVERY_S))
+                    on_progress(queue.now_s, len(self.records))
         finally:
             if was_collecting:
                 gc.enable()

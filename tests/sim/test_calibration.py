@@ -44,7 +44,7 @@ def test_the_fit_averages_noisy_runs_instead_of_chasing_them(monkeypatch, fixed_
     noise = iter([1.03, 0.97] * 4)
     tried_specs = []
 
-    def fake_run(spec):
+    def fake_run(spec, **_):
         tried_specs.append(spec)
         jct_s = fixed_s + k / spec.factors.prefill_efficiency
         return SimpleNamespace(jct_s=jct_s * next(noise))

@@ -95,7 +95,7 @@ def fake_runs(monkeypatch):
     """``run_simulation`` and the online search replaced by draws from one seeded stream."""
     rng = random.Random(7)
 
-    def fake_run(spec):
+    def fake_run(spec, **_):
         return SimpleNamespace(
             spec=spec,
             jct_s=rng.uniform(500.0, 9000.0),
@@ -107,7 +107,7 @@ def fake_runs(monkeypatch):
             records=[SimpleNamespace(turn_index=i) for i in range(rng.randint(1, 200))],
         )
 
-    def fake_find_capacity(spec, start_aps, window_s):
+    def fake_find_capacity(spec, start_aps, window_s, progress=False):
         probes = []
         for _ in range(rng.randint(2, online.MAX_PROBES)):
             aps = start_aps * rng.uniform(0.2, 4.0)

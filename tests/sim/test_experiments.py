@@ -45,7 +45,7 @@ def test_the_quota_read_per_forward_reaches_every_run_of_an_experiment(monkeypat
     # runs with that reading and its own fitted factors, and the JSON says so.
     seen = []
 
-    def fake_run(spec):
+    def fake_run(spec, **_):
         seen.append(spec)
         simulator = build_simulator(small_spec(num_agents=8, scale_down=8))
         simulator.run()
@@ -62,7 +62,7 @@ def test_the_quota_read_per_forward_reaches_every_run_of_an_experiment(monkeypat
 
     probed = []
     monkeypatch.setattr(experiments, "run_simulation", fake_run)
-    monkeypatch.setattr(online, "find_capacity", lambda spec, *_: probed.append(spec) or [])
+    monkeypatch.setattr(online, "find_capacity", lambda spec, *_, **__: probed.append(spec) or [])
     ablation = experiments.run_experiment("ablation", scale_down=8, quota_per_forward=True)
     experiments.run_experiment("online-capacity", scale_down=8, quota_per_forward=True)
     assert len(seen) >= 4 and len(probed) == 4

@@ -17,7 +17,7 @@ JCT_S = {"1P3D": 400.0, "2P2D": 250.0, "3P1D": 300.0}
 def simulated(monkeypatch):
     specs = []
 
-    def fake_run(spec):
+    def fake_run(spec, **_):
         specs.append(spec)
         return SimpleNamespace(jct_s=JCT_S[spec.nodes], num_requests=1000)
 

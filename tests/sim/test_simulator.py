@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -116,6 +117,27 @@ def test_same_seed_same_json_and_a_different_seed_differs():
         record.pop("events_per_s")
     assert json.dumps(first) == json.dumps(second)
     assert first["jct_s"] != other["jct_s"]
+
+
+@pytest.mark.parametrize("until_s", [math.inf, 37.0])
+def test_a_run_with_progress_reports_is_the_same_run(until_s):
+    # Progress slices the event loop; every record, the event count and the finish times
+    # are those of one uninterrupted run, offline and stopped (an online probe).
+    plain = build_simulator(small_spec())
+    plain.run(until_s)
+    sliced = build_simulator(small_spec())
+    reports: list[tuple[float, int]] = []
+    sliced.run(until_s, lambda now_s, done: reports.append((now_s, done)))
+    assert sliced.records == plain.records and sliced.records
+    assert sliced.queue.num_events == plain.queue.num_events
+    assert sliced.agent_finish_s == plain.agent_finish_s
+    assert len(sliced.requests_in_flight) == len(plain.requests_in_flight)
+    assert len(reports) >= 3
+    assert reports == sorted(reports) and reports[-1] == (sliced.queue.now_s, len(plain.records))
+    if until_s == math.inf:
+        assert reports[-1][1] == sliced.num_turns  # every turn of every agent
+    else:
+        assert reports[-1][0] <= until_s and plain.requests_in_flight
 
 
 def test_two_simulators_in_one_process_are_independent():
