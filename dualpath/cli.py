@@ -640,6 +640,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        help="experiments and free-form runs: simulate independent runs N at a time in worker "
+        "processes, one core each (default 1; the JSON is the same either way, wall_s aside; "
+        "with N > 1 one progress bar counts the runs)",
+    )
     _add_no_progress(p)
     p.set_defaults(func=_run_simulate)
 
@@ -695,6 +703,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             quota_per_forward=args.quota_per_forward,
             on_run=None if args.no_progress else _print_run,
             progress=not args.no_progress,
+            jobs=args.jobs,
         )
     else:
         presets = {32768: "32k", 49152: "48k", 65536: "64k"}
@@ -723,6 +732,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             quota_per_forward=args.quota_per_forward,
             on_run=None if args.no_progress else _print_run,
             progress=not args.no_progress,
+            jobs=args.jobs,
         )
     data = report.result_json([result], time.perf_counter() - start_s)
     print(report.format_table(result))

@@ -58,6 +58,7 @@ ENV_VAR = "DUALPATH_COMPILED"
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _COMPILED = frozenset(COMPILED_MODULES)
+_SERVED = _COMPILED | {f"{GROUP_NAME}__mypyc"}
 
 
 def build_dir() -> Path:
@@ -136,10 +137,7 @@ def decide(setting: str, directory: Path) -> bool:
 def is_active() -> bool:
     """Whether this process runs the compiled build (reported with simulation speeds)."""
     directory = build_dir()
-    active = decide(os.environ.get(ENV_VAR, ""), directory)
-    if active and str(directory) not in sys.path:
-        sys.path.append(str(directory))  # the shared library is a top-level module
-    return active
+    return decide(os.environ.get(ENV_VAR, ""), directory)
 
 
 class _CompiledFinder:
@@ -147,7 +145,11 @@ class _CompiledFinder:
     is used, else nothing (the normal finders load the source)."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None):
-        if fullname not in _COMPILED or not is_active():
+        # The build's shared library is a top-level module, served here rather than through a
+        # sys.path entry: the build directory on sys.path would make a process that imports
+        # ``dualpath`` afresh with the parent's path (a worker, ``--jobs``) take the build's
+        # ``dualpath/`` folder for a namespace package.
+        if fullname not in _SERVED or not is_active():
             return None
         location = build_dir().joinpath(*fullname.split("."))
         suffix = importlib.machinery.EXTENSION_SUFFIXES[0]

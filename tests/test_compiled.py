@@ -85,10 +85,15 @@ def test_the_finder_serves_only_compiled_modules_of_a_used_build():
     finder = next(f for f in sys.meta_path if isinstance(f, compiled._CompiledFinder))
     assert finder.find_spec("dualpath.sim.runner") is None  # never compiled
     spec = finder.find_spec("dualpath.sim.links")
+    shared = finder.find_spec(f"{compiled.GROUP_NAME}__mypyc")
     if compiled.is_active():
         assert spec.origin.endswith(importlib.machinery.EXTENSION_SUFFIXES[0])
+        assert shared.origin.startswith(str(compiled.build_dir()))
     else:
-        assert spec is None
+        assert spec is None and shared is None
+    # Never through sys.path, where the build's dualpath/ folder would shadow the package
+    # as a namespace in a process that imports it afresh (a --jobs worker).
+    assert str(compiled.build_dir()) not in sys.path
 
 
 _RUN = """

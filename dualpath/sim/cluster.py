@@ -81,6 +81,10 @@ class RequestRecord:
         object.__setattr__(self, "finish_s", finish_s)
         object.__setattr__(self, "num_output_tokens", num_output_tokens)
 
+    def __reduce__(self) -> tuple:  # see cost.EfficiencyFactors.__reduce__
+        times = (self.submit_s, self.first_token_s, self.decode_start_s, self.finish_s)
+        return (RequestRecord, (self.agent_index, self.turn_index, *times, self.num_output_tokens))
+
 
 class EngineGroup(Generic[EngineT]):
     """The engines of one scheduler group (all PEs or all DEs): they fetch together.

@@ -52,6 +52,14 @@ class EfficiencyFactors:
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
 
+    def __reduce__(self) -> tuple:
+        # NOTE(sim): pickled through its constructor (specs and results cross to worker
+        # processes, ``--jobs``): the compiled build's default unpickling sets the fields
+        # one by one, which a frozen class refuses. So are ConstantCostModel and
+        # cluster.RequestRecord.
+        factors = (self.prefill_efficiency, self.decode_efficiency, self.storage_efficiency)
+        return (EfficiencyFactors, factors)
+
 
 class CostModel(Protocol):
     """Seconds of work on one GPU; pure and deterministic."""
@@ -88,6 +96,15 @@ class ConstantCostModel:
 
     def decode_step_s(self, num_seqs: int, num_context_tokens: int) -> float:
         return self.decode_s_per_step + self.decode_s_per_seq * num_seqs
+
+    def __reduce__(self) -> tuple:  # see EfficiencyFactors.__reduce__
+        costs = (
+            self.prefill_s_per_new_token,
+            self.prefill_s_per_step,
+            self.decode_s_per_step,
+            self.decode_s_per_seq,
+        )
+        return (ConstantCostModel, costs)
 
 
 @dataclass(frozen=True, slots=True)

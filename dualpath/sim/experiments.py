@@ -13,9 +13,11 @@ Checks compare with SPEC §7's printed figures. One number was fitted (``calibra
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import multiprocessing
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from dualpath.config import parse_node_shape
 from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 V32 = "deepseek-v3.2-660b"
 MAX_LEN_BY_PRESET = {"32k": 32_768, "48k": 49_152, "64k": 65_536}
 
@@ -86,7 +89,12 @@ def run_record(experiment: str, result: RunResult, capacity_aps: float | None = 
 
 
 class _Runner:
-    """Runs specs once each (memoised) and records them for the JSON."""
+    """Runs specs once each (memoised) and records them for the JSON.
+
+    With ``jobs`` > 1, ``prefetch`` runs an experiment's independent specs ahead in that many
+    worker processes (one core each) and ``map`` spreads other independent work (the online
+    searches) the same way; a run is recorded when the experiment asks for it, so the JSON's
+    runs, their order and every check are those of one run at a time."""
 
     def __init__(
         self,
@@ -95,13 +103,19 @@ class _Runner:
         *,
         quota_per_forward: bool = False,
         progress: bool = False,
+        jobs: int = 1,
     ):
+        if jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {jobs}")
         self._experiment = experiment
         self._quota_per_forward = quota_per_forward
-        self.progress = progress  # a progress bar per run (online probes too) on stderr
+        self._progress = progress  # a bar per run (one bar over the runs with jobs > 1)
+        self._jobs = jobs
+        self._pool: ProcessPoolExecutor | None = None
         # Keyed by the spec and its agents: ``RunSpec.agents`` is left out of the spec's
         # equality, so two specs with different given workloads compare equal.
         self._cache: dict[tuple[RunSpec, object], RunResult] = {}
+        self._ahead: dict[tuple[RunSpec, object], RunResult] = {}  # prefetched, not recorded
         self._on_run = on_run
 
     def adjust(self, spec: RunSpec) -> RunSpec:
@@ -116,10 +130,50 @@ class _Runner:
         spec = self.adjust(spec)
         key = (spec, spec.agents)
         if key not in self._cache:
-            result = run_simulation(spec, progress=self.progress)
+            result = self._ahead.pop(key, None)
+            if result is None:
+                result = run_simulation(spec, progress=self._progress)
             self._cache[key] = result
             self.add(run_record(self._experiment.name, result) | labels, result)
         return self._cache[key]
+
+    def prefetch(self, specs: Iterable[RunSpec]) -> None:
+        """Run ``specs`` ahead, ``jobs`` at a time (nothing to do with one job)."""
+        if self._jobs == 1:
+            return
+        todo: dict[tuple[RunSpec, object], RunSpec] = {}
+        for spec in map(self.adjust, specs):
+            key = (spec, spec.agents)
+            if key not in self._cache and key not in self._ahead:
+                todo[key] = spec
+        results = self.map(run_simulation, [(spec,) for spec in todo.values()])
+        self._ahead.update(zip(todo, results, strict=True))
+
+    def map(self, function: Callable[..., T], calls: Sequence[tuple]) -> list[T]:
+        """``function(*call, progress=...)`` for each call, in order: in the worker processes
+        with ``jobs`` > 1, else here one after another (each with its own progress bar)."""
+        if self._jobs == 1:
+            return [function(*call, progress=self._progress) for call in calls]
+        from tqdm import tqdm
+
+        if self._pool is None:
+            # forkserver: workers start from a clean interpreter (no threads of ours to fork)
+            # and import the same build, sources or compiled (DUALPATH_COMPILED is inherited).
+            context = multiprocessing.get_context("forkserver")
+            self._pool = ProcessPoolExecutor(self._jobs, mp_context=context)
+        futures = [self._pool.submit(function, *call, progress=False) for call in calls]
+        with tqdm(
+            total=len(futures), desc=f"{self._jobs} jobs", unit="run", disable=not self._progress
+        ) as bar:
+            for future in as_completed(futures):
+                future.result()  # a worker's exception surfaces here, at once
+                bar.update()
+        return [future.result() for future in futures]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
     def add(self, record: dict, result: RunResult | OnlineProbe) -> None:
         """A finished run's (or online probe's) record, for the JSON and ``on_run``."""
@@ -138,15 +192,17 @@ def _offline_jct(run: _Runner, result: ExperimentResult, k: int, full: bool) -> 
     result.table.append(
         "model nodes agents max_len | basic_s dualpath_s oracle_s | x_basic dp/oracle"
     )
+    modes = ("basic", "dualpath", "oracle")
+    specs = {
+        (model, nodes, n, preset, mode): RunSpec(
+            model=model, nodes=nodes, num_agents=n, preset=preset, mode=mode, scale_down=k
+        )
+        for model, nodes, n, preset in grid
+        for mode in modes
+    }
+    run.prefetch(specs.values())
     for model, nodes, n, preset in grid:
-        jct = {
-            mode: run(
-                RunSpec(
-                    model=model, nodes=nodes, num_agents=n, preset=preset, mode=mode, scale_down=k
-                )
-            ).jct_s
-            for mode in ("basic", "dualpath", "oracle")
-        }
+        jct = {mode: run(specs[model, nodes, n, preset, mode]).jct_s for mode in modes}
         speedup = jct["basic"] / jct["dualpath"]
         over_oracle = jct["dualpath"] / jct["oracle"]
         result.table.append(
@@ -179,10 +235,9 @@ def _calibration_check(jct_s: float) -> Check:
 
 def _ablation(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
     base = RunSpec(model=V32, nodes="2P4D", num_agents=2048, preset="64k", scale_down=k)
-    jct = {
-        mode: run(replace(base, mode=mode)).jct_s
-        for mode in ("basic", "layerwise", "layerwise+dual", "dualpath")
-    }
+    modes = ("basic", "layerwise", "layerwise+dual", "dualpath")
+    run.prefetch(replace(base, mode=mode) for mode in modes)
+    jct = {mode: run(replace(base, mode=mode)).jct_s for mode in modes}
     paper = {"layerwise": 17.21, "layerwise+dual": 38.19, "dualpath": 45.62}
     result.table.append("step | JCT s | reduction vs basic % | paper %")
     result.table.append(f"basic | {jct['basic']:.0f} | 0 | 0")
@@ -193,9 +248,10 @@ def _ablation(run: _Runner, result: ExperimentResult, k: int, full: bool) -> Non
 
 
 def _snic_balance(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
-    base = dict(model="27b", nodes="1P2D", num_agents=1024, preset="48k", scale_down=k)
-    ours = run(RunSpec(mode="dualpath", **base)).snic_load_balance
-    round_robin = run(RunSpec(mode="layerwise+dual", **base)).snic_load_balance
+    base = RunSpec(model="27b", nodes="1P2D", num_agents=1024, preset="48k", scale_down=k)
+    run.prefetch(replace(base, mode=mode) for mode in ("dualpath", "layerwise+dual"))
+    ours = run(replace(base, mode="dualpath")).snic_load_balance
+    round_robin = run(replace(base, mode="layerwise+dual")).snic_load_balance
     result.table.append("scheduler | SNIC max/avg | paper")
     result.table.append(f"dualpath | {ours:.3f} | 1.18")
     result.table.append(f"round robin (layerwise+dual) | {round_robin:.3f} | 1.53")
@@ -207,14 +263,20 @@ def _pd_ratio(run: _Runner, result: ExperimentResult, k: int, full: bool) -> Non
     shapes = ("1P1D", "2P1D", "1P2D")
     agents = (512, 1024, 2048) if full else (1024,)
     result.table.append("nodes agents | basic_s dualpath_s | speedup")
+    grid = [
+        RunSpec(model="27b", nodes=nodes, num_agents=n, preset="64k", scale_down=k)
+        for nodes in shapes
+        for n in agents
+    ]
+    run.prefetch(replace(spec, mode=mode) for spec in grid for mode in ("basic", "dualpath"))
     speedups = []
-    for nodes in shapes:
-        for n in agents:
-            spec = RunSpec(model="27b", nodes=nodes, num_agents=n, preset="64k", scale_down=k)
-            basic = run(replace(spec, mode="basic")).jct_s
-            dual = run(replace(spec, mode="dualpath")).jct_s
-            speedups.append(basic / dual)
-            result.table.append(f"{nodes} {n // k} | {basic:.0f} {dual:.0f} | {basic / dual:.2f}x")
+    for spec in grid:
+        basic = run(replace(spec, mode="basic")).jct_s
+        dual = run(replace(spec, mode="dualpath")).jct_s
+        speedups.append(basic / dual)
+        result.table.append(
+            f"{spec.nodes} {spec.num_agents // k} | {basic:.0f} {dual:.0f} | {basic / dual:.2f}x"
+        )
     mean = sum(speedups) / len(speedups)
     result.table.append(f"average {mean:.2f}x (paper 1.64x average, up to 2.46x)")
     result.checks.append(Check("pd_ratio_mean_speedup", 1.64, mean, round(0.15 * 1.64, 4)))
@@ -224,22 +286,21 @@ def _scale(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
     from dualpath.sim.agents import copied_agents, synthetic_agents
 
     big_nodes, big_agents = ("48P96D", 49_152) if full else ("8P16D", 8192)
-    small = run(RunSpec(model=V32, nodes="2P4D", num_agents=2048, preset="64k", scale_down=k))
+    small_spec = RunSpec(model=V32, nodes="2P4D", num_agents=2048, preset="64k", scale_down=k)
     # SPEC §7: more agents are copies of the same trajectories, so the big run replays the
     # small run's agents 24 (or 4) times instead of drawing a longer tail of fresh ones.
     base = synthetic_agents("64k", 2048 // k, seed=0, block_size_tokens=64)
-    agents = tuple(copied_agents(base, big_agents // 2048))
-    big = run(
-        RunSpec(
-            model=V32,
-            nodes=big_nodes,
-            num_agents=big_agents,
-            preset="64k",
-            scale_down=k,
-            agents=agents,
-        ),
-        copies_of_2p4d_agents=big_agents // 2048,
+    big_spec = RunSpec(
+        model=V32,
+        nodes=big_nodes,
+        num_agents=big_agents,
+        preset="64k",
+        scale_down=k,
+        agents=tuple(copied_agents(base, big_agents // 2048)),
     )
+    run.prefetch((big_spec, small_spec))  # the long one first
+    small = run(small_spec)
+    big = run(big_spec, copies_of_2p4d_agents=big_agents // 2048)
     ratio = big.jct_s / small.jct_s
     if k == 1:
         result.checks.append(_calibration_check(small.jct_s))
@@ -263,11 +324,19 @@ def _append_scaling(run: _Runner, result: ExperimentResult, k: int, full: bool) 
     from dualpath.sim.agents import scaled_append_agents
 
     result.table.append("append x | basic_s dualpath_s | speedup (paper 1.82-1.99x)")
-    for factor in (1, 2, 3) if full else (1, 3):
-        agents = tuple(scaled_append_agents("64k", 2048 // k, factor, seed=0))
-        spec = RunSpec(
-            model=V32, nodes="2P4D", num_agents=2048, preset="64k", scale_down=k, agents=agents
+    specs = {
+        factor: RunSpec(
+            model=V32,
+            nodes="2P4D",
+            num_agents=2048,
+            preset="64k",
+            scale_down=k,
+            agents=tuple(scaled_append_agents("64k", 2048 // k, factor, seed=0)),
         )
+        for factor in ((1, 2, 3) if full else (1, 3))
+    }
+    run.prefetch(replace(s, mode=m) for s in specs.values() for m in ("basic", "dualpath"))
+    for factor, spec in specs.items():
         basic = run(replace(spec, mode="basic"), append_factor=factor).jct_s
         dual = run(replace(spec, mode="dualpath"), append_factor=factor).jct_s
         result.table.append(f"x{factor} | {basic:.0f} {dual:.0f} | {basic / dual:.2f}x")
@@ -277,21 +346,38 @@ def _online_capacity(run: _Runner, result: ExperimentResult, k: int, full: bool)
     """Fig. 10: capacity under the SLO (``online.py``) of Basic and DualPath, as a ratio."""
     from dualpath.sim import online
 
-    result.table.append("model nodes | mode | capacity APS | probes (aps: p90 TTFT s / TPOT ms)")
-    for model, nodes, paper in ((V32, "2P4D", 2.25), ("27b", "1P1D", 1.67)):
-        base = run.adjust(
+    configs = ((V32, "2P4D", 2.25), ("27b", "1P1D", 1.67))
+    modes = ("basic", "dualpath")
+    bases = {
+        model: run.adjust(
             RunSpec(model=model, nodes=nodes, num_agents=1024, preset="64k", scale_down=k)
         )
-        # Unloaded lifetime: a few agents alone on the cluster (DualPath).
+        for model, nodes, _ in configs
+    }
+    # Unloaded lifetime: a few agents alone on the cluster (DualPath); the offline runs'
+    # throughput starts each search.
+    run.prefetch(
+        spec
+        for base in bases.values()
+        for spec in (replace(base, num_agents=4 * k), *(replace(base, mode=m) for m in modes))
+    )
+    searches: dict[tuple[str, str], tuple[RunSpec, float, float]] = {}
+    for model, base in bases.items():
         alone = run(replace(base, num_agents=4 * k))
         num_turns = max(r.turn_index for r in alone.records) + 1
         window_s = online.window_s(alone.jct_s, num_turns)
-        capacity = {}
-        for mode in ("basic", "dualpath"):
+        for mode in modes:
             spec = replace(base, mode=mode)
-            offline = run(spec)
-            start_aps = 0.5 * (base.num_agents // k) / offline.jct_s
-            probes = online.find_capacity(spec, start_aps, window_s, progress=run.progress)
+            start_aps = 0.5 * (base.num_agents // k) / run(spec).jct_s
+            searches[model, mode] = (spec, start_aps, window_s)
+    found = dict(zip(searches, run.map(online.find_capacity, list(searches.values())), strict=True))
+
+    result.table.append("model nodes | mode | capacity APS | probes (aps: p90 TTFT s / TPOT ms)")
+    for model, nodes, paper in configs:
+        capacity = {}
+        for mode in modes:
+            spec, _, window_s = searches[model, mode]
+            probes = found[model, mode]
             capacity[mode] = online.capacity_aps(probes)
             for probe in probes:
                 run.add(_probe_record(spec, probe, capacity[mode], window_s), probe)
@@ -359,16 +445,23 @@ def run_experiment(
     quota_per_forward: bool = False,
     on_run: Callable[[dict], None] | None = None,
     progress: bool = False,
+    jobs: int = 1,
 ) -> ExperimentResult:
     """Run one experiment of ``EXPERIMENTS`` (``ValueError`` for an unknown name);
     ``quota_per_forward`` runs every spec with SPEC §6's quota read as a whole forward and
-    that reading's fitted factors; ``on_run`` gets each run's record as it finishes;
-    ``progress`` shows a progress bar per run on stderr."""
+    that reading's fitted factors; ``on_run`` gets each run's record as it is recorded;
+    ``progress`` shows progress bars on stderr; ``jobs`` > 1 runs independent simulations
+    that many at a time in worker processes (the same result as one at a time)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
     result = ExperimentResult(name)
-    runner = _Runner(result, on_run, quota_per_forward=quota_per_forward, progress=progress)
-    EXPERIMENTS[name](runner, result, scale_down, full)
+    runner = _Runner(
+        result, on_run, quota_per_forward=quota_per_forward, progress=progress, jobs=jobs
+    )
+    try:
+        EXPERIMENTS[name](runner, result, scale_down, full)
+    finally:
+        runner.close()
     return result
 
 
@@ -388,17 +481,17 @@ def free_form(
     quota_per_forward: bool = False,
     on_run: Callable[[dict], None] | None = None,
     progress: bool = False,
+    jobs: int = 1,
 ) -> ExperimentResult:
     """Runs of the given modes on one configuration (generated workload or given agents);
     ``read_path`` forces every mode's read side (e.g. "split"), ``frontend_requests_per_s``
-    the front end's admission rate, ``attention_quota_s`` the PE compute quota, and
-    ``quota_per_forward`` reads SPEC §6's quota as a whole forward (``run_experiment``)."""
+    the front end's admission rate, ``attention_quota_s`` the PE compute quota;
+    ``quota_per_forward``, ``on_run``, ``progress`` and ``jobs`` as in ``run_experiment``."""
     parse_node_shape(nodes)
     result = ExperimentResult("free-form")
-    run = _Runner(result, on_run, quota_per_forward=quota_per_forward, progress=progress)
-    result.table.append("mode | JCT s | SNIC max/avg")
-    for mode in modes:
-        spec = RunSpec(
+    run = _Runner(result, on_run, quota_per_forward=quota_per_forward, progress=progress, jobs=jobs)
+    specs = [
+        RunSpec(
             model=model,
             nodes=nodes,
             num_agents=num_agents,
@@ -411,6 +504,14 @@ def free_form(
             frontend_requests_per_s=frontend_requests_per_s,
             attention_quota_s=attention_quota_s,
         )
-        r = run(spec)
-        result.table.append(f"{mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")
+        for mode in modes
+    ]
+    result.table.append("mode | JCT s | SNIC max/avg")
+    try:
+        run.prefetch(specs)
+        for spec in specs:
+            r = run(spec)
+            result.table.append(f"{spec.mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")
+    finally:
+        run.close()
     return result

@@ -20,6 +20,7 @@ import pytest
 from dualpath.sim import experiments, online
 from dualpath.sim.experiments import V32, ExperimentResult
 from dualpath.sim.online import OnlineProbe
+from dualpath.sim.runner import RunSpec
 
 SCALE_DOWN = 8
 
@@ -135,6 +136,36 @@ def test_the_recomputation_notices_a_wrong_ours(fake_runs):
     result.checks[0] = experiments.Check(check.name, check.paper, check.ours * 1.01, 0.1)
     with pytest.raises(AssertionError):
         _assert_recomputable(result)
+
+
+# --- worker processes (--jobs) -----------------------------------------------------------
+
+
+def _without_timings(result: ExperimentResult) -> tuple[list[dict], list]:
+    runs = [
+        {k: v for k, v in r.items() if k not in ("wall_s", "events_per_s")} for r in result.runs
+    ]
+    return runs, result.checks
+
+
+def test_jobs_give_the_same_runs_in_the_same_order_and_the_same_checks():
+    # Compared with the reduced-size run below (one at a time, same process).
+    parallel = experiments.run_experiment("snic-balance", scale_down=SCALE_DOWN, jobs=2)
+    assert _without_timings(parallel) == _without_timings(_experiment("snic-balance"))
+
+
+def test_a_failing_run_in_a_worker_fails_the_experiment_with_its_error():
+    result = ExperimentResult("t")
+    runner = experiments._Runner(result, None, jobs=2)
+    # The 660B's weights do not fit one 80 GB GPU (--scale-down 8 makes 1-GPU nodes).
+    doomed = RunSpec(model=V32, nodes="1P1D", num_agents=64, preset="32k", scale_down=8)
+    try:
+        with pytest.raises(ValueError, match="leave no KV memory"):
+            runner.prefetch([doomed])
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        experiments._Runner(result, None, jobs=0)
 
 
 # --- the paper's figures at reduced size ------------------------------------------------
