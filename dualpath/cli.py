@@ -640,16 +640,20 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
+    _add_jobs(p, "experiments and free-form runs")
+    _add_no_progress(p)
+    p.set_defaults(func=_run_simulate)
+
+
+def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--jobs",
         type=_positive_int,
         default=1,
-        help="experiments and free-form runs: simulate independent runs N at a time in worker "
-        "processes, one core each (default 1; the JSON is the same either way, wall_s aside; "
-        "with N > 1 one progress bar counts the runs)",
+        help=f"{what}: simulate independent runs N at a time in worker processes, one core "
+        "each (default 1; the results are the same either way, wall times aside; with N > 1 "
+        "one progress bar counts the runs)",
     )
-    _add_no_progress(p)
-    p.set_defaults(func=_run_simulate)
 
 
 def _add_no_progress(p: argparse.ArgumentParser) -> None:
@@ -805,6 +809,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="simulate with SPEC §6's compute quota read as a whole forward, as `dualpath "
         "simulate --quota-per-forward` (default: per attention layer)",
     )
+    _add_jobs(p, "the candidate shapes")
     _add_no_progress(p)
     p.set_defaults(func=_run_plan)
 
@@ -825,6 +830,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         scale_down=args.scale_down,
         quota_per_forward=args.quota_per_forward,
         progress=not args.no_progress,
+        jobs=args.jobs,
     )
     print("\n".join(advice.lines))
     return 0

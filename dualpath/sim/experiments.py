@@ -13,15 +13,13 @@ Checks compare with SPEC §7's printed figures. One number was fitted (``calibra
 from __future__ import annotations
 
 import logging
-import multiprocessing
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from dualpath.config import parse_node_shape
 from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S
-from dualpath.sim.runner import RunResult, RunSpec, run_simulation
+from dualpath.sim.runner import RunResult, RunSpec, map_runs, run_simulation
 
 if TYPE_CHECKING:
     from dualpath.sim.online import OnlineProbe
@@ -92,8 +90,8 @@ class _Runner:
     """Runs specs once each (memoised) and records them for the JSON.
 
     With ``jobs`` > 1, ``prefetch`` runs an experiment's independent specs ahead in that many
-    worker processes (one core each) and ``map`` spreads other independent work (the online
-    searches) the same way; a run is recorded when the experiment asks for it, so the JSON's
+    worker processes (``runner.map_runs``) and ``map`` spreads other independent work (the
+    online searches) the same way; a run is recorded when the experiment asks for it, so the JSON's
     runs, their order and every check are those of one run at a time."""
 
     def __init__(
@@ -111,7 +109,6 @@ class _Runner:
         self._quota_per_forward = quota_per_forward
         self._progress = progress  # a bar per run (one bar over the runs with jobs > 1)
         self._jobs = jobs
-        self._pool: ProcessPoolExecutor | None = None
         # Keyed by the spec and its agents: ``RunSpec.agents`` is left out of the spec's
         # equality, so two specs with different given workloads compare equal.
         self._cache: dict[tuple[RunSpec, object], RunResult] = {}
@@ -146,34 +143,13 @@ class _Runner:
             key = (spec, spec.agents)
             if key not in self._cache and key not in self._ahead:
                 todo[key] = spec
-        results = self.map(run_simulation, [(spec,) for spec in todo.values()])
+        calls = [(spec,) for spec in todo.values()]
+        results = map_runs(run_simulation, calls, jobs=self._jobs, progress=self._progress)
         self._ahead.update(zip(todo, results, strict=True))
 
     def map(self, function: Callable[..., T], calls: Sequence[tuple]) -> list[T]:
-        """``function(*call, progress=...)`` for each call, in order: in the worker processes
-        with ``jobs`` > 1, else here one after another (each with its own progress bar)."""
-        if self._jobs == 1:
-            return [function(*call, progress=self._progress) for call in calls]
-        from tqdm import tqdm
-
-        if self._pool is None:
-            # forkserver: workers start from a clean interpreter (no threads of ours to fork)
-            # and import the same build, sources or compiled (DUALPATH_COMPILED is inherited).
-            context = multiprocessing.get_context("forkserver")
-            self._pool = ProcessPoolExecutor(self._jobs, mp_context=context)
-        futures = [self._pool.submit(function, *call, progress=False) for call in calls]
-        with tqdm(
-            total=len(futures), desc=f"{self._jobs} jobs", unit="run", disable=not self._progress
-        ) as bar:
-            for future in as_completed(futures):
-                future.result()  # a worker's exception surfaces here, at once
-                bar.update()
-        return [future.result() for future in futures]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
+        """Other independent work (``runner.map_runs``) with this runner's jobs and bars."""
+        return map_runs(function, calls, jobs=self._jobs, progress=self._progress)
 
     def add(self, record: dict, result: RunResult | OnlineProbe) -> None:
         """A finished run's (or online probe's) record, for the JSON and ``on_run``."""
@@ -458,10 +434,7 @@ def run_experiment(
     runner = _Runner(
         result, on_run, quota_per_forward=quota_per_forward, progress=progress, jobs=jobs
     )
-    try:
-        EXPERIMENTS[name](runner, result, scale_down, full)
-    finally:
-        runner.close()
+    EXPERIMENTS[name](runner, result, scale_down, full)
     return result
 
 
@@ -507,11 +480,8 @@ def free_form(
         for mode in modes
     ]
     result.table.append("mode | JCT s | SNIC max/avg")
-    try:
-        run.prefetch(specs)
-        for spec in specs:
-            r = run(spec)
-            result.table.append(f"{spec.mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")
-    finally:
-        run.close()
+    run.prefetch(specs)
+    for spec in specs:
+        r = run(spec)
+        result.table.append(f"{spec.mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")
     return result

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dualpath.sim.profiles import HARDWARE
-from dualpath.sim.runner import RunSpec, run_simulation
+from dualpath.sim.runner import RunSpec, map_runs, run_simulation
 from dualpath.transfer.links import bottleneck_free_pd_range
 
 
@@ -32,10 +32,12 @@ def recommend_pd(
     scale_down: int = 1,
     quota_per_forward: bool = False,
     progress: bool = False,
+    jobs: int = 1,
 ) -> PlanAdvice:
     """Simulate every P + D = ``total_nodes`` and return the best by turns/s per GPU;
     ``quota_per_forward`` reads SPEC §6's quota as a whole forward, with its own factors;
-    ``progress`` shows a progress bar per run on stderr."""
+    ``progress`` shows progress bars on stderr; ``jobs`` > 1 simulates the shapes that many
+    at a time in worker processes (``runner.map_runs``)."""
     if total_nodes < 2:
         raise ValueError(f"need at least 2 nodes (one per role), got {total_nodes}")
     profile = HARDWARE[hardware]
@@ -46,22 +48,23 @@ def recommend_pd(
         profile.cnic_bytes_per_s,
     )
     lines = [f"SPEC §5 bottleneck-free P/D range on {hardware}: {low:.3f} .. {high:.3f}"]
-    best = None
-    for num_prefill in range(1, total_nodes):
-        nodes = f"{num_prefill}P{total_nodes - num_prefill}D"
-        result = run_simulation(
-            RunSpec(
-                model=model,
-                hardware=hardware,
-                nodes=nodes,
-                num_agents=num_agents,
-                preset=preset,
-                mode=mode,
-                scale_down=scale_down,
-                quota_per_forward=quota_per_forward,
-            ),
-            progress=progress,
+    shapes = [f"{p}P{total_nodes - p}D" for p in range(1, total_nodes)]
+    specs = [
+        RunSpec(
+            model=model,
+            hardware=hardware,
+            nodes=nodes,
+            num_agents=num_agents,
+            preset=preset,
+            mode=mode,
+            scale_down=scale_down,
+            quota_per_forward=quota_per_forward,
         )
+        for nodes in shapes
+    ]
+    results = map_runs(run_simulation, [(spec,) for spec in specs], jobs=jobs, progress=progress)
+    best = None
+    for num_prefill, nodes, result in zip(range(1, total_nodes), shapes, results, strict=True):
         num_gpus = total_nodes * profile.num_gpus_per_node // scale_down
         per_gpu = result.num_requests / result.jct_s / num_gpus
         ratio = num_prefill / (total_nodes - num_prefill)

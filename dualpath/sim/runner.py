@@ -12,10 +12,13 @@ from ``spec.seed`` through ``dualpath.workload``, and the simulation draws no ra
 from __future__ import annotations
 
 import math
+import multiprocessing
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from dualpath.config import READ_PATHS, SchedulerConfig, mode_settings, parse_node_shape
 from dualpath.scheduler import make_cluster_topology
@@ -301,3 +304,39 @@ def run_simulation(spec: RunSpec, *, progress: bool = False) -> RunResult:
         records=tuple(simulator.records),
         snic_bytes=sum(sum(r.finished_bytes) + sum(w.finished_bytes) for r, w in snic_links),
     )
+
+
+T = TypeVar("T")
+
+
+def map_runs(
+    function: Callable[..., T], calls: Sequence[tuple], *, jobs: int = 1, progress: bool = False
+) -> list[T]:
+    """``function(*call, progress=...)`` for each call, results in order: with ``jobs`` > 1 in
+    that many worker processes (one core each; one bar counts the finished calls), else here
+    one after another (each call with its own bar). ``function`` is ``run_simulation`` or
+    another module-level function of independent, deterministic work: the results are the
+    same either way. A worker's exception is raised here."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if jobs == 1 or len(calls) <= 1:
+        return [function(*call, progress=progress) for call in calls]
+    from tqdm import tqdm
+
+    # forkserver: workers start from a clean interpreter (no threads of ours are forked) and
+    # import the same build, sources or compiled (DUALPATH_COMPILED is inherited).
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(min(jobs, len(calls)), mp_context=context) as pool:
+        futures = [pool.submit(function, *call, progress=False) for call in calls]
+        try:
+            with tqdm(
+                total=len(futures), desc=f"{jobs} jobs", unit="run", disable=not progress
+            ) as bar:
+                for future in as_completed(futures):
+                    future.result()  # the first failure stops the rest
+                    bar.update()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return [future.result() for future in futures]

@@ -20,7 +20,7 @@ import pytest
 from dualpath.sim import experiments, online
 from dualpath.sim.experiments import V32, ExperimentResult
 from dualpath.sim.online import OnlineProbe
-from dualpath.sim.runner import RunSpec
+from dualpath.sim.runner import RunSpec, map_runs, run_simulation
 
 SCALE_DOWN = 8
 
@@ -155,17 +155,13 @@ def test_jobs_give_the_same_runs_in_the_same_order_and_the_same_checks():
 
 
 def test_a_failing_run_in_a_worker_fails_the_experiment_with_its_error():
-    result = ExperimentResult("t")
-    runner = experiments._Runner(result, None, jobs=2)
     # The 660B's weights do not fit one 80 GB GPU (--scale-down 8 makes 1-GPU nodes).
     doomed = RunSpec(model=V32, nodes="1P1D", num_agents=64, preset="32k", scale_down=8)
-    try:
-        with pytest.raises(ValueError, match="leave no KV memory"):
-            runner.prefetch([doomed])
-    finally:
-        runner.close()
+    fine = RunSpec(model="27b", nodes="1P1D", num_agents=64, preset="32k", scale_down=8)
+    with pytest.raises(ValueError, match="leave no KV memory"):
+        map_runs(run_simulation, [(fine,), (doomed,)], jobs=2)
     with pytest.raises(ValueError, match="jobs must be >= 1"):
-        experiments._Runner(result, None, jobs=0)
+        experiments._Runner(ExperimentResult("t"), None, jobs=0)
 
 
 # --- the paper's figures at reduced size ------------------------------------------------
