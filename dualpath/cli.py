@@ -554,7 +554,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "--experiment",
         default=None,
         help="offline-jct, ablation, snic-balance, pd-ratio, online-capacity, scale, "
-        "append-scaling; or fidelity: profile this machine (local profile), run a real "
+        "append-scaling; all: every one of those in one run (runs they share are simulated "
+        "once; one JSON, one PNG); or fidelity: profile this machine (local profile), run a real "
         "'dualpath bench offline --preset ci --seed 1' for basic and dualpath, simulate the "
         "same and report the JCT errors",
     )
@@ -700,8 +701,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.experiment == "fidelity":
         return _run_fidelity(args)
     if args.experiment is not None:
-        result = experiments.run_experiment(
-            args.experiment,
+        names = list(experiments.EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+        results = experiments.run_experiments(
+            names,
             scale_down=args.scale_down,
             full=args.full,
             quota_per_forward=args.quota_per_forward,
@@ -738,14 +740,19 @@ def _run_simulate(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             jobs=args.jobs,
         )
-    data = report.result_json([result], time.perf_counter() - start_s)
-    print(report.format_table(result))
+        results = [result]
+    data = report.result_json(results, time.perf_counter() - start_s)
+    print("\n\n".join(report.format_table(result) for result in results))
+    if len(results) > 1:
+        missed = [check["name"] for check in data["checks"] if not check["ok"]]
+        print(f"\n{len(data['checks']) - len(missed)} of {len(data['checks'])} checks ok", end="")
+        print(f"; missed: {', '.join(missed)}" if missed else "")
     build = "compiled build" if data["compiled"] else "Python sources"
     print(f"wall {data['wall_s']:.1f} s, {data['events_per_s']} events/s ({build})")
     if args.json is not None:
         report.write_json(data, args.json)
     if args.png is not None:
-        report.write_png([result], args.png)
+        report.write_png(results, args.png)
     return 0
 
 

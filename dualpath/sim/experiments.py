@@ -91,8 +91,10 @@ class _Runner:
 
     With ``jobs`` > 1, ``prefetch`` runs an experiment's independent specs ahead in that many
     worker processes (``runner.map_runs``) and ``map`` spreads other independent work (the
-    online searches) the same way; a run is recorded when the experiment asks for it, so the JSON's
-    runs, their order and every check are those of one run at a time."""
+    online searches) the same way; a run is recorded when the experiment asks for it, so the
+    JSON's runs, their order and every check are those of one run at a time. ``results``
+    shared by several runners (``run_experiments``) runs a spec once for all of them; each
+    experiment still records it among its own runs."""
 
     def __init__(
         self,
@@ -102,6 +104,7 @@ class _Runner:
         quota_per_forward: bool = False,
         progress: bool = False,
         jobs: int = 1,
+        results: dict[tuple[RunSpec, object], RunResult] | None = None,
     ):
         if jobs < 1:
             raise ValueError(f"jobs must be >= 1, got {jobs}")
@@ -111,8 +114,8 @@ class _Runner:
         self._jobs = jobs
         # Keyed by the spec and its agents: ``RunSpec.agents`` is left out of the spec's
         # equality, so two specs with different given workloads compare equal.
-        self._cache: dict[tuple[RunSpec, object], RunResult] = {}
-        self._ahead: dict[tuple[RunSpec, object], RunResult] = {}  # prefetched, not recorded
+        self._results = {} if results is None else results
+        self._recorded: set[tuple[RunSpec, object]] = set()  # in this experiment's runs
         self._on_run = on_run
 
     def adjust(self, spec: RunSpec) -> RunSpec:
@@ -126,13 +129,14 @@ class _Runner:
         """``labels`` go into the run's JSON record (e.g. what a given workload is)."""
         spec = self.adjust(spec)
         key = (spec, spec.agents)
-        if key not in self._cache:
-            result = self._ahead.pop(key, None)
-            if result is None:
-                result = run_simulation(spec, progress=self._progress)
-            self._cache[key] = result
+        result = self._results.get(key)
+        if result is None:
+            result = run_simulation(spec, progress=self._progress)
+            self._results[key] = result
+        if key not in self._recorded:
+            self._recorded.add(key)
             self.add(run_record(self._experiment.name, result) | labels, result)
-        return self._cache[key]
+        return result
 
     def prefetch(self, specs: Iterable[RunSpec]) -> None:
         """Run ``specs`` ahead, ``jobs`` at a time (nothing to do with one job)."""
@@ -141,11 +145,11 @@ class _Runner:
         todo: dict[tuple[RunSpec, object], RunSpec] = {}
         for spec in map(self.adjust, specs):
             key = (spec, spec.agents)
-            if key not in self._cache and key not in self._ahead:
+            if key not in self._results:
                 todo[key] = spec
         calls = [(spec,) for spec in todo.values()]
         results = map_runs(run_simulation, calls, jobs=self._jobs, progress=self._progress)
-        self._ahead.update(zip(todo, results, strict=True))
+        self._results.update(zip(todo, results, strict=True))
 
     def map(self, function: Callable[..., T], calls: Sequence[tuple]) -> list[T]:
         """Other independent work (``runner.map_runs``) with this runner's jobs and bars."""
@@ -402,12 +406,13 @@ def _probe_record(spec: RunSpec, probe, capacity: float, window_s: float) -> dic
     }
 
 
+# In SPEC §7's order (``--experiment all`` runs them so).
 EXPERIMENTS: dict[str, Callable[[_Runner, ExperimentResult, int, bool], None]] = {
-    "online-capacity": _online_capacity,
     "offline-jct": _offline_jct,
     "ablation": _ablation,
     "snic-balance": _snic_balance,
     "pd-ratio": _pd_ratio,
+    "online-capacity": _online_capacity,
     "scale": _scale,
     "append-scaling": _append_scaling,
 }
@@ -428,14 +433,49 @@ def run_experiment(
     that reading's fitted factors; ``on_run`` gets each run's record as it is recorded;
     ``progress`` shows progress bars on stderr; ``jobs`` > 1 runs independent simulations
     that many at a time in worker processes (the same result as one at a time)."""
-    if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
-    result = ExperimentResult(name)
-    runner = _Runner(
-        result, on_run, quota_per_forward=quota_per_forward, progress=progress, jobs=jobs
+    (result,) = run_experiments(
+        [name],
+        scale_down=scale_down,
+        full=full,
+        quota_per_forward=quota_per_forward,
+        on_run=on_run,
+        progress=progress,
+        jobs=jobs,
     )
-    EXPERIMENTS[name](runner, result, scale_down, full)
     return result
+
+
+def run_experiments(
+    names: Sequence[str],
+    *,
+    scale_down: int = 1,
+    full: bool = False,
+    quota_per_forward: bool = False,
+    on_run: Callable[[dict], None] | None = None,
+    progress: bool = False,
+    jobs: int = 1,
+) -> list[ExperimentResult]:
+    """``run_experiment`` for each name, in order, sharing runs: a spec two experiments use
+    (the 2P4D 2,048-agent runs of offline-jct, ablation and scale) is simulated once and
+    recorded in both."""
+    unknown = [name for name in names if name not in EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"unknown experiment {unknown[0]!r}; choose from {', '.join(EXPERIMENTS)}")
+    shared: dict[tuple[RunSpec, object], RunResult] = {}
+    results = []
+    for name in names:
+        result = ExperimentResult(name)
+        runner = _Runner(
+            result,
+            on_run,
+            quota_per_forward=quota_per_forward,
+            progress=progress,
+            jobs=jobs,
+            results=shared,
+        )
+        EXPERIMENTS[name](runner, result, scale_down, full)
+        results.append(result)
+    return results
 
 
 def free_form(

@@ -10,6 +10,7 @@ mends one turns its test red until the mark goes.
 from __future__ import annotations
 
 import functools
+import json
 import random
 import statistics
 from collections import defaultdict
@@ -128,6 +129,41 @@ def test_every_check_is_recomputable_from_the_runs(fake_runs, name, scale_down, 
     result = experiments.run_experiment(name, scale_down=scale_down, full=full)
     assert result.runs
     _assert_recomputable(result)
+
+
+def test_all_experiments_in_one_command_share_runs_and_write_one_json_and_png(
+    fake_runs, monkeypatch, tmp_path, capsys
+):
+    from dualpath.cli import main
+
+    simulated = []
+    fake = experiments.run_simulation
+    monkeypatch.setattr(
+        experiments, "run_simulation", lambda spec, **kw: simulated.append(spec) or fake(spec)
+    )
+    out_json, out_png = tmp_path / "all.json", tmp_path / "all.png"
+    args = ["simulate", "--experiment", "all", "--scale-down", "8", "--no-progress"]
+    assert main([*args, "--json", str(out_json), "--png", str(out_png)]) == 0
+    data = json.loads(out_json.read_text())
+    names = {run["experiment"] for run in data["runs"]}
+    assert names == set(experiments.EXPERIMENTS)
+    # offline-jct, ablation and scale all use the 2P4D 2,048-agent DualPath run: simulated
+    # once, recorded by each.
+    keys = [(spec, spec.agents) for spec in simulated]
+    assert len(keys) == len(set(keys))
+    shared = [r for r in data["runs"] if r["nodes"] == "2P4D" and r["mode"] == "dualpath"]
+    shared = [r for r in shared if r["agents"] == 256 and r["experiment"] != "append-scaling"]
+    assert sorted(r["experiment"] for r in shared) == ["ablation", "offline-jct", "scale"]
+    for name in experiments.EXPERIMENTS:
+        runs = [r for r in data["runs"] if r["experiment"] == name]
+        recomputed = recomputed_checks(name, runs)
+        for check in [c for c in data["checks"] if c["name"] in recomputed]:
+            # As written: rounded to 1e-4.
+            assert check["ours"] == pytest.approx(recomputed[check["name"]], rel=1e-4, abs=1e-4)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert f"of {len(data['checks'])} checks ok" in printed
+    assert all(f"== {name} ==" in printed for name in experiments.EXPERIMENTS)
 
 
 def test_the_recomputation_notices_a_wrong_ours(fake_runs):
