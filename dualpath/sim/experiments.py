@@ -382,6 +382,12 @@ def _online_capacity(run: _Runner, result: ExperimentResult, k: int, full: bool)
     )
 
 
+def _significant(value: float) -> float:
+    """Six significant digits (an APS can be small: rounding to decimals would lose the
+    precision the capacity ratio is recomputed with)."""
+    return float(f"{value:.6g}")
+
+
 def _probe_record(spec: RunSpec, probe, capacity: float, window_s: float) -> dict:
     return {
         "experiment": "online-capacity",
@@ -392,10 +398,10 @@ def _probe_record(spec: RunSpec, probe, capacity: float, window_s: float) -> dic
         "mode": spec.mode,
         "jct_s": None,
         "snic_load_balance": None,
-        "capacity_aps": round(capacity, 6),
+        "capacity_aps": _significant(capacity),
         "scale_down": spec.scale_down,
         "quota_per_forward": spec.quota_per_forward,
-        "aps": round(probe.aps, 6),
+        "aps": _significant(probe.aps),
         "window_s": round(window_s, 1),
         "slo_attained": probe.is_attained,
         "p90_ttft_s": round(probe.p90_ttft_s, 4),
