@@ -592,9 +592,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="K: nodes with 8/K GPUs (node links /K) and K times fewer agents",
     )
-    p.add_argument(
-        "--model", default="deepseek-v3.2-660b", help="model profile (dualpath.sim.profiles)"
-    )
+    _add_profiles(p, default_model="deepseek-v3.2-660b", what="free-form runs")
     p.add_argument("--nodes", default="2P4D", help="cluster shape, e.g. 2P4D (default)")
     p.add_argument("--agents", type=_positive_int, default=1024, help="agents (trajectories)")
     p.add_argument(
@@ -646,6 +644,26 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_simulate)
 
 
+def _add_profiles(p: argparse.ArgumentParser, *, default_model: str, what: str) -> None:
+    from dualpath.sim.profiles import HARDWARE, MODELS
+
+    file_help = (
+        'or a JSON file of the profile\'s fields, or of "base" (a built-in name) and the '
+        "fields that differ (dualpath/sim/profiles.py)"
+    )
+    p.add_argument(
+        "--model",
+        default=default_model,
+        help=f"{what}: model profile, {', '.join(MODELS)} (default {default_model}), {file_help}",
+    )
+    p.add_argument(
+        "--hardware",
+        default="hopper-8x400",
+        help=f"{what}: node and fabric profile, {', '.join(HARDWARE)} (default hopper-8x400; "
+        f"'local' only for plan's SPEC §5 bounds), {file_help}",
+    )
+
+
 def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--jobs",
@@ -683,6 +701,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
     from dualpath.sim import experiments, report
     from dualpath.sim.agents import workload_agents
+    from dualpath.sim.profiles import resolve_hardware, resolve_model
 
     start_s = time.perf_counter()
     if args.calibrate:
@@ -724,7 +743,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             )
             agents = workload_agents(workload, block_size_tokens=64)
         result = experiments.free_form(
-            model=args.model,
+            model=resolve_model(args.model),
+            hardware=resolve_hardware(args.hardware),
             nodes=args.nodes,
             num_agents=args.agents,
             preset=presets[args.max_len],
@@ -795,10 +815,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         description="Evaluates SPEC §5's bottleneck-free P/D range and simulates candidate "
         "P/D shapes to recommend the best throughput per GPU for a workload.",
     )
-    p.add_argument("--model", default="27b", help="model profile (dualpath.sim.profiles)")
-    p.add_argument(
-        "--hardware", default="hopper-8x400", help="hardware profile: hopper-8x400 or local"
-    )
+    _add_profiles(p, default_model="27b", what="the candidate shapes")
     p.add_argument(
         "--total-nodes", type=_positive_int, default=3, help="nodes to split into P and D"
     )
@@ -823,13 +840,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from dualpath.sim.plan import recommend_pd
+    from dualpath.sim.profiles import resolve_hardware, resolve_model
 
     presets = {32768: "32k", 49152: "48k", 65536: "64k"}
     if args.max_len not in presets:
         raise ValueError(f"--max-len must be one of {sorted(presets)}, got {args.max_len}")
     advice = recommend_pd(
-        model=args.model,
-        hardware=args.hardware,
+        model=resolve_model(args.model),
+        hardware=resolve_hardware(args.hardware),
         total_nodes=args.total_nodes,
         num_agents=args.agents,
         preset=presets[args.max_len],

@@ -23,6 +23,7 @@ from dualpath.sim.runner import RunResult, RunSpec, map_runs, run_simulation
 
 if TYPE_CHECKING:
     from dualpath.sim.online import OnlineProbe
+    from dualpath.sim.profiles import HardwareProfile, ModelProfile
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def run_record(experiment: str, result: RunResult, capacity_aps: float | None = 
     spec = result.spec
     return {
         "experiment": experiment,
-        "model": spec.model,
+        "model": spec.model_name,
         "nodes": spec.nodes,
         "agents": max(1, spec.num_agents // spec.scale_down),
         "max_len": MAX_LEN_BY_PRESET.get(spec.preset, spec.preset),
@@ -391,7 +392,7 @@ def _significant(value: float) -> float:
 def _probe_record(spec: RunSpec, probe, capacity: float, window_s: float) -> dict:
     return {
         "experiment": "online-capacity",
-        "model": spec.model,
+        "model": spec.model_name,
         "nodes": spec.nodes,
         "agents": probe.num_agents,
         "max_len": MAX_LEN_BY_PRESET[spec.preset],
@@ -486,7 +487,7 @@ def run_experiments(
 
 def free_form(
     *,
-    model: str,
+    model: str | ModelProfile,
     nodes: str,
     num_agents: int,
     preset: str,
@@ -494,6 +495,7 @@ def free_form(
     scale_down: int = 1,
     seed: int = 0,
     agents=None,
+    hardware: str | HardwareProfile = "hopper-8x400",
     read_path: str | None = None,
     frontend_requests_per_s: float | None = None,
     attention_quota_s: float | None = None,
@@ -503,6 +505,7 @@ def free_form(
     jobs: int = 1,
 ) -> ExperimentResult:
     """Runs of the given modes on one configuration (generated workload or given agents);
+    ``model`` and ``hardware`` are built-in names or profiles (``profiles.resolve_*``);
     ``read_path`` forces every mode's read side (e.g. "split"), ``frontend_requests_per_s``
     the front end's admission rate, ``attention_quota_s`` the PE compute quota;
     ``quota_per_forward``, ``on_run``, ``progress`` and ``jobs`` as in ``run_experiment``."""
@@ -512,6 +515,7 @@ def free_form(
     specs = [
         RunSpec(
             model=model,
+            hardware=hardware,
             nodes=nodes,
             num_agents=num_agents,
             preset=preset,

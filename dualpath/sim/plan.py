@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath.sim.profiles import HARDWARE
+from dualpath.sim.profiles import HardwareProfile, ModelProfile, resolve_hardware, resolve_model
 from dualpath.sim.runner import RunSpec, map_runs, run_simulation
 from dualpath.transfer.links import bottleneck_free_pd_range
 
@@ -23,8 +23,8 @@ class PlanAdvice:
 
 def recommend_pd(
     *,
-    model: str,
-    hardware: str,
+    model: str | ModelProfile,
+    hardware: str | HardwareProfile,
     total_nodes: int,
     num_agents: int,
     preset: str,
@@ -40,19 +40,20 @@ def recommend_pd(
     at a time in worker processes (``runner.map_runs``)."""
     if total_nodes < 2:
         raise ValueError(f"need at least 2 nodes (one per role), got {total_nodes}")
-    profile = HARDWARE[hardware]
+    profile = resolve_hardware(hardware)
+    model = resolve_model(model)
     low, high = bottleneck_free_pd_range(
         profile.num_gpus_per_node,
         profile.snic_bandwidth_gbps / profile.cnic_bandwidth_gbps,
         profile.host_memory_bytes_per_s,
         profile.cnic_bytes_per_s,
     )
-    lines = [f"SPEC §5 bottleneck-free P/D range on {hardware}: {low:.3f} .. {high:.3f}"]
+    lines = [f"SPEC §5 bottleneck-free P/D range on {profile.name}: {low:.3f} .. {high:.3f}"]
     shapes = [f"{p}P{total_nodes - p}D" for p in range(1, total_nodes)]
     specs = [
         RunSpec(
             model=model,
-            hardware=hardware,
+            hardware=profile,
             nodes=nodes,
             num_agents=num_agents,
             preset=preset,

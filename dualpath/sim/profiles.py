@@ -16,13 +16,25 @@ Models (``MODELS``): KV bytes per token per layer and layer counts from the publ
 (SPEC §7 "Model facts"); FLOPs from parameter counts (2 FLOPs per active parameter per token)
 plus attention FLOPs per (query, key) pair per layer; sparse attention (DSA) attends to at
 most ``attention_top_k_tokens`` keys plus an indexer over every cached key.
+
+Your own cluster or model: a JSON file where a name goes (``resolve_hardware``,
+``resolve_model``; ``dualpath plan --hardware my_cluster.json``), with every field of the
+profile, or ``"base"`` (a built-in name) and the fields that differ::
+
+    {"base": "hopper-8x400", "snic_bandwidth_gbps": 200, "num_gpus_per_node": 4}
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 from dualpath.units import gbps_to_bytes_per_s
+
+P = TypeVar("P", "HardwareProfile", "ModelProfile")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +162,21 @@ class ModelProfile:
     all_to_all_bytes_per_token_per_layer: float
     source: str  # where the numbers come from
 
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "kv_bytes_per_token_per_layer",
+            "num_active_params",
+            "num_total_params",
+            "bytes_per_param",
+            "hidden_size",
+            "attention_flops_per_pair",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")
+        if self.num_active_params > self.num_total_params:
+            raise ValueError(f"{self.name}: more active parameters than parameters")
+
     @property
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.kv_bytes_per_token_per_layer
@@ -232,3 +259,51 @@ MODELS: dict[str, ModelProfile] = {
         source="dualpath/model/presets.py 'tiny' (4 layers, hidden 128, 2 KB KV/token)",
     ),
 }
+
+
+def resolve_hardware(value: str | HardwareProfile) -> HardwareProfile:
+    """A hardware profile by built-in name, from a JSON file (module docstring), or as given."""
+    return _resolve(value, HARDWARE, HardwareProfile, "hardware")
+
+
+def resolve_model(value: str | ModelProfile) -> ModelProfile:
+    """A model profile by built-in name, from a JSON file (module docstring), or as given."""
+    return _resolve(value, MODELS, ModelProfile, "model")
+
+
+def _resolve(value: str | P, builtins: dict[str, P], cls: type[P], kind: str) -> P:
+    if not isinstance(value, str):
+        return value
+    if value in builtins:
+        return builtins[value]
+    path = Path(value)
+    if not path.suffix == ".json":
+        raise ValueError(
+            f"unknown {kind} {value!r}; choose from {', '.join(builtins)} or give a .json file"
+        )
+    try:
+        given = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{kind} profile {path}: {exc}") from exc
+    if not isinstance(given, dict):
+        raise ValueError(f"{kind} profile {path}: expected a JSON object")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(given) - set(names) - {"base"})
+    if unknown:
+        raise ValueError(f"{kind} profile {path}: unknown fields {', '.join(unknown)}")
+    fields: dict[str, object] = {"name": path.stem}
+    if kind == "model":
+        fields["source"] = str(path)
+    if "base" in given:
+        base = given.pop("base")
+        if base not in builtins:
+            raise ValueError(f"{kind} profile {path}: unknown base {base!r}")
+        fields = dataclasses.asdict(builtins[base]) | {"name": path.stem}
+    fields |= given
+    missing = [name for name in names if name not in fields]
+    if missing:
+        raise ValueError(f'{kind} profile {path}: missing {", ".join(missing)} (or give a "base")')
+    try:
+        return cls(**fields)
+    except TypeError as exc:
+        raise ValueError(f"{kind} profile {path}: {exc}") from exc

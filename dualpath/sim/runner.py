@@ -36,7 +36,14 @@ from dualpath.sim.cost import (
 )
 from dualpath.sim.local import LocalProfile
 from dualpath.sim.metrics import snic_load_balance
-from dualpath.sim.profiles import HARDWARE, MODELS
+from dualpath.sim.profiles import (
+    HARDWARE,
+    MODELS,
+    HardwareProfile,
+    ModelProfile,
+    resolve_hardware,
+    resolve_model,
+)
 from dualpath.sim.simulator import Simulator
 
 PRESET_BY_MAX_LEN = {32_768: "32k", 49_152: "48k", 65_536: "64k"}
@@ -47,8 +54,10 @@ class RunSpec:
     """One simulated run, by name. ``scale_down`` K divides GPUs per node, node-wide links and
     agents by K (per-GPU ratios stay), for tests and quick looks."""
 
-    model: str = "deepseek-v3.2-660b"
-    hardware: str = "hopper-8x400"
+    # A built-in profile's name, or a profile (``profiles.resolve_model`` /
+    # ``resolve_hardware``: a user's cluster or model from a JSON file).
+    model: str | ModelProfile = "deepseek-v3.2-660b"
+    hardware: str | HardwareProfile = "hopper-8x400"
     nodes: str = "2P4D"
     num_agents: int = 1024
     preset: str = "64k"
@@ -79,6 +88,10 @@ class RunSpec:
     local: LocalProfile | None = None
     agents: tuple[AgentTrace, ...] | None = field(default=None, compare=False)  # overrides
 
+    @property
+    def model_name(self) -> str:
+        return self.model if isinstance(self.model, str) else self.model.name
+
     def __post_init__(self) -> None:
         if self.factors is None:
             factors = frozen_factors(quota_per_forward=self.quota_per_forward)
@@ -95,9 +108,9 @@ class RunSpec:
             )
         if self.attention_quota_s is not None and not self.attention_quota_s > 0:
             raise ValueError(f"attention_quota_s must be > 0, got {self.attention_quota_s}")
-        if self.model not in MODELS:
+        if isinstance(self.model, str) and self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
-        if self.hardware not in HARDWARE:
+        if isinstance(self.hardware, str) and self.hardware not in HARDWARE:
             raise ValueError(
                 f"unknown hardware {self.hardware!r}; choose from {', '.join(HARDWARE)}"
             )
@@ -130,8 +143,8 @@ def _nodes_per_group(num_prefill: int, num_decode: int) -> int:
 
 
 def build_simulator(spec: RunSpec) -> Simulator:
-    model = MODELS[spec.model]
-    hardware = HARDWARE[spec.hardware]
+    model = resolve_model(spec.model)
+    hardware = resolve_hardware(spec.hardware)
     if spec.frontend_requests_per_s is not None:
         hardware = replace(hardware, frontend_requests_per_s=spec.frontend_requests_per_s)
     hardware = hardware.scaled_down(spec.scale_down)
