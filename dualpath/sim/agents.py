@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpath.kv.hashing import block_keys
 from dualpath.workload import PRESETS, Workload, fit_trajectories
 
 
@@ -75,15 +76,42 @@ def synthetic_agents(
 
 
 def workload_agents(workload: Workload, *, block_size_tokens: int) -> list[AgentTrace]:
-    """Agents from any ``Workload`` (e.g. ``load_mooncake_trace``), sessions in order."""
+    """Agents from any ``Workload`` (e.g. ``load_mooncake_trace``), sessions in order.
+
+    Hits within a session follow the replay rule (``_hits``). Across sessions, as the store
+    finds them by content (``kv.hashing``): a session's first prompt also hits the leading
+    Full Blocks that the first prompts of sessions arriving before it hold (Mooncake's
+    traces share prefixes between requests, e.g. one system prompt). Later turns hold the
+    session's own generated tokens, which no other session's prompt can match."""
+    first_hits = _first_prompt_hits(workload, block_size_tokens)
     agents = []
     for index, session in enumerate(workload.sessions):
         prompts = list(session.prompt_lengths_tokens())
         outputs = [turn.output_tokens for turn in session.turns]
         kept = [turn.keep_prefix_tokens for turn in session.turns]
-        hits = _hits(prompts, outputs, kept, block_size_tokens)
+        hits = (first_hits[index],) + _hits(prompts, outputs, kept, block_size_tokens)[1:]
         agents.append(AgentTrace(index, session.arrival_s, tuple(prompts), hits, tuple(outputs)))
     return agents
+
+
+def _first_prompt_hits(workload: Workload, block_size_tokens: int) -> list[int]:
+    """Per session, the tokens of its first prompt whose Full Blocks an earlier-arriving
+    session's first prompt stored (ties in arrival: the order of ``workload.sessions``)."""
+    fingerprint = "0" * 32  # one model: every key in one namespace
+    stored: set[str] = set()
+    hits = [0] * len(workload.sessions)
+    order = sorted(range(len(workload.sessions)), key=lambda i: workload.sessions[i].arrival_s)
+    for index in order:
+        prompt = workload.sessions[index].first_prompt()
+        keys = block_keys(prompt, block_size_tokens, fingerprint)
+        num_hit_blocks = 0
+        while num_hit_blocks < len(keys) and keys[num_hit_blocks] in stored:
+            num_hit_blocks += 1
+        # At least the prompt's last token is computed (its logits give the first token).
+        last_full_block = (len(prompt) - 1) // block_size_tokens
+        hits[index] = min(num_hit_blocks, last_full_block) * block_size_tokens
+        stored.update(keys)
+    return hits
 
 
 def scaled_append_agents(
