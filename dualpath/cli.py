@@ -641,7 +641,27 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
     _add_jobs(p, "experiments and free-form runs")
     _add_no_progress(p)
-    p.set_defaults(func=_run_simulate)
+    p.set_defaults(
+        func=_run_simulate,
+        free_form_defaults={dest: p.get_default(dest) for dest in _FREE_FORM_ONLY},
+    )
+
+
+# ``simulate`` flags that shape a free-form run; an experiment or --calibrate refuses them
+# rather than ignore them (they run the paper's configurations).
+_FREE_FORM_ONLY = (
+    "model",
+    "hardware",
+    "nodes",
+    "agents",
+    "max_len",
+    "modes",
+    "trace",
+    "read_path",
+    "frontend_rps",
+    "attention_quota_s",
+    "seed",
+)
 
 
 def _add_profiles(p: argparse.ArgumentParser, *, default_model: str, what: str) -> None:
@@ -704,6 +724,14 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from dualpath.sim.profiles import resolve_hardware, resolve_model
 
     start_s = time.perf_counter()
+    if args.calibrate or args.experiment is not None:
+        for dest, default in args.free_form_defaults.items():
+            if getattr(args, dest) != default:
+                what = "--calibrate" if args.calibrate else f"--experiment {args.experiment}"
+                raise ValueError(
+                    f"--{dest.replace('_', '-')} shapes free-form runs; {what} runs its own "
+                    "configurations (leave --experiment out for a free-form run)"
+                )
     if args.calibrate:
         from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, fit_prefill_efficiency
 

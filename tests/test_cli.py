@@ -136,3 +136,13 @@ def test_simulate_without_progress_writes_nothing_to_stderr(
     code, out, err = run_cli(capsys, *args, "--modes", "dualpath", "--no-progress")
     assert code == 0 and "dualpath |" in out
     assert err == ""
+
+
+def test_simulate_refuses_free_form_flags_with_an_experiment(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run_cli(capsys, "simulate", "--experiment", "ablation", "--agents", "512")
+    assert code == 2
+    assert "--agents shapes free-form runs; --experiment ablation runs its own" in err
+    code, _, err = run_cli(capsys, "simulate", "--calibrate", "--hardware", "local")
+    assert code == 2 and "--hardware shapes free-form runs; --calibrate" in err
