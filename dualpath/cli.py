@@ -862,6 +862,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "simulate --quota-per-forward` (default: per attention layer)",
     )
     _add_jobs(p, "the candidate shapes")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the advice here: what was planned for, pd_range, candidates (nodes, "
+        "jct_s, turns_per_s_per_gpu, pd_ratio, inside_pd_range) and recommended",
+    )
     _add_no_progress(p)
     p.set_defaults(func=_run_plan)
 
@@ -873,9 +880,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     presets = {32768: "32k", 49152: "48k", 65536: "64k"}
     if args.max_len not in presets:
         raise ValueError(f"--max-len must be one of {sorted(presets)}, got {args.max_len}")
+    model, hardware = resolve_model(args.model), resolve_hardware(args.hardware)
     advice = recommend_pd(
-        model=resolve_model(args.model),
-        hardware=resolve_hardware(args.hardware),
+        model=model,
+        hardware=hardware,
         total_nodes=args.total_nodes,
         num_agents=args.agents,
         preset=presets[args.max_len],
@@ -886,6 +894,18 @@ def _run_plan(args: argparse.Namespace) -> int:
         jobs=args.jobs,
     )
     print("\n".join(advice.lines))
+    if args.json is not None:
+        data = advice.as_dict(
+            model=model.name,
+            hardware=hardware.name,
+            total_nodes=args.total_nodes,
+            agents=args.agents // args.scale_down,
+            max_len=args.max_len,
+            mode=args.mode,
+            scale_down=args.scale_down,
+            quota_per_forward=args.quota_per_forward,
+        )
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
 

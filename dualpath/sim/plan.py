@@ -19,6 +19,17 @@ class PlanAdvice:
     best_nodes: str
     pd_range: tuple[float, float]
     lines: tuple[str, ...]
+    # One per simulated split: nodes, jct_s, turns_per_s_per_gpu, pd_ratio, inside_pd_range.
+    candidates: tuple[dict, ...] = ()
+
+    def as_dict(self, **context: object) -> dict:
+        """For ``dualpath plan --json``: ``context`` (what was planned for) first."""
+        low, high = self.pd_range
+        return context | {
+            "pd_range": [round(low, 4), round(high, 4)],
+            "candidates": list(self.candidates),
+            "recommended": self.best_nodes,
+        }
 
 
 def recommend_pd(
@@ -65,6 +76,7 @@ def recommend_pd(
     ]
     results = map_runs(run_simulation, [(spec,) for spec in specs], jobs=jobs, progress=progress)
     best = None
+    candidates = []
     for num_prefill, nodes, result in zip(range(1, total_nodes), shapes, results, strict=True):
         num_gpus = total_nodes * profile.num_gpus_per_node // scale_down
         per_gpu = result.num_requests / result.jct_s / num_gpus
@@ -74,7 +86,16 @@ def recommend_pd(
             f"{nodes}: JCT {result.jct_s:.0f} s, {per_gpu:.4f} turns/s/GPU (P/D {ratio:.2f}, "
             f"{inside} the §5 range)"
         )
+        candidates.append(
+            {
+                "nodes": nodes,
+                "jct_s": round(result.jct_s, 3),
+                "turns_per_s_per_gpu": round(per_gpu, 6),
+                "pd_ratio": round(ratio, 4),
+                "inside_pd_range": inside == "inside",
+            }
+        )
         if best is None or per_gpu > best[1]:
             best = (nodes, per_gpu)
     lines.append(f"recommended: {best[0]} ({best[1]:.4f} turns/s/GPU)")
-    return PlanAdvice(best[0], (low, high), tuple(lines))
+    return PlanAdvice(best[0], (low, high), tuple(lines), tuple(candidates))

@@ -75,9 +75,15 @@ def test_a_simulation_and_the_advisor_run_on_a_cluster_from_a_file(capsys, tmp_p
     # Basic reads every hit through the PE node's SNIC: an eighth of it slows the run.
     assert _jct(capsys, tmp_path, slow, "--jobs", "2") > _jct(capsys, tmp_path, "hopper-8x400")
     args = ["plan", "--total-nodes", "3", "--agents", "64", "--scale-down", "8", "--no-progress"]
-    assert main([*args, "--hardware", slow]) == 0
+    advice_json = tmp_path / "plan.json"
+    assert main([*args, "--hardware", slow, "--json", str(advice_json)]) == 0
     printed = capsys.readouterr().out
     assert "SPEC §5 bottleneck-free P/D range on slow_snic:" in printed
+    advice = json.loads(advice_json.read_text())
+    assert (advice["hardware"], advice["model"], advice["agents"]) == ("slow_snic", "27b", 8)
+    assert [c["nodes"] for c in advice["candidates"]] == ["1P2D", "2P1D"]
+    best = max(advice["candidates"], key=lambda c: c["turns_per_s_per_gpu"])
+    assert advice["recommended"] == best["nodes"] and f"recommended: {best['nodes']}" in printed
     with pytest.raises(SystemExit) as stopped:
         main([*args, "--hardware", str(tmp_path / "none.json")])
     assert stopped.value.code == 2
