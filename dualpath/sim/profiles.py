@@ -37,6 +37,12 @@ from dualpath.units import gbps_to_bytes_per_s
 P = TypeVar("P", "HardwareProfile", "ModelProfile")
 
 
+def _require_positive(profile: HardwareProfile | ModelProfile, *names: str) -> None:
+    for name in names:
+        if not getattr(profile, name) > 0:
+            raise ValueError(f"{profile.name}: {name} must be > 0, got {getattr(profile, name)}")
+
+
 @dataclass(frozen=True, slots=True)
 class HardwareProfile:
     """One node type and its fabric. Rates in bytes/s unless the name says otherwise."""
@@ -57,7 +63,8 @@ class HardwareProfile:
     frontend_requests_per_s: float
 
     def __post_init__(self) -> None:
-        for name in (
+        _require_positive(
+            self,
             "num_gpus_per_node",
             "gpu_flops_per_s",
             "gpu_memory_bytes_per_s",
@@ -67,9 +74,7 @@ class HardwareProfile:
             "host_memory_bytes_per_s",
             "storage_service_bytes_per_s",
             "frontend_requests_per_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")
+        )
 
     @property
     def cnic_bytes_per_s(self) -> float:
@@ -163,7 +168,8 @@ class ModelProfile:
     source: str  # where the numbers come from
 
     def __post_init__(self) -> None:
-        for name in (
+        _require_positive(
+            self,
             "num_layers",
             "kv_bytes_per_token_per_layer",
             "num_active_params",
@@ -171,9 +177,7 @@ class ModelProfile:
             "bytes_per_param",
             "hidden_size",
             "attention_flops_per_pair",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{self.name}: {name} must be > 0, got {getattr(self, name)}")
+        )
         if self.num_active_params > self.num_total_params:
             raise ValueError(f"{self.name}: more active parameters than parameters")
 
