@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dualpath.config import parse_node_shape
 from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S
@@ -425,30 +425,9 @@ EXPERIMENTS: dict[str, Callable[[_Runner, ExperimentResult, int, bool], None]] =
 }
 
 
-def run_experiment(
-    name: str,
-    *,
-    scale_down: int = 1,
-    full: bool = False,
-    quota_per_forward: bool = False,
-    on_run: Callable[[dict], None] | None = None,
-    progress: bool = False,
-    jobs: int = 1,
-) -> ExperimentResult:
-    """Run one experiment of ``EXPERIMENTS`` (``ValueError`` for an unknown name);
-    ``quota_per_forward`` runs every spec with SPEC §6's quota read as a whole forward and
-    that reading's fitted factors; ``on_run`` gets each run's record as it is recorded;
-    ``progress`` shows progress bars on stderr; ``jobs`` > 1 runs independent simulations
-    that many at a time in worker processes (the same result as one at a time)."""
-    (result,) = run_experiments(
-        [name],
-        scale_down=scale_down,
-        full=full,
-        quota_per_forward=quota_per_forward,
-        on_run=on_run,
-        progress=progress,
-        jobs=jobs,
-    )
+def run_experiment(name: str, **options: Any) -> ExperimentResult:
+    """One experiment of ``EXPERIMENTS``; ``options`` as for ``run_experiments``."""
+    (result,) = run_experiments([name], **options)
     return result
 
 
@@ -462,9 +441,13 @@ def run_experiments(
     progress: bool = False,
     jobs: int = 1,
 ) -> list[ExperimentResult]:
-    """``run_experiment`` for each name, in order, sharing runs: a spec two experiments use
-    (the 2P4D 2,048-agent runs of offline-jct, ablation and scale) is simulated once and
-    recorded in both."""
+    """The experiments ``names`` of ``EXPERIMENTS`` (``ValueError`` for an unknown one), in
+    order, sharing runs: a spec two of them use (the 2P4D 2,048-agent runs of offline-jct,
+    ablation and scale) is simulated once and recorded in both. ``quota_per_forward`` runs
+    every spec with SPEC §6's quota read as a whole forward and that reading's fitted
+    factors; ``on_run`` gets each run's record as it is recorded; ``progress`` shows progress
+    bars on stderr; ``jobs`` > 1 runs independent simulations that many at a time in worker
+    processes (the same result as one at a time)."""
     unknown = [name for name in names if name not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"unknown experiment {unknown[0]!r}; choose from {', '.join(EXPERIMENTS)}")
@@ -508,7 +491,7 @@ def free_form(
     ``model`` and ``hardware`` are built-in names or profiles (``profiles.resolve_*``);
     ``read_path`` forces every mode's read side (e.g. "split"), ``frontend_requests_per_s``
     the front end's admission rate, ``attention_quota_s`` the PE compute quota;
-    ``quota_per_forward``, ``on_run``, ``progress`` and ``jobs`` as in ``run_experiment``."""
+    ``quota_per_forward``, ``on_run``, ``progress`` and ``jobs`` as in ``run_experiments``."""
     parse_node_shape(nodes)
     result = ExperimentResult("free-form")
     run = _Runner(result, on_run, quota_per_forward=quota_per_forward, progress=progress, jobs=jobs)
