@@ -329,7 +329,9 @@ def map_runs(
     that many worker processes (one core each; one bar counts the finished calls), else here
     one after another (each call with its own bar). ``function`` is ``run_simulation`` or
     another module-level function of independent, deterministic work: the results are the
-    same either way. A worker's exception is raised here."""
+    same either way. A worker's exception is raised here. As with any ``multiprocessing``
+    start method but fork, a script that calls this with ``jobs`` > 1 keeps its top-level
+    code under ``if __name__ == "__main__":`` (the ``dualpath`` command does)."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if jobs == 1 or len(calls) <= 1:
