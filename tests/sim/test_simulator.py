@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import pickle
 import subprocess
 import sys
 from dataclasses import replace
@@ -138,6 +139,17 @@ def test_a_run_with_progress_reports_is_the_same_run(until_s):
         assert reports[-1][1] == sliced.num_turns  # every turn of every agent
     else:
         assert reports[-1][0] <= until_s and plain.requests_in_flight
+
+
+def test_specs_and_results_survive_pickling_for_worker_processes():
+    # --jobs sends specs to workers and results back; the compiled build's frozen classes
+    # need their own __reduce__ for that (make test-compiled runs this against them).
+    spec = small_spec()
+    result = run_simulation(spec)
+    again = pickle.loads(pickle.dumps(result))
+    assert again.spec == spec and again.spec.constant_cost == spec.constant_cost
+    assert again.spec.factors == spec.factors and again.records == result.records
+    assert again.jct_s == result.jct_s
 
 
 def test_two_simulators_in_one_process_are_independent():
