@@ -65,6 +65,25 @@ class ExperimentResult:
     sim_wall_s: float = 0.0
 
 
+def latency_percentiles(result: RunResult) -> dict[str, dict[str, float | None]]:
+    """TTFT (submit -> first token) and TPOT (per output token after the first) over the
+    run's finished requests, as ``dualpath bench`` reports them (p50 / p90 / p99, seconds)."""
+    from dualpath.bench.stats import percentiles
+
+    ttfts = [r.first_token_s - r.submit_s for r in result.records]
+    tpots = [
+        (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
+        for r in result.records
+        if r.num_output_tokens > 1
+    ]
+    rounded = {}
+    for name, values in (("ttft_s", ttfts), ("tpot_s", tpots)):
+        rounded[name] = {
+            q: None if v is None else round(v, 6) for q, v in percentiles(values).items()
+        }
+    return rounded
+
+
 def run_record(experiment: str, result: RunResult, capacity_aps: float | None = None) -> dict:
     spec = result.spec
     return {
@@ -82,6 +101,7 @@ def run_record(experiment: str, result: RunResult, capacity_aps: float | None = 
         "scale_down": spec.scale_down,
         "quota_per_forward": spec.quota_per_forward,
         "num_requests": result.num_requests,
+        **latency_percentiles(result),
         "wall_s": round(result.wall_s, 3),
         "events_per_s": round(result.events_per_s),
     }
@@ -512,9 +532,19 @@ def free_form(
         )
         for mode in modes
     ]
-    result.table.append("mode | JCT s | SNIC max/avg")
+    result.table.append("mode | JCT s | SNIC max/avg | TTFT p50 / p90 s | TPOT p50 / p90 ms")
     run.prefetch(specs)
     for spec in specs:
         r = run(spec)
-        result.table.append(f"{spec.mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f}")
+        latency = latency_percentiles(r)
+        ttft, tpot = latency["ttft_s"], latency["tpot_s"]
+        result.table.append(
+            f"{spec.mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f} | "
+            f"{_fmt(ttft['p50'])} / {_fmt(ttft['p90'])} | "
+            f"{_fmt(tpot['p50'], 1e3)} / {_fmt(tpot['p90'], 1e3)}"
+        )
     return result
+
+
+def _fmt(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{scale * value:.3g}"

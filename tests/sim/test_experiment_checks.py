@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from dualpath.sim import experiments, online
+from dualpath.sim.cluster import RequestRecord
 from dualpath.sim.experiments import V32, ExperimentResult
 from dualpath.sim.online import OnlineProbe
 from dualpath.sim.runner import RunSpec, map_runs, run_simulation
@@ -106,7 +107,9 @@ def fake_runs(monkeypatch):
             num_events=1,
             wall_s=1.0,
             events_per_s=1.0,
-            records=[SimpleNamespace(turn_index=i) for i in range(rng.randint(1, 200))],
+            records=[
+                RequestRecord(0, i, 0.0, 1.0, 1.0, 2.0, 5) for i in range(rng.randint(1, 200))
+            ],
         )
 
     def fake_find_capacity(spec, start_aps, window_s, progress=False):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import dualpath.scheduler as scheduler_package
@@ -139,6 +140,19 @@ def test_a_run_with_progress_reports_is_the_same_run(until_s):
         assert reports[-1][1] == sliced.num_turns  # every turn of every agent
     else:
         assert reports[-1][0] <= until_s and plain.requests_in_flight
+
+
+def test_run_records_carry_the_latency_percentiles_the_benchmark_reports():
+    result = run_simulation(small_spec())
+    record = run_record("t", result)
+    ttfts = np.array([r.first_token_s - r.submit_s for r in result.records])
+    many = [r for r in result.records if r.num_output_tokens > 1]
+    tpots = np.array([(r.finish_s - r.first_token_s) / (r.num_output_tokens - 1) for r in many])
+    for q in (50, 90, 99):
+        assert record["ttft_s"][f"p{q}"] == pytest.approx(np.percentile(ttfts, q), abs=1e-6)
+        assert record["tpot_s"][f"p{q}"] == pytest.approx(np.percentile(tpots, q), abs=1e-6)
+    # The constant model decodes a token every 10 ms; the PE -> DE hand-off comes on top.
+    assert record["tpot_s"]["p50"] >= 0.01 and record["ttft_s"]["p50"] > 0
 
 
 def test_specs_and_results_survive_pickling_for_worker_processes():
