@@ -876,6 +876,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    from dualpath.sim import report
     from dualpath.sim.plan import recommend_pd
     from dualpath.sim.profiles import resolve_hardware, resolve_model
 
@@ -907,7 +908,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             scale_down=args.scale_down,
             quota_per_forward=args.quota_per_forward,
         )
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        report.write_json(data, args.json)
     return 0
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dualpath.config import parse_node_shape
 from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S
+from dualpath.sim.metrics import ttfts_and_tpots
 from dualpath.sim.runner import RunResult, RunSpec, map_runs, run_simulation
 
 if TYPE_CHECKING:
@@ -70,12 +71,7 @@ def latency_percentiles(result: RunResult) -> dict[str, dict[str, float | None]]
     run's finished requests, as ``dualpath bench`` reports them (p50 / p90 / p99, seconds)."""
     from dualpath.bench.stats import percentiles
 
-    ttfts = [r.first_token_s - r.submit_s for r in result.records]
-    tpots = [
-        (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
-        for r in result.records
-        if r.num_output_tokens > 1
-    ]
+    ttfts, tpots = ttfts_and_tpots(result.records)
     rounded = {}
     for name, values in (("ttft_s", ttfts), ("tpot_s", tpots)):
         rounded[name] = {
@@ -536,8 +532,9 @@ def free_form(
     run.prefetch(specs)
     for spec in specs:
         r = run(spec)
-        latency = latency_percentiles(r)
-        ttft, tpot = latency["ttft_s"], latency["tpot_s"]
+        # The run's record holds its percentiles (a mode given twice is one run, one record).
+        record = next(entry for entry in result.runs if entry["mode"] == spec.mode)
+        ttft, tpot = record["ttft_s"], record["tpot_s"]
         result.table.append(
             f"{spec.mode} | {r.jct_s:.1f} | {r.snic_load_balance:.3f} | "
             f"{_fmt(ttft['p50'])} / {_fmt(ttft['p90'])} | "

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dualpath.sim.cluster import RequestRecord
 from dualpath.sim.links import SimLink
+
+
+def ttfts_and_tpots(records: Iterable[RequestRecord]) -> tuple[list[float], list[float]]:
+    """Per finished request: TTFT (submit -> first token) and, for requests of more than one
+    output token, TPOT (decode time per output token after the first), in seconds."""
+    ttfts, tpots = [], []
+    for record in records:
+        ttfts.append(record.first_token_s - record.submit_s)
+        if record.num_output_tokens > 1:
+            tpots.append((record.finish_s - record.first_token_s) / (record.num_output_tokens - 1))
+    return ttfts, tpots
 
 
 def snic_load_balance(

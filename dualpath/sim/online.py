@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dualpath.sim.metrics import ttfts_and_tpots
 from dualpath.sim.runner import RunSpec, build_simulator, progress_bar
 from dualpath.workload import poisson_arrival_offsets_s
 
@@ -84,15 +85,10 @@ def run_probe(base: RunSpec, aps: float, window_s: float, *, progress: bool = Fa
     with progress_bar(simulator, label, enabled=progress, until_s=until_s) as on_progress:
         simulator.run(until_s, on_progress)
     wall_s = time.perf_counter() - start_s
-    ttfts, tpots = [], []
     half_s = window_s / 2
-    for record in simulator.records:
-        if half_s <= record.submit_s <= window_s:
-            ttfts.append(record.first_token_s - record.submit_s)
-            if record.num_output_tokens > 1:
-                tpots.append(
-                    (record.finish_s - record.first_token_s) / (record.num_output_tokens - 1)
-                )
+    ttfts, tpots = ttfts_and_tpots(
+        record for record in simulator.records if half_s <= record.submit_s <= window_s
+    )
     for request in simulator.requests_in_flight:
         if half_s <= request.submit_s <= window_s:
             has_first = request.first_token_s >= 0

@@ -281,7 +281,7 @@ def _resolve(value: str | P, builtins: dict[str, P], cls: type[P], kind: str) ->
     if value in builtins:
         return builtins[value]
     path = Path(value)
-    if not path.suffix == ".json":
+    if path.suffix != ".json":
         raise ValueError(
             f"unknown {kind} {value!r}; choose from {', '.join(builtins)} or give a .json file"
         )
