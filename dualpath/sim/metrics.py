@@ -1,4 +1,4 @@
-"""Run metrics of SPEC §7: SNIC load balance and the online SLO figures."""
+"""Run metrics of SPEC §7: SNIC and attention load balance and the online SLO figures."""
 
 from __future__ import annotations
 
@@ -39,6 +39,29 @@ def snic_load_balance(
         if mean > 0:
             ratios.append(max(per_node) / mean)
     return sum(ratios) / len(ratios) if ratios else math.nan
+
+
+def attention_balance(
+    step_start_s: Sequence[float],
+    step_max_s: Sequence[float],
+    step_mean_s: Sequence[float],
+    until_s: float,
+) -> float:
+    """SPEC §7's attention balance across an EP group: over the lockstep PE steps that start
+    before ``until_s`` (the first 5% of the run), the attention time the group spends (each
+    step lasts as long as its slowest PE's attention) over the mean PE's attention work (idle
+    PEs count 0); 1.0 is perfect. A step weighs by its length, so a short step does not count
+    as much as a long one. nan if no step of a group of several PEs started (a one-PE group
+    has no balance to measure)."""
+    spent = work = 0.0
+    for start_s, max_s, mean_s in zip(step_start_s, step_max_s, step_mean_s, strict=True):
+        if start_s < until_s:
+            spent += max_s
+            work += mean_s
+    return spent / work if work > 0 else math.nan
+
+
+ATTENTION_BALANCE_SHARE = 0.05  # SPEC §7: "the first 5% of the task"
 
 
 @dataclass(frozen=True, slots=True)

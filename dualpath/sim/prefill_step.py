@@ -97,6 +97,12 @@ class PrefillSteps:
     _kv_bytes_per_token: int
     _block_size: int
     _num_waiting_prefill: int
+    # Per lockstep step of a group of several PEs: its start, its slowest PE's attention time
+    # (one layer) and the mean over the group's PEs, idle ones at 0 (SPEC §7's attention
+    # balance in an EP group, ``metrics.attention_balance``).
+    step_start_s: list[float]
+    step_attention_max_s: list[float]
+    step_attention_mean_s: list[float]
 
     def _on_kv_arrived(self, request: SimRequest) -> None:
         raise NotImplementedError
@@ -119,10 +125,21 @@ class PrefillSteps:
             return
         step = PrefillStep(group, batches, self._requests_in_flight)
         cost = self._prefill_cost
-        step.compute_s = max(
-            cost.prefill_s([(c.num_cached_tokens, c.num_new_tokens) for c in batch.chunks])
-            for _, batch in batches
-        )
+        compute_s = 0.0
+        attention_sum_s = 0.0
+        attention_max_s = 0.0
+        for _, batch in batches:
+            pairs = [(c.num_cached_tokens, c.num_new_tokens) for c in batch.chunks]
+            compute_s = max(compute_s, cost.prefill_s(pairs))
+            attention_s = cost.attention_layer_s(pairs)
+            attention_sum_s += attention_s
+            attention_max_s = max(attention_max_s, attention_s)
+        step.compute_s = compute_s
+        num_engines = len(group.engines)
+        if attention_sum_s > 0 and num_engines > 1:  # one PE is balanced by definition
+            self.step_start_s.append(self.queue.now_s)
+            self.step_attention_max_s.append(attention_max_s)
+            self.step_attention_mean_s.append(attention_sum_s / num_engines)
         if self.settings.is_layerwise:
             self._run_layerwise_step(step)
         else:

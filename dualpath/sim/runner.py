@@ -35,7 +35,7 @@ from dualpath.sim.cost import (
     weight_shard_bytes,
 )
 from dualpath.sim.local import LocalProfile
-from dualpath.sim.metrics import snic_load_balance
+from dualpath.sim.metrics import ATTENTION_BALANCE_SHARE, attention_balance, snic_load_balance
 from dualpath.sim.profiles import (
     HARDWARE,
     MODELS,
@@ -125,6 +125,8 @@ class RunResult:
     spec: RunSpec
     jct_s: float  # when the last agent finished
     snic_load_balance: float  # SPEC §7; nan when no SNIC carried a byte (oracle)
+    # SPEC §7: per-PE attention time max / mean over a lockstep group, first 5% of the run
+    attention_balance: float
     num_requests: int
     num_events: int
     wall_s: float
@@ -311,6 +313,12 @@ def run_simulation(spec: RunSpec, *, progress: bool = False) -> RunResult:
         spec=spec,
         jct_s=jct_s,
         snic_load_balance=snic_load_balance(snic_links, jct_s, simulator.cluster.snic_window_s),
+        attention_balance=attention_balance(
+            simulator.step_start_s,
+            simulator.step_attention_max_s,
+            simulator.step_attention_mean_s,
+            ATTENTION_BALANCE_SHARE * jct_s,
+        ),
         num_requests=len(simulator.records),
         num_events=simulator.queue.num_events,
         wall_s=wall_s,

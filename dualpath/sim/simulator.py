@@ -104,6 +104,9 @@ class Simulator(PrefillSteps):
         self._kv_bytes_per_token = cluster.kv_bytes_per_token
         self._block_size = cluster.scheduler.block_size_tokens
         self.records: list[RequestRecord] = []
+        self.step_start_s: list[float] = []
+        self.step_attention_max_s: list[float] = []
+        self.step_attention_mean_s: list[float] = []
         self.agent_finish_s = [-1.0] * len(self.agents)
         self.num_turns = sum(len(turns[0]) for turns in self._agent_turns)
         self.num_submitted = 0

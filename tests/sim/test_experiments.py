@@ -53,6 +53,7 @@ def test_the_quota_read_per_forward_reaches_every_run_of_an_experiment(monkeypat
             spec=spec,
             jct_s=3000.0,
             snic_load_balance=1.0,
+            attention_balance=1.0,
             num_requests=1,
             num_events=1,
             wall_s=1.0,

@@ -19,6 +19,7 @@ from dualpath.sim import simulator as simulator_module
 from dualpath.sim.agents import AgentTrace, synthetic_agents
 from dualpath.sim.cost import ConstantCostModel
 from dualpath.sim.experiments import run_record
+from dualpath.sim.metrics import attention_balance
 from dualpath.sim.runner import RunSpec, build_simulator, run_simulation
 
 CONSTANT = ConstantCostModel(
@@ -237,6 +238,25 @@ def test_decode_steps_are_hand_computable_with_the_constant_model():
     record = result.records[0]
     assert record.first_token_s - record.submit_s == pytest.approx(0.01 + 0.01 + 0.138, abs=0.011)
     assert record.finish_s - record.decode_start_s == pytest.approx(10 * 0.0201)
+
+
+def test_attention_balance_is_the_busiest_pe_over_the_group_mean_in_the_first_steps():
+    # One agent's turns, one at a time, in a lockstep group of G PEs: each step has one busy
+    # PE and G - 1 idle (attention 0), so its max / mean is G. A one-PE group has no balance
+    # to measure.
+    agent = AgentTrace(0, 0.0, (640,) * 40, (0,) * 40, (2,) * 40)
+    for scale_down, group_size in ((8, 2), (4, 4)):
+        result = run_simulation(small_spec(agents=(agent,), scale_down=scale_down))
+        assert result.attention_balance == pytest.approx(group_size)
+    alone = run_simulation(small_spec(nodes="1P2D", agents=(agent,), model="27b"))
+    assert math.isnan(alone.attention_balance)
+    assert run_record("t", alone)["attention_balance"] is None
+    # Only steps that start in the first ``until_s`` count (SPEC §7: the first 5%).
+    # Steps weigh by their length: (2 + 4) / (1 + 1), the third starting too late to count.
+    starts, maxima, means = [0.0, 1.0, 10.0], [2.0, 4.0, 8.0], [1.0, 1.0, 1.0]
+    assert attention_balance(starts, maxima, means, until_s=5.0) == 3.0
+    assert attention_balance(starts, maxima, means, until_s=20.0) == pytest.approx(14 / 3)
+    assert math.isnan(attention_balance(starts, maxima, means, until_s=0.0))
 
 
 def test_sim_imports_no_torch():
