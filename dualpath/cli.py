@@ -585,7 +585,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="re-run the fit of the one fitted factor (prefill efficiency) to Table 3's 2P4D "
         "JCT and print it (dualpath/sim/calibration.py); a few full-size runs",
     )
-    p.add_argument("--full", action="store_true", help="the paper's whole grid")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the paper's whole grid (e.g. scale: 48P96D offline and 44P88D online instead of "
+        "8P16D; offline-jct: 32K-64K, 512-2,048 agents and the 27B)",
+    )
     p.add_argument(
         "--scale-down",
         type=_positive_int,
@@ -722,6 +727,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from dualpath.sim import experiments, report
     from dualpath.sim.agents import workload_agents
     from dualpath.sim.profiles import resolve_hardware, resolve_model
+    from dualpath.sim.runner import BLOCK_SIZE_TOKENS, PRESET_BY_MAX_LEN
 
     start_s = time.perf_counter()
     if args.calibrate or args.experiment is not None:
@@ -759,7 +765,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             jobs=args.jobs,
         )
     else:
-        presets = {32768: "32k", 49152: "48k", 65536: "64k"}
+        presets = PRESET_BY_MAX_LEN
         if args.max_len not in presets:
             raise ValueError(f"--max-len must be one of {sorted(presets)}, got {args.max_len}")
         agents = None
@@ -769,7 +775,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             workload = load_mooncake_trace(
                 args.trace, vocab_size=32_000, seed=args.seed, max_sessions=args.agents
             )
-            agents = workload_agents(workload, block_size_tokens=64)
+            agents = workload_agents(workload, block_size_tokens=BLOCK_SIZE_TOKENS)
         result = experiments.free_form(
             model=resolve_model(args.model),
             hardware=resolve_hardware(args.hardware),

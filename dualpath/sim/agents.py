@@ -135,14 +135,17 @@ def scaled_append_agents(
     return agents
 
 
-def copied_agents(agents: list[AgentTrace], num_copies: int) -> list[AgentTrace]:
+def copied_agents(
+    agents: list[AgentTrace], num_copies: int, *, arrival_step_s: float = 0.0
+) -> list[AgentTrace]:
     """``num_copies`` copies of ``agents`` with fresh ids (SPEC §7: more trajectories are made
     by copying; copies are cache-disjoint, which hits within an agent already are). The
-    copies keep every turn; SPEC's prepended 1-token synthetic first turn is left out."""
+    copies keep every turn; SPEC's prepended 1-token synthetic first turn is left out. Copy
+    c arrives ``c * arrival_step_s`` after the original (online arrivals interleave)."""
     return [
         AgentTrace(
             copy * len(agents) + a.agent_id,
-            a.arrival_s,
+            a.arrival_s + copy * arrival_step_s,
             a.prompt_tokens,
             a.hit_tokens,
             a.output_tokens,

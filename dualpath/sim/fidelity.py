@@ -35,7 +35,7 @@ from dualpath.sim.local import (
     local_profile_from_dict,
     nonnegative_fit,
 )
-from dualpath.sim.runner import RunSpec, run_simulation
+from dualpath.sim.runner import BLOCK_SIZE_TOKENS, RunSpec, run_simulation
 from dualpath.units import gbps_to_bytes_per_s
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def simulate_bench(bench: dict, profile_path: Path) -> dict[str, dict[str, float
 
     preset = PRESETS[bench["preset"]]
     workload = preset_workload(preset, seed=bench["seed"], vocab_size=1024)
-    agents = tuple(workload_agents(workload, block_size_tokens=64))
+    agents = tuple(workload_agents(workload, block_size_tokens=BLOCK_SIZE_TOKENS))
     num_engines = sum(int(x) for x in preset.nodes.replace("D", "").split("P"))
     caps_gbps = bench.get("snic_caps_gbps") or preset.snic_bandwidth_gbps
     local = load_local_profile(

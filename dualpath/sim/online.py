@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dualpath.sim.agents import copied_agents, synthetic_agents
 from dualpath.sim.metrics import ttfts_and_tpots
-from dualpath.sim.runner import RunSpec, build_simulator, progress_bar
+from dualpath.sim.runner import BLOCK_SIZE_TOKENS, RunSpec, build_simulator, progress_bar
 from dualpath.workload import poisson_arrival_offsets_s
 
 SLO_TTFT_S = 4.0  # SPEC §7
@@ -65,19 +66,38 @@ class OnlineProbe:
         return self.p90_ttft_s <= SLO_TTFT_S and self.p90_tpot_s <= SLO_TPOT_S
 
 
-def run_probe(base: RunSpec, aps: float, window_s: float, *, progress: bool = False) -> OnlineProbe:
+def run_probe(
+    base: RunSpec, aps: float, window_s: float, copies: int = 1, *, progress: bool = False
+) -> OnlineProbe:
     """Simulate ``base`` (its mode, cluster, seed) under Poisson arrivals at ``aps``
-    (``progress``: a progress bar on stderr)."""
+    (``progress``: a progress bar on stderr). With ``copies`` > 1 the agents are that many
+    copies of the probe at ``aps / copies`` (the same agents, arrivals and seed), copy c
+    arriving c / ``aps`` after the original: a cluster ``copies`` times larger sees exactly
+    ``copies`` times the smaller one's load (the scale experiment)."""
     import time
 
-    num_agents = max(2, round(aps * window_s))
-    arrivals_s = poisson_arrival_offsets_s(num_agents, aps, base.seed)
+    num_agents = max(2, round(aps / copies * window_s))
+    arrivals_s = poisson_arrival_offsets_s(num_agents, aps / copies, base.seed)
     # RunSpec divides num_agents by scale_down; the probe's count is already final.
     spec = replace(
         base,
         num_agents=num_agents * base.scale_down,
         arrivals_s=tuple(float(t) for t in arrivals_s),
     )
+    if copies > 1:
+        agents = synthetic_agents(
+            base.preset,
+            num_agents,
+            seed=base.seed,
+            block_size_tokens=BLOCK_SIZE_TOKENS,
+            arrivals_s=list(spec.arrivals_s or ()),
+        )
+        spec = replace(
+            spec,
+            num_agents=num_agents * copies * base.scale_down,
+            arrivals_s=None,
+            agents=tuple(copied_agents(agents, copies, arrival_step_s=1 / aps)),
+        )
     simulator = build_simulator(spec)
     start_s = time.perf_counter()
     until_s = window_s + DRAIN_S
@@ -96,7 +116,7 @@ def run_probe(base: RunSpec, aps: float, window_s: float, *, progress: bool = Fa
             tpots.append(math.inf)
     return OnlineProbe(
         aps=aps,
-        num_agents=num_agents,
+        num_agents=num_agents * copies,
         num_requests=len(ttfts),
         p90_ttft_s=_p90(ttfts),
         p90_tpot_s=_p90(tpots),
@@ -142,10 +162,11 @@ def capacity_aps(probes: list[OnlineProbe]) -> float:
 
 
 def find_capacity(
-    base: RunSpec, start_aps: float, window_s: float, *, progress: bool = False
+    base: RunSpec, start_aps: float, window_s: float, copies: int = 1, *, progress: bool = False
 ) -> list[OnlineProbe]:
-    """Every probe of the search, in order (``capacity_aps`` reads the answer from them)."""
+    """Every probe of the search, in order (``capacity_aps`` reads the answer from them);
+    ``copies`` as for ``run_probe``."""
     probes: list[OnlineProbe] = []
     while (aps := next_aps(probes, start_aps)) is not None:
-        probes.append(run_probe(base, aps, window_s, progress=progress))
+        probes.append(run_probe(base, aps, window_s, copies, progress=progress))
     return probes

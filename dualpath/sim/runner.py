@@ -47,6 +47,7 @@ from dualpath.sim.profiles import (
 from dualpath.sim.simulator import Simulator
 
 PRESET_BY_MAX_LEN = {32_768: "32k", 49_152: "48k", 65_536: "64k"}
+BLOCK_SIZE_TOKENS = 64  # the store's Full Block (SPEC §3: e.g. 64 tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +153,7 @@ def build_simulator(spec: RunSpec) -> Simulator:
     hardware = hardware.scaled_down(spec.scale_down)
     settings = mode_settings(spec.mode)
     num_prefill_nodes, num_decode_nodes = parse_node_shape(spec.nodes)
-    block_size = 64
+    block_size = BLOCK_SIZE_TOKENS
     if spec.agents is not None:
         agents = list(spec.agents)
     else:

@@ -69,11 +69,18 @@ def recomputed_checks(name: str, runs: list[dict]) -> dict[str, float]:
             jct["basic"] / jct["dualpath"] for jct in pairs.values()
         )
     elif name == "scale":
-        (small,) = [r for r in runs if r["nodes"] == "2P4D"]
-        (big,) = [r for r in runs if r["nodes"] != "2P4D"]
+        # Offline: the 2,048-agent run and its copies (the online searches' own offline runs
+        # have fewer agents); online: the probes, each carrying its search's capacity.
+        offline = [r for r in runs if "aps" not in r and r["agents"] * r["scale_down"] >= 2048]
+        (small,) = [r for r in offline if r["nodes"] == "2P4D"]
+        (big,) = [r for r in offline if r["nodes"] != "2P4D"]
         checks[f"scale_{big['nodes'].lower()}_over_2p4d_jct"] = big["jct_s"] / small["jct_s"]
         if small["scale_down"] == 1:
             checks["offline_660b_2p4d_64k_2048_dualpath_jct_s"] = small["jct_s"]
+        online_capacity = {r["nodes"]: r["capacity_aps"] for r in runs if "aps" in r}
+        (online_big,) = set(online_capacity) - {"2P4D"}
+        ratio = online_capacity[online_big] / online_capacity["2P4D"]
+        checks[f"scale_online_{online_big.lower()}_over_2p4d_capacity"] = ratio
     elif name == "online-capacity":
         capacity: dict[str, dict[str, float]] = defaultdict(dict)
         for run in runs:
@@ -117,7 +124,7 @@ def fake_runs(monkeypatch):
             ],
         )
 
-    def fake_find_capacity(spec, start_aps, window_s, progress=False):
+    def fake_find_capacity(spec, start_aps, window_s, copies=1, progress=False):
         probes = []
         for _ in range(rng.randint(2, online.MAX_PROBES)):
             aps = start_aps * rng.uniform(0.2, 4.0)
@@ -267,6 +274,18 @@ PAPER_AT_REDUCED_SIZE = [
     ),
     # Table 3's 48P96D vs 2P4D, here 8P16D vs 2P4D (the default grid), 1-GPU nodes.
     pytest.param("scale", "scale_8p16d_over_2p4d_jct", 3201 / 3167, 0.05, id="scale"),
+    pytest.param(
+        "scale",
+        "scale_online_8p16d_over_2p4d_capacity",
+        4.0,
+        0.4,
+        id="scale-online",
+        marks=_miss(
+            "3.38x at this size (3.40x at full size; 4.00x with the quota per forward): "
+            "a first turn's long lockstep step stalls one PE group while the agents served "
+            "by the others keep placing turns on it (docs/simulator.md, Scale)"
+        ),
+    ),
     pytest.param(
         "online-capacity",
         "online_capacity_660b_dualpath_over_basic",

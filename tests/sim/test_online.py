@@ -62,3 +62,24 @@ def test_a_stopped_run_keeps_its_unfinished_requests_in_flight():
 def test_the_window_covers_lifetimes_at_the_slos_pace():
     # 100 s alone and 10 turns: each turn may take half the TTFT bound longer near capacity.
     assert online.window_s(100.0, 10) == online.WINDOW_AGENT_LIFETIMES * (100.0 + 10 * 2.0)
+
+
+def test_a_probe_of_copies_replays_the_smaller_probe_copies_times(monkeypatch):
+    # The scale experiment's big cluster: a probe at APS a with 4 copies holds 4 copies of the
+    # probe at a / 4 (same agents and arrivals), copy c arriving c / a after the original.
+    built = []
+    real_build = online.build_simulator
+    monkeypatch.setattr(
+        online, "build_simulator", lambda spec: built.append(spec) or real_build(spec)
+    )
+    single = online.run_probe(small_spec(), aps=0.05, window_s=200.0)
+    copied = online.run_probe(small_spec(nodes="8P16D"), aps=0.2, window_s=200.0, copies=4)
+    original = build_simulator(built[0]).agents
+    copies = built[1].agents
+    assert copied.num_agents == 4 * single.num_agents == len(copies) == 4 * len(original)
+    for index, agent in enumerate(copies):
+        copy, of = divmod(index, len(original))
+        assert agent.agent_id == index
+        assert agent.arrival_s == pytest.approx(original[of].arrival_s + copy / 0.2)
+        assert agent.prompt_tokens == original[of].prompt_tokens
+        assert agent.output_tokens == original[of].output_tokens
