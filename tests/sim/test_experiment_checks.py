@@ -151,10 +151,16 @@ def test_all_experiments_in_one_command_share_runs_and_write_one_json_and_png(
 ):
     from dualpath.cli import main
 
-    simulated = []
+    simulated, searched = [], []
     fake = experiments.run_simulation
     monkeypatch.setattr(
         experiments, "run_simulation", lambda spec, **kw: simulated.append(spec) or fake(spec)
+    )
+    fake_search = online.find_capacity
+    monkeypatch.setattr(
+        online,
+        "find_capacity",
+        lambda *search, **kw: searched.append(search) or fake_search(*search),
     )
     out_json, out_png = tmp_path / "all.json", tmp_path / "all.png"
     args = ["simulate", "--experiment", "all", "--scale-down", "8", "--no-progress"]
@@ -166,6 +172,8 @@ def test_all_experiments_in_one_command_share_runs_and_write_one_json_and_png(
     # once, recorded by each.
     keys = [(spec, spec.agents) for spec in simulated]
     assert len(keys) == len(set(keys))
+    # online-capacity's 660B DualPath search is also scale's 2P4D one: searched once.
+    assert len(searched) == len(set(searched)) == 4 + 1
     shared = [r for r in data["runs"] if r["nodes"] == "2P4D" and r["mode"] == "dualpath"]
     shared = [r for r in shared if r["agents"] == 256 and r["experiment"] != "append-scaling"]
     assert sorted(r["experiment"] for r in shared) == ["ablation", "offline-jct", "scale"]
