@@ -146,3 +146,7 @@ def test_simulate_refuses_free_form_flags_with_an_experiment(
     assert "--agents shapes free-form runs; --experiment ablation runs its own" in err
     code, _, err = run_cli(capsys, "simulate", "--calibrate", "--hardware", "local")
     assert code == 2 and "--hardware shapes free-form runs; --calibrate" in err
+    # A workload seed suits the SPEC experiments, not the one fit nor the fidelity check.
+    for what in (("--calibrate",), ("--experiment", "fidelity")):
+        code, _, err = run_cli(capsys, "simulate", *what, "--seed", "1")
+        assert code == 2 and "--seed shapes free-form runs" in err

@@ -98,6 +98,7 @@ def run_record(experiment: str, result: RunResult, capacity_aps: float | None = 
         "capacity_aps": capacity_aps,
         "scale_down": spec.scale_down,
         "quota_per_forward": spec.quota_per_forward,
+        "seed": spec.seed,
         "num_requests": result.num_requests,
         **latency_percentiles(result),
         "wall_s": round(result.wall_s, 3),
@@ -135,6 +136,7 @@ class _Runner:
         on_run: Callable[[dict], None] | None,
         *,
         quota_per_forward: bool = False,
+        seed: int = 0,
         progress: bool = False,
         jobs: int = 1,
         shared: _Shared | None = None,
@@ -143,6 +145,7 @@ class _Runner:
             raise ValueError(f"jobs must be >= 1, got {jobs}")
         self._experiment = experiment
         self._quota_per_forward = quota_per_forward
+        self.seed = seed  # the workload seed of every run (explicit workloads read it too)
         self._progress = progress  # a bar per run (one bar over the runs with jobs > 1)
         self._jobs = jobs
         shared = _Shared() if shared is None else shared
@@ -152,8 +155,10 @@ class _Runner:
         self._on_run = on_run
 
     def adjust(self, spec: RunSpec) -> RunSpec:
-        """The spec as this experiment runs it: with the quota read per forward, that reading
-        and (``factors=None``) its own fitted factors."""
+        """The spec as this experiment runs it: on its workload seed and, with the quota read
+        per forward, that reading and (``factors=None``) its own fitted factors."""
+        if spec.seed != self.seed:
+            spec = replace(spec, seed=self.seed)
         if not self._quota_per_forward or spec.quota_per_forward:
             return spec
         return replace(spec, quota_per_forward=True, factors=None)
@@ -342,7 +347,7 @@ def _scale(run: _Runner, result: ExperimentResult, k: int, full: bool) -> None:
     small_spec = RunSpec(model=V32, nodes="2P4D", num_agents=2048, preset="64k", scale_down=k)
     # SPEC §7: more agents are copies of the same trajectories, so the big run replays the
     # small run's agents 24 (or 4) times instead of drawing a longer tail of fresh ones.
-    base = synthetic_agents("64k", 2048 // k, seed=0, block_size_tokens=BLOCK_SIZE_TOKENS)
+    base = synthetic_agents("64k", 2048 // k, seed=run.seed, block_size_tokens=BLOCK_SIZE_TOKENS)
     big_spec = RunSpec(
         model=V32,
         nodes=big_nodes,
@@ -425,7 +430,7 @@ def _append_scaling(run: _Runner, result: ExperimentResult, k: int, full: bool) 
             num_agents=2048,
             preset="64k",
             scale_down=k,
-            agents=tuple(scaled_append_agents("64k", 2048 // k, factor, seed=0)),
+            agents=tuple(scaled_append_agents("64k", 2048 // k, factor, seed=run.seed)),
         )
         for factor in ((1, 2, 3) if full else (1, 3))
     }
@@ -539,6 +544,7 @@ def _probe_record(
         "capacity_aps": _significant(capacity),
         "scale_down": spec.scale_down,
         "quota_per_forward": spec.quota_per_forward,
+        "seed": spec.seed,
         "aps": _significant(probe.aps),
         "window_s": round(window_s, 1),
         "slo_attained": probe.is_attained,
@@ -574,6 +580,7 @@ def run_experiments(
     scale_down: int = 1,
     full: bool = False,
     quota_per_forward: bool = False,
+    seed: int = 0,
     on_run: Callable[[dict], None] | None = None,
     progress: bool = False,
     jobs: int = 1,
@@ -582,7 +589,8 @@ def run_experiments(
     order, sharing runs: a spec two of them use (the 2P4D 2,048-agent runs of offline-jct,
     ablation and scale) is simulated once and recorded in both. ``quota_per_forward`` runs
     every spec with SPEC §6's quota read as a whole forward and that reading's fitted
-    factors; ``on_run`` gets each run's record as it is recorded; ``progress`` shows progress
+    factors; ``seed`` is every run's workload seed (the checks were made on 0, the fitted one
+    fitted on it); ``on_run`` gets each run's record as it is recorded; ``progress`` shows progress
     bars on stderr; ``jobs`` > 1 runs independent simulations that many at a time in worker
     processes (the same result as one at a time)."""
     unknown = [name for name in names if name not in EXPERIMENTS]
@@ -596,6 +604,7 @@ def run_experiments(
             result,
             on_run,
             quota_per_forward=quota_per_forward,
+            seed=seed,
             progress=progress,
             jobs=jobs,
             shared=shared,

@@ -6,7 +6,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from dualpath.sim import experiments, online
-from dualpath.sim.agents import scaled_append_agents
+from dualpath.sim.agents import scaled_append_agents, synthetic_agents
 from dualpath.sim.calibration import FROZEN_FACTORS, FROZEN_FACTORS_PER_FORWARD
 from dualpath.sim.experiments import ExperimentResult, _Runner
 from dualpath.sim.runner import RunSpec, build_simulator
@@ -86,3 +86,44 @@ def test_the_quota_read_per_forward_is_300_ms_over_the_layers() -> None:
     # A spec that names no factors gets the ones fitted under its reading.
     assert RunSpec().factors == FROZEN_FACTORS
     assert RunSpec(quota_per_forward=True).factors == FROZEN_FACTORS_PER_FORWARD
+
+
+def test_an_experiment_runs_every_spec_and_workload_on_its_seed(monkeypatch) -> None:
+    # dualpath simulate --experiment NAME --seed N: every run (online probes too) and the
+    # workloads the experiments build themselves (scale's copies, append-scaling's) draw on N.
+    seen = []
+
+    def fake_run(spec, **_):
+        seen.append(spec)
+        simulator = build_simulator(small_spec(num_agents=8, scale_down=8))
+        simulator.run()
+        return SimpleNamespace(
+            spec=spec,
+            jct_s=3000.0,
+            snic_load_balance=1.0,
+            attention_balance=1.0,
+            num_requests=1,
+            num_events=1,
+            wall_s=1.0,
+            events_per_s=1.0,
+            records=simulator.records,
+        )
+
+    probed = []
+    monkeypatch.setattr(experiments, "run_simulation", fake_run)
+    monkeypatch.setattr(online, "find_capacity", lambda *search, **_: probed.append(search) or [])
+    results = experiments.run_experiments(["scale", "append-scaling"], scale_down=8, seed=3)
+    assert {spec.seed for spec in seen} == {3} and {s[0].seed for s in probed} == {3}
+    assert all(run["seed"] == 3 for result in results for run in result.runs)
+    lengths = {
+        spec.nodes if spec.agents[0].prompt_tokens[-1] <= 65_536 else "x3": [
+            a.prompt_tokens for a in spec.agents[:256]
+        ]
+        for spec in seen
+        if spec.agents is not None
+    }
+    for seed, differs in ((3, False), (0, True)):
+        copied = synthetic_agents("64k", 256, seed=seed, block_size_tokens=64)
+        assert (lengths["8P16D"] != [a.prompt_tokens for a in copied]) is differs
+        x3 = scaled_append_agents("64k", 256, 3, seed=seed)
+        assert (lengths["x3"] != [a.prompt_tokens for a in x3]) is differs
