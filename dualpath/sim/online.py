@@ -77,27 +77,21 @@ def run_probe(
     import time
 
     num_agents = max(2, round(aps / copies * window_s))
-    arrivals_s = poisson_arrival_offsets_s(num_agents, aps / copies, base.seed)
+    offsets_s = poisson_arrival_offsets_s(num_agents, aps / copies, base.seed)
+    arrivals_s = tuple(float(t) for t in offsets_s)
     # RunSpec divides num_agents by scale_down; the probe's count is already final.
-    spec = replace(
-        base,
-        num_agents=num_agents * base.scale_down,
-        arrivals_s=tuple(float(t) for t in arrivals_s),
-    )
-    if copies > 1:
+    if copies == 1:
+        spec = replace(base, num_agents=num_agents * base.scale_down, arrivals_s=arrivals_s)
+    else:
         agents = synthetic_agents(
             base.preset,
             num_agents,
             seed=base.seed,
             block_size_tokens=BLOCK_SIZE_TOKENS,
-            arrivals_s=list(spec.arrivals_s or ()),
+            arrivals_s=list(arrivals_s),
         )
-        spec = replace(
-            spec,
-            num_agents=num_agents * copies * base.scale_down,
-            arrivals_s=None,
-            agents=tuple(copied_agents(agents, copies, arrival_step_s=1 / aps)),
-        )
+        copied = copied_agents(agents, copies, arrival_step_s=1 / aps)
+        spec = replace(base, num_agents=len(copied) * base.scale_down, agents=tuple(copied))
     simulator = build_simulator(spec)
     start_s = time.perf_counter()
     until_s = window_s + DRAIN_S
