@@ -40,10 +40,8 @@ def test_copied_agents_repeat_the_trajectories_under_fresh_ids():
         assert copy.output_tokens == original.output_tokens
 
 
-def test_the_quota_read_per_forward_reaches_every_run_of_an_experiment(monkeypatch) -> None:
-    # --quota-per-forward: every spec of the experiment, the online probes' base included,
-    # runs with that reading and its own fitted factors, and the JSON says so.
-    seen = []
+def _recording_fake_runs(monkeypatch, seen: list[RunSpec]) -> None:
+    """``run_simulation`` replaced by one tiny real run for every spec, the specs kept."""
 
     def fake_run(spec, **_):
         seen.append(spec)
@@ -61,8 +59,15 @@ def test_the_quota_read_per_forward_reaches_every_run_of_an_experiment(monkeypat
             records=simulator.records,
         )
 
-    probed = []
     monkeypatch.setattr(experiments, "run_simulation", fake_run)
+
+
+def test_the_quota_read_per_forward_reaches_every_run_of_an_experiment(monkeypatch) -> None:
+    # --quota-per-forward: every spec of the experiment, the online probes' base included,
+    # runs with that reading and its own fitted factors, and the JSON says so.
+    seen: list[RunSpec] = []
+    _recording_fake_runs(monkeypatch, seen)
+    probed = []
     monkeypatch.setattr(online, "find_capacity", lambda spec, *_, **__: probed.append(spec) or [])
     ablation = experiments.run_experiment("ablation", scale_down=8, quota_per_forward=True)
     experiments.run_experiment("online-capacity", scale_down=8, quota_per_forward=True)
@@ -91,26 +96,9 @@ def test_the_quota_read_per_forward_is_300_ms_over_the_layers() -> None:
 def test_an_experiment_runs_every_spec_and_workload_on_its_seed(monkeypatch) -> None:
     # dualpath simulate --experiment NAME --seed N: every run (online probes too) and the
     # workloads the experiments build themselves (scale's copies, append-scaling's) draw on N.
-    seen = []
-
-    def fake_run(spec, **_):
-        seen.append(spec)
-        simulator = build_simulator(small_spec(num_agents=8, scale_down=8))
-        simulator.run()
-        return SimpleNamespace(
-            spec=spec,
-            jct_s=3000.0,
-            snic_load_balance=1.0,
-            attention_balance=1.0,
-            num_requests=1,
-            num_events=1,
-            wall_s=1.0,
-            events_per_s=1.0,
-            records=simulator.records,
-        )
-
+    seen: list[RunSpec] = []
+    _recording_fake_runs(monkeypatch, seen)
     probed = []
-    monkeypatch.setattr(experiments, "run_simulation", fake_run)
     monkeypatch.setattr(online, "find_capacity", lambda *search, **_: probed.append(search) or [])
     results = experiments.run_experiments(["scale", "append-scaling"], scale_down=8, seed=3)
     assert {spec.seed for spec in seen} == {3} and {s[0].seed for s in probed} == {3}
