@@ -733,7 +733,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from dualpath.sim import experiments, report
     from dualpath.sim.agents import workload_agents
     from dualpath.sim.profiles import resolve_hardware, resolve_model
-    from dualpath.sim.runner import BLOCK_SIZE_TOKENS, PRESET_BY_MAX_LEN
+    from dualpath.sim.runner import BLOCK_SIZE_TOKENS
 
     start_s = time.perf_counter()
     if args.calibrate or args.experiment is not None:
@@ -775,9 +775,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             jobs=args.jobs,
         )
     else:
-        presets = PRESET_BY_MAX_LEN
-        if args.max_len not in presets:
-            raise ValueError(f"--max-len must be one of {sorted(presets)}, got {args.max_len}")
+        preset = _preset(args.max_len)
         agents = None
         if args.trace is not None:
             from dualpath.workload import load_mooncake_trace
@@ -791,7 +789,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             hardware=resolve_hardware(args.hardware),
             nodes=args.nodes,
             num_agents=args.agents,
-            preset=presets[args.max_len],
+            preset=preset,
             modes=args.modes.split(","),
             scale_down=args.scale_down,
             seed=args.seed,
@@ -891,21 +889,28 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_plan)
 
 
+def _preset(max_len: int) -> str:
+    """The SPEC §7 workload preset of ``--max-len`` (a CLI error names the choices)."""
+    from dualpath.sim.runner import PRESET_BY_MAX_LEN
+
+    if max_len not in PRESET_BY_MAX_LEN:
+        raise ValueError(f"--max-len must be one of {sorted(PRESET_BY_MAX_LEN)}, got {max_len}")
+    return PRESET_BY_MAX_LEN[max_len]
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from dualpath.sim import report
     from dualpath.sim.plan import recommend_pd
     from dualpath.sim.profiles import resolve_hardware, resolve_model
 
-    presets = {32768: "32k", 49152: "48k", 65536: "64k"}
-    if args.max_len not in presets:
-        raise ValueError(f"--max-len must be one of {sorted(presets)}, got {args.max_len}")
+    preset = _preset(args.max_len)
     model, hardware = resolve_model(args.model), resolve_hardware(args.hardware)
     advice = recommend_pd(
         model=model,
         hardware=hardware,
         total_nodes=args.total_nodes,
         num_agents=args.agents,
-        preset=presets[args.max_len],
+        preset=preset,
         mode=args.mode,
         scale_down=args.scale_down,
         quota_per_forward=args.quota_per_forward,

@@ -13,6 +13,7 @@ Checks compare with SPEC §7's printed figures. One number was fitted (``calibra
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -80,7 +81,7 @@ def latency_percentiles(result: RunResult) -> dict[str, dict[str, float | None]]
 
 
 def _rounded(value: float) -> float | None:
-    return None if value != value else round(value, 4)  # nan (nothing measured): None
+    return None if math.isnan(value) else round(value, 4)  # nan (nothing measured): None
 
 
 def run_record(experiment: str, result: RunResult, capacity_aps: float | None = None) -> dict:
@@ -179,8 +180,18 @@ class _Runner:
     def prefetch(self, work: Iterable[RunSpec | Search]) -> None:
         """Make runs (specs) and online searches ahead, ``jobs`` at a time, in the order
         given (the longest first is best); nothing to do with one job."""
-        if self._jobs == 1:
-            return
+        if self._jobs > 1:
+            self._make(work)
+
+    def find_capacities(self, searches: Sequence[Search]) -> list[list[OnlineProbe]]:
+        """``online.find_capacity`` for each search, ``jobs`` at a time; a search made
+        before (``prefetch``, or another experiment of the command) is not made again."""
+        self._make(searches)
+        return [self._searches[search] for search in searches]
+
+    def _make(self, work: Iterable[RunSpec | Search]) -> None:
+        """The runs and searches of ``work`` not made yet, ``jobs`` at a time, kept for every
+        runner that shares them (not recorded: a run is when the experiment asks for it)."""
         runs: dict[tuple[RunSpec, object], RunSpec] = {}
         searches: dict[Search, Search] = {}
         for item in work:
@@ -194,16 +205,6 @@ class _Runner:
         results = map_runs(_run_or_search, calls, jobs=self._jobs, progress=self._progress)
         self._results.update(zip(runs, results[: len(runs)], strict=True))
         self._searches.update(zip(searches, results[len(runs) :], strict=True))
-
-    def find_capacities(self, searches: Sequence[Search]) -> list[list[OnlineProbe]]:
-        """``online.find_capacity`` for each search, ``jobs`` at a time; a search made
-        before (``prefetch``, or another experiment of the command) is not made again."""
-        from dualpath.sim import online
-
-        todo = list(dict.fromkeys(s for s in searches if s not in self._searches))
-        found = map_runs(online.find_capacity, todo, jobs=self._jobs, progress=self._progress)
-        self._searches.update(zip(todo, found, strict=True))
-        return [self._searches[search] for search in searches]
 
     @property
     def experiment_name(self) -> str:
@@ -311,7 +312,7 @@ def _snic_balance(run: _Runner, result: ExperimentResult, k: int, full: bool) ->
     )
     # SPEC §7 does not say which run its attention balance comes from; we read it as this
     # one's (Fig. 13). A PE group of one GPU (--scale-down 8) has none: no check then.
-    if ours.attention_balance == ours.attention_balance:
+    if not math.isnan(ours.attention_balance):
         result.checks.append(
             Check("attention_balance_scheduler", 1.06, ours.attention_balance, 0.1)
         )

@@ -77,21 +77,17 @@ def run_probe(
     import time
 
     num_agents = max(2, round(aps / copies * window_s))
-    offsets_s = poisson_arrival_offsets_s(num_agents, aps / copies, base.seed)
-    arrivals_s = tuple(float(t) for t in offsets_s)
+    arrivals_s = poisson_arrival_offsets_s(num_agents, aps / copies, base.seed)
+    agents = synthetic_agents(
+        base.preset,
+        num_agents,
+        seed=base.seed,
+        block_size_tokens=BLOCK_SIZE_TOKENS,
+        arrivals_s=[float(t) for t in arrivals_s],
+    )
+    copied = copied_agents(agents, copies, arrival_step_s=1 / aps)  # one copy: the agents
     # RunSpec divides num_agents by scale_down; the probe's count is already final.
-    if copies == 1:
-        spec = replace(base, num_agents=num_agents * base.scale_down, arrivals_s=arrivals_s)
-    else:
-        agents = synthetic_agents(
-            base.preset,
-            num_agents,
-            seed=base.seed,
-            block_size_tokens=BLOCK_SIZE_TOKENS,
-            arrivals_s=list(arrivals_s),
-        )
-        copied = copied_agents(agents, copies, arrival_step_s=1 / aps)
-        spec = replace(base, num_agents=len(copied) * base.scale_down, agents=tuple(copied))
+    spec = replace(base, num_agents=len(copied) * base.scale_down, agents=tuple(copied))
     simulator = build_simulator(spec)
     start_s = time.perf_counter()
     until_s = window_s + DRAIN_S
