@@ -631,7 +631,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="free-form runs: the PE compute quota, predicted seconds of one attention layer "
         "per prefill batch (default SPEC §6's 0.3); 0.3 / 61 reads the quota as a whole "
-        "DeepSeek-V3.2 forward instead (docs/simulator.md, 'ping-pong')",
+        "DeepSeek-V3.2 forward instead (docs/simulator-analysis.md, 'ping-pong')",
     )
     p.add_argument(
         "--quota-per-forward",
@@ -639,7 +639,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="read SPEC §6's 300 ms compute quota as the attention time of a whole forward "
         "(300 ms / layers per layer), with that reading's own fitted prefill efficiency: an "
         "alternative to the default per-layer reading, for experiments, free-form runs and "
-        "--calibrate (docs/simulator.md, 'ping-pong')",
+        "--calibrate (docs/simulator-analysis.md, 'ping-pong')",
     )
     p.add_argument(
         "--seed",

@@ -44,7 +44,7 @@ FROZEN_FACTORS = EfficiencyFactors(
 )
 
 # The same fit with SPEC §6's 300 ms quota read as a whole forward (``RunSpec.quota_per_forward``,
-# an alternative reading, not the default: docs/simulator.md, "ping-pong"). Its runs:
+# an alternative reading, not the default: docs/simulator-analysis.md, "ping-pong"). Its runs:
 # 0.3770 -> 2,687.6 s, 0.3199 -> 2,999.4 s, 0.3115 -> 3,060.3 s, 0.3080 -> 3,082.9 s,
 # 0.3059 -> 3,101.4 s, 0.3047 -> 3,110.0 s; the line through them meets 3,167 s at 0.2967,
 # frozen as 0.2970 (a hand estimate from the same runs; every per-forward figure in the docs

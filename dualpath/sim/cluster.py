@@ -41,7 +41,7 @@ class ClusterModel:
     handoff_s: float = 0.0
     # The front end admits submitted turns one after another, each taking this long, before
     # ``turn_latency_s``; 0 = all at once. Agents that "start together" (SPEC §7) reach the
-    # scheduler as a stream, not in one instant (docs/simulator.md, "Scale").
+    # scheduler as a stream, not in one instant (docs/simulator-analysis.md, "Scale").
     frontend_s_per_request: float = 0.0
     # SPEC §6: leaders fetch every interval "or when idle". True: a group none of whose
     # engines holds a request fetches at once (our runtime's coordinator does, ``local``);

@@ -121,7 +121,7 @@ HARDWARE: dict[str, HardwareProfile] = {
         # 100 us a request, a fast front end (about 4x the 48P96D run's mean submit rate).
         # Only its order matters: between 1e4 and 1e6 per second a burst of agents starting
         # together reaches the scheduler over several fetch intervals, and no JCT ratio moves
-        # by more than the runs' own noise (docs/simulator.md, "Scale").
+        # by more than the runs' own noise (docs/simulator-analysis.md, "Scale").
         frontend_requests_per_s=10_000.0,
     ),
     # Order-of-magnitude figures of a 2-vCPU VM for the §5 bounds; simulations use the measured
@@ -212,22 +212,30 @@ MODELS: dict[str, ModelProfile] = {
     "27b": ModelProfile(
         name="27b",
         num_layers=30,
-        # Assumed the same MLA + DSA cache format as V3.2 (SPEC gives no byte size).
+        # SPEC §7's 27B (30 layers, hidden 2560, 32 heads, 72 routed experts, 6 active + 2
+        # shared) is DeepSeek-VL2's language model (DeepSeekMoE 27B: MLA, kv_lora_rank 512,
+        # rope 64, no q LoRA, expert FFN 1536, layer 0 dense with FFN 12288) with DSA on top.
+        # Its cache format is assumed V3.2's (FP8 latent + scales + rope; SPEC gives no byte
+        # size; DeepSeek-VL2 itself caches BF16, 1,152 B).
         kv_bytes_per_token_per_layer=656,
-        # Estimate: 30 layers x (6 routed + 2 shared) experts of 2560x1536x3 ~ 2.8B, attention
-        # ~0.8B, embeddings ~0.4B.
-        num_active_params=4.0e9,
-        num_total_params=27e9,
+        # Per token, from that config: attention 30 x 31.9M (q 2560x32x192, kv_a 2560x576,
+        # kv_b 512x32x256, o 4096x2560) + layer 0's FFN 3x2560x12288 + 29 MoE layers x 8
+        # experts of 3x2560x1536 (+ router) = 3.79B; embeddings and the LM head (0.33B each,
+        # the head run once a sequence in prefill) are left out.
+        num_active_params=3.79e9,
+        # 29 x 74 experts x 11.8M + attention + layer 0 + embeddings and head: 27.0B.
+        num_total_params=27.0e9,
         bytes_per_param=1.0,
         is_moe=True,
         hidden_size=2560,
-        attention_flops_per_pair=32 * (576 + 512) * 2,  # 32 heads, MLA-like (assumed)
+        attention_flops_per_pair=32 * (576 + 512) * 2,  # absorbed MLA, 32 heads (as V3.2)
         attention_top_k_tokens=1024,
+        # The indexer's size is not published for this model: V3.2's (64 heads x 128).
         indexer_flops_per_pair=64 * 128 * 2,
         indexer_bytes_per_token_per_layer=128,
-        all_to_all_bytes_per_token_per_layer=2560 * 6 * 3,
-        source="SPEC §7 (30 layers, hidden 2560, 32 heads, 72 experts 6+2 active, top-k 1024); "
-        "cache format and active parameters estimated",
+        all_to_all_bytes_per_token_per_layer=2560 * 6 * 3,  # 6 routed experts, FP8 + BF16
+        source="SPEC §7 (30 layers, hidden 2560, 32 heads, 72 experts 6+2 active, top-k "
+        "1024) = DeepSeek-VL2's language config + DSA; cache format and indexer assumed V3.2's",
     ),
     "qwen2.5-32b": ModelProfile(
         name="qwen2.5-32b",

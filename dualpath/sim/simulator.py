@@ -224,7 +224,7 @@ class Simulator(PrefillSteps):
         # and Algorithm 1 lets the fetching group take the FIFO's head up to β, so the first
         # groups filled while the last idled (8P16D 1.09x 2P4D's JCT at --scale-down 8, 1.35x
         # at full size). DE leaders stay on the grid: phase 1 sends each request to the
-        # least-loaded DE group whoever fetches (docs/simulator.md, "Scale").
+        # least-loaded DE group whoever fetches (docs/simulator-analysis.md, "Scale").
         interval_s = config.fetch_interval_s
         for index, prefill_group in enumerate(self.prefill_groups):
             prefill_group.fetch_phase_s = interval_s * index / len(self.prefill_groups)

@@ -265,8 +265,8 @@ PAPER_AT_REDUCED_SIZE = [
         0.1,
         id="snic-scheduler",
         marks=_miss(
-            "1.030 at this size (1.038 at full size): the 27B run is storage-saturated, "
-            "every SNIC reads at its rate (docs/simulator.md, SNIC balance)"
+            "1.026 at this size (1.034 at full size): the 27B run is storage-saturated, "
+            "every SNIC reads at its rate (docs/simulator-analysis.md, SNIC balance)"
         ),
     ),
     pytest.param(
@@ -276,8 +276,8 @@ PAPER_AT_REDUCED_SIZE = [
         0.15 * 1.64,
         id="pd-ratio",
         marks=_miss(
-            "2.09x at this size (2.10x at full size): 1P2D's 2.85x, our 27B is more "
-            "storage-bound than the paper's (docs/simulator.md)"
+            "2.095x at this size (2.105x at full size): 1P2D's 2.85x, our 27B is more "
+            "storage-bound than the paper's (docs/simulator-analysis.md)"
         ),
     ),
     # Table 3's 48P96D vs 2P4D, here 8P16D vs 2P4D (the default grid), 1-GPU nodes.
@@ -291,7 +291,7 @@ PAPER_AT_REDUCED_SIZE = [
         marks=_miss(
             "3.38x at this size (3.40x at full size; 4.00x with the quota per forward): "
             "a first turn's long lockstep step stalls one PE group while the agents served "
-            "by the others keep placing turns on it (docs/simulator.md, Scale)"
+            "by the others keep placing turns on it (docs/simulator-analysis.md, Online scale)"
         ),
     ),
     pytest.param(
@@ -302,7 +302,7 @@ PAPER_AT_REDUCED_SIZE = [
         id="online-660b",
         marks=_miss(
             "1.85x at this size (1.17x at full size): lockstep prefill steps wait for a "
-            "group's largest chunk under the per-layer quota (docs/simulator.md)"
+            "group's largest chunk under the per-layer quota (docs/simulator.md, Online capacity)"
         ),
     ),
     pytest.param(

@@ -54,7 +54,7 @@ def test_ablation_full_dualpath_reduction_is_within_5_points_of_45_62():
 @pytest.mark.xfail(
     strict=True,
     reason="TODO(#7): layer-wise alone gains ~1% here vs the paper's 17.21%: Basic and "
-    "layer-wise are both bound by the PE nodes' SNICs at this size (docs/simulator.md)",
+    "layer-wise are both bound by the PE nodes' SNICs at this size (docs/simulator-analysis.md)",
 )
 def test_ablation_layerwise_reduction_is_within_5_points_of_17_21():
     reduction = 100 * (1 - _mean_ratio("layerwise", "basic"))

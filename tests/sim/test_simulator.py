@@ -506,7 +506,7 @@ def test_agents_that_start_together_reach_every_prefill_group():
     # 8P16D at scale-down 8: four PE groups, and β lets one group take all 32 first turns in
     # one fetch. Admitted one after another, the turns reach the groups' staggered fetches
     # (2.5 ms apart) a few at a time and every group gets some; all at one instant, the
-    # first group to fetch takes them all and the others idle (docs/simulator.md, "Scale").
+    # first group to fetch takes them all and the others idle (docs/simulator-analysis.md, "Scale").
     def groups_with_first_turns(frontend_s_per_request: float | None) -> set[int]:
         simulator = build_simulator(small_spec(nodes="8P16D", num_agents=256))
         if frontend_s_per_request is not None:
