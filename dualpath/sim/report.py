@@ -119,7 +119,9 @@ def _draw_checks(axis, *, checks: list, **_) -> None:
         axis.barh(y, high - low, left=low, height=0.6, color="0.85")
         color = "tab:green" if check.ok else "tab:red"
         axis.plot(check.ours / check.paper, y, "o", color=color)
-        verdict = "ok" if check.ok else "missed"
+        verdict = ("ok" if check.ok else "missed") + (
+            " (the fitted target)" if check.fitted else ""
+        )
         axis.annotate(
             f"ours {check.ours:.4g}, paper {check.paper:g} ± {check.tolerance:.3g}: {verdict}",
             (1.0, y),
