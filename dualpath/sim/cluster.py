@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -33,6 +34,9 @@ class ClusterModel:
     num_decode_kv_blocks: int  # per DE
     prefill_kv_capacity_bytes: float  # per PE: HBM left for KV
     max_inflight_reads_per_node: int = 32  # storage reads in flight per node (I/O depth)
+    # The store's aggregate read throughput, shared by the nodes reading (inf = no limit
+    # beyond the SNICs; ``engines.StorageService``).
+    storage_service_bytes_per_s: float = math.inf
     snic_window_s: float = 1.0  # SPEC §7: SNIC balance over 1 s windows
     # The serving path outside the engines (the ``local`` profile's probes; 0 elsewhere): a
     # turn reaches the scheduler ``turn_latency_s`` after the agent sends it, and a DE starts

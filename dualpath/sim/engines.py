@@ -2,6 +2,7 @@
 
 * ``SimRequest`` -- one turn's request as it moves through the cluster (counts and times).
 * ``SimNode`` -- a node's SNIC (read and write links) and its FIFO storage read queue.
+* ``StorageService`` -- the store's aggregate read throughput, shared by the nodes reading.
 * ``SimPrefillEngine`` / ``SimDecodeEngine`` -- one GPU each, with the load figures the group
   leader reports (``seq_e``, ``tok_e``, free KV blocks).
 
@@ -99,8 +100,55 @@ class SimRequest:
         return self.num_prompt_tokens - self.num_hit_tokens
 
 
+class StorageService:
+    """The store's aggregate read throughput (e.g. 3FS's published 6.6 TiB/s), shared by the
+    nodes that are reading: with k nodes reading, max-min fair sharing gives each node's SNIC
+    read link min(its own rate, capacity / k) (every node's SNIC has the same rate, so the
+    water-filling is an equal split, and a node with any read in flight uses its whole link).
+    Only built where it can bind (capacity below the nodes' SNICs together); otherwise every
+    link keeps its SNIC rate and nothing here runs."""
+
+    __slots__ = ("capacity_bytes_per_s", "snic_bytes_per_s", "_reading", "_rate")
+
+    def __init__(self, capacity_bytes_per_s: float, snic_bytes_per_s: float) -> None:
+        if not 0 < capacity_bytes_per_s < math.inf or not 0 < snic_bytes_per_s < math.inf:
+            raise ValueError(
+                "the storage service and the SNICs need finite rates > 0, got "
+                f"{capacity_bytes_per_s} and {snic_bytes_per_s} B/s"
+            )
+        self.capacity_bytes_per_s = capacity_bytes_per_s
+        self.snic_bytes_per_s = snic_bytes_per_s
+        self._reading: list[SimNode] = []  # nodes with a read in flight, in the order they began
+        self._rate = snic_bytes_per_s  # every reading node's link rate now
+
+    @property
+    def num_reading(self) -> int:
+        return len(self._reading)
+
+    def start_reading(self, node: SimNode) -> None:
+        """``node`` starts its first read in flight: call before the read's flow starts."""
+        self._reading.append(node)
+        if node.snic_read.capacity_bytes_per_s != self._rate:
+            node.snic_read.set_capacity(self._rate)
+        self._share()
+
+    def stop_reading(self, node: SimNode) -> None:
+        """``node``'s last read in flight has ended."""
+        self._reading.remove(node)
+        self._share()
+
+    def _share(self) -> None:
+        share = self.capacity_bytes_per_s / float(len(self._reading) or 1)
+        rate = share if share < self.snic_bytes_per_s else self.snic_bytes_per_s
+        if rate != self._rate:
+            self._rate = rate
+            for node in self._reading:
+                node.snic_read.set_capacity(rate)
+
+
 class SimNode:
-    """A node: SNIC links and a FIFO read queue with at most ``max_inflight_reads`` running."""
+    """A node: SNIC links and a FIFO read queue with at most ``max_inflight_reads`` running;
+    with a ``service``, its reads also share the store's throughput (``StorageService``)."""
 
     __slots__ = (
         "node_id",
@@ -110,6 +158,7 @@ class SimNode:
         "read_queue_tokens",
         "max_inflight_reads",
         "group",
+        "service",
         "_num_inflight",
         "_waiting",
         "_snapshot",
@@ -131,6 +180,7 @@ class SimNode:
         self.snic_write = snic_write
         self.read_queue_tokens = 0  # read_q: tokens queued or being read (SPEC §6)
         self.max_inflight_reads = max_inflight_reads
+        self.service: StorageService | None = None
         self._num_inflight = 0
         self._waiting: deque[tuple[float, int, Callable[[Any], None], Any]] = deque()
         self._snapshot = NodeSnapshot(node_id, 0)
@@ -149,6 +199,8 @@ class SimNode:
         self.read_queue_tokens += num_tokens
         self.group.snapshot = None  # its next report carries the new read_q
         if not self._waiting and self._num_inflight < self.max_inflight_reads:
+            if self._num_inflight == 0 and self.service is not None:
+                self.service.start_reading(self)  # (reads wait only behind reads in flight)
             self._start(num_bytes, num_tokens, on_done, token)  # _admit with a queue of one
             return
         self._waiting.append((num_bytes, num_tokens, on_done, token))
@@ -170,7 +222,9 @@ class SimNode:
         self.read_queue_tokens -= num_tokens
         self.group.snapshot = None
         if self._waiting:
-            self._admit()
+            self._admit()  # the freed slot's next read: the node reads on without a pause
+        elif self._num_inflight == 0 and self.service is not None:
+            self.service.stop_reading(self)
         on_done(token)
 
 

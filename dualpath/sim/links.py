@@ -156,6 +156,30 @@ class SimLink:
         )
         self._reschedule(now_s)
 
+    def set_capacity(self, capacity_bytes_per_s: float) -> None:
+        """Change the capacity from now on (a shared upstream, e.g. the store's service rate,
+        giving this link a different share): bytes served so far stay served, every flow's
+        remaining bytes go at the new rates."""
+        if not 0 < capacity_bytes_per_s < _INF or self.capacity_bytes_per_s == _INF:
+            raise ValueError(
+                f"link {self.name}: capacity can change between finite values only, "
+                f"{self.capacity_bytes_per_s} -> {capacity_bytes_per_s}"
+            )
+        now_s = self._queue.now_s
+        if now_s != self._last_s:
+            self._advance(now_s)
+        self.capacity_bytes_per_s = capacity_bytes_per_s
+        w0, w1 = self._weights
+        self._shared_rates = (
+            capacity_bytes_per_s * w0 / (w0 + w1),
+            capacity_bytes_per_s * w1 / (w0 + w1),
+        )
+        self._shared_total = self._shared_rates[0] + self._shared_rates[1]
+        # Completions may now come earlier: drop the pending event and schedule afresh.
+        self._version += 1
+        self._pending_s = _INF
+        self._reschedule(now_s)
+
     def _advance(self, now_s: float) -> None:
         """Move the class clocks (and window byte counts) from the last change to now."""
         elapsed_s = now_s - self._last_s

@@ -86,7 +86,8 @@ class HardwareProfile:
 
     def scaled_down(self, factor: int) -> HardwareProfile:
         """A node with ``num_gpus_per_node / factor`` GPUs and 1/factor of the node-wide links
-        (SNIC, host memory): per-GPU ratios stay, so a K-times smaller cluster behaves alike."""
+        (SNIC, host memory) and of the store's throughput: per-GPU ratios stay, so a K-times
+        smaller cluster behaves alike."""
         if factor < 1 or self.num_gpus_per_node % factor:
             raise ValueError(
                 f"scale-down {factor} must divide the {self.num_gpus_per_node} GPUs per node"
@@ -99,6 +100,7 @@ class HardwareProfile:
             num_gpus_per_node=self.num_gpus_per_node // factor,
             snic_bandwidth_gbps=self.snic_bandwidth_gbps / factor,
             host_memory_bytes_per_s=self.host_memory_bytes_per_s / factor,
+            storage_service_bytes_per_s=self.storage_service_bytes_per_s / factor,
             frontend_requests_per_s=self.frontend_requests_per_s / factor,
         )
 

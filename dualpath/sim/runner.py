@@ -212,6 +212,10 @@ def build_simulator(spec: RunSpec) -> Simulator:
         fetch_when_idle=spec.local is not None,
         # The measured profile's front end is inside its fitted ``turn_latency_s``.
         frontend_s_per_request=0.0 if spec.local else 1.0 / hardware.frontend_requests_per_s,
+        # The measured profile's store is this machine's disk, behind the benchmark's SNIC caps.
+        storage_service_bytes_per_s=(
+            math.inf if spec.local else hardware.storage_service_bytes_per_s
+        ),
     )
     return Simulator(
         cluster,

@@ -58,6 +58,7 @@ from dualpath.sim.engines import (
     SimNode,
     SimPrefillEngine,
     SimRequest,
+    StorageService,
 )
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import SimLink, TrafficClass
@@ -170,6 +171,13 @@ class Simulator(PrefillSteps):
             )
             self.nodes.append(node)
             node_id_to_node[spec.node_id] = node
+        snic_rate = self.nodes[0].snic_read.capacity_bytes_per_s if self.nodes else math.inf
+        if c.storage_service_bytes_per_s < len(self.nodes) * snic_rate < math.inf:
+            # The store can bind (not on the paper's testbed up to ~150 nodes): its rate is
+            # shared by the nodes reading.
+            service = StorageService(c.storage_service_bytes_per_s, snic_rate)
+            for node in self.nodes:
+                node.service = service
         self.engines: dict[int, SimPrefillEngine | SimDecodeEngine] = {}
         # The same engines by role, for the placements (which store them on the request).
         self._prefill_engines: dict[int, SimPrefillEngine] = {}

@@ -105,3 +105,32 @@ def test_unpaced_bytes_spread_over_their_interval_and_take_no_bandwidth():
     assert link.finished_bytes[TrafficClass.KV] == pytest.approx(130.0)
     with pytest.raises(ValueError, match="after now"):
         link.count_unpaced(1.0, TrafficClass.KV, since_s=queue.now_s + 1.0)
+
+
+def test_a_capacity_change_keeps_the_bytes_served_and_reschedules_both_ways():
+    # 100 B/s; a=300 B and b=100 B start at 0 (50 B/s each). At 1 s (50 B served each) the
+    # capacity drops to 20 B/s: 10 B/s each, b's last 50 B end at 6 s; a alone at 20 B/s has
+    # 200 B left, but at 7 s (180 B left) the capacity rises to 180 B/s: a ends at 8 s.
+    queue = EventQueue()
+    link = SimLink("l", 100.0, queue)
+    done = {}
+    for size, name in ((300.0, "a"), (100.0, "b")):
+        link.start(size, TrafficClass.KV, lambda n: done.setdefault(n, queue.now_s), name)
+    queue.push(1.0, EventPriority.ARRIVAL, lambda _: link.set_capacity(20.0), None)
+    queue.push(7.0, EventPriority.ARRIVAL, lambda _: link.set_capacity(180.0), None)
+    queue.run()
+    assert done["b"] == pytest.approx(6.0)
+    assert done["a"] == pytest.approx(8.0)
+    assert link.finished_bytes[TrafficClass.KV] == pytest.approx(400.0)
+    # Between classes the weights hold at the new capacity.
+    link.set_capacity(50.0)
+    assert link.class_rates_bytes_per_s() == (0.0, 0.0)
+    assert link._shared_rates == pytest.approx((49.5, 0.5))
+
+
+def test_an_uncapped_link_keeps_its_capacity():
+    queue = EventQueue()
+    with pytest.raises(ValueError, match="finite"):
+        SimLink("oracle", math.inf, queue).set_capacity(10.0)
+    with pytest.raises(ValueError, match="finite"):
+        SimLink("l", 10.0, queue).set_capacity(0.0)
