@@ -173,7 +173,7 @@ class Simulator(PrefillSteps):
             node_id_to_node[spec.node_id] = node
         snic_rate = self.nodes[0].snic_read.capacity_bytes_per_s if self.nodes else math.inf
         if c.storage_service_bytes_per_s < len(self.nodes) * snic_rate < math.inf:
-            # The store can bind (not on the paper's testbed up to ~150 nodes): its rate is
+            # The store can bind (on hopper-8x400 only above 168 nodes): its rate is
             # shared by the nodes reading.
             service = StorageService(c.storage_service_bytes_per_s, snic_rate)
             for node in self.nodes:
