@@ -128,9 +128,9 @@ class StorageService:
     def start_reading(self, node: SimNode) -> None:
         """``node`` starts its first read in flight: call before the read's flow starts."""
         self._reading.append(node)
-        if node.snic_read.capacity_bytes_per_s != self._rate:
-            node.snic_read.set_capacity(self._rate)
         self._share()
+        if node.snic_read.capacity_bytes_per_s != self._rate:  # its share, if _share kept it
+            node.snic_read.set_capacity(self._rate)
 
     def stop_reading(self, node: SimNode) -> None:
         """``node``'s last read in flight has ended."""

@@ -404,9 +404,7 @@ def _online_scale(run: _Runner, result: ExperimentResult, searches: tuple[Search
     big_aps = _record_search(run, big, big_probes, copies_of_2p4d_agents=copies)
     ratio = big_aps / small_aps if small_aps else float("inf")
     for nodes, aps, probes in (("2P4D", small_aps, small_probes), (big_nodes, big_aps, big_probes)):
-        shown = ", ".join(
-            f"{p.aps:.4g}{'+' if p.is_attained else '-'}: {p.p90_ttft_s:.2f}" for p in probes
-        )
+        shown = _probes_shown(probes, with_tpot=False)
         result.table.append(f"online {nodes} dualpath: capacity {aps:.4g} APS | {shown}")
     result.table.append(
         f"online {big_nodes} / 2P4D capacity: {ratio:.2f}x "
@@ -472,11 +470,7 @@ def _online_capacity(run: _Runner, result: ExperimentResult, k: int, full: bool)
         for mode in modes:
             probes = found[model, mode]
             capacity[mode] = _record_search(run, searches[model, mode], probes)
-            shown = ", ".join(
-                f"{p.aps:.4g}{'+' if p.is_attained else '-'}: {p.p90_ttft_s:.2f}/"
-                f"{1e3 * p.p90_tpot_s:.0f}"
-                for p in probes
-            )
+            shown = _probes_shown(probes, with_tpot=True)
             result.table.append(f"{model} {nodes} | {mode} | {capacity[mode]:.4g} | {shown}")
         ratio = capacity["dualpath"] / capacity["basic"] if capacity["basic"] else float("inf")
         result.table.append(f"{model} {nodes}: DualPath / Basic {ratio:.2f}x (paper {paper}x)")
@@ -507,6 +501,15 @@ def _search(run: _Runner, base: RunSpec, mode: str) -> Search:
     spec = replace(base, mode=mode)
     start_aps = 0.5 * (base.num_agents // k) / run(spec).jct_s
     return spec, start_aps, window_s, 1
+
+
+def _probes_shown(probes: list[OnlineProbe], *, with_tpot: bool) -> str:
+    """A search's probes for a table: APS, + attained or - not, p90 TTFT s (/ TPOT ms)."""
+    return ", ".join(
+        f"{p.aps:.4g}{'+' if p.is_attained else '-'}: {p.p90_ttft_s:.2f}"
+        + (f"/{1e3 * p.p90_tpot_s:.0f}" if with_tpot else "")
+        for p in probes
+    )
 
 
 def _record_search(

@@ -91,16 +91,9 @@ class SimLink:
         if inference_weight <= 0 or kv_weight <= 0:
             raise ValueError(f"link {name}: class weights must be > 0")
         self.name = name
-        self.capacity_bytes_per_s = capacity_bytes_per_s
         self._queue = queue
-        w0, w1 = self._weights = (float(inference_weight), float(kv_weight))
-        # Each class's rate while both have flows, and their sum (computed once: the hot paths
-        # below use these instead of calling class_rates_bytes_per_s).
-        self._shared_rates = (
-            capacity_bytes_per_s * w0 / (w0 + w1),
-            capacity_bytes_per_s * w1 / (w0 + w1),
-        )
-        self._shared_total = self._shared_rates[0] + self._shared_rates[1]
+        self._weights = (float(inference_weight), float(kv_weight))
+        self._set_rates(capacity_bytes_per_s)
         self._clocks = [0.0, 0.0]  # per-class virtual clock: bytes served to each flow
         self._heaps: tuple[list[_Flow], list[_Flow]] = ([], [])
         self._last_s = 0.0
@@ -168,17 +161,22 @@ class SimLink:
         now_s = self._queue.now_s
         if now_s != self._last_s:
             self._advance(now_s)
+        self._set_rates(capacity_bytes_per_s)
+        # Completions may now come earlier: drop the pending event and schedule afresh.
+        self._version += 1
+        self._pending_s = _INF
+        self._reschedule(now_s)
+
+    def _set_rates(self, capacity_bytes_per_s: float) -> None:
         self.capacity_bytes_per_s = capacity_bytes_per_s
         w0, w1 = self._weights
+        # Each class's rate while both have flows, and their sum (computed once per capacity:
+        # the hot paths below use these instead of calling class_rates_bytes_per_s).
         self._shared_rates = (
             capacity_bytes_per_s * w0 / (w0 + w1),
             capacity_bytes_per_s * w1 / (w0 + w1),
         )
         self._shared_total = self._shared_rates[0] + self._shared_rates[1]
-        # Completions may now come earlier: drop the pending event and schedule afresh.
-        self._version += 1
-        self._pending_s = _INF
-        self._reschedule(now_s)
 
     def _advance(self, now_s: float) -> None:
         """Move the class clocks (and window byte counts) from the last change to now."""
