@@ -7,116 +7,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.serving import (
+    MODEL,
+    Server,
+    auth,
+    child_pids,
+    http_count,
+    is_running,
+    metric_values,
+    random_ids,
+    start_server,
+)
 
 pytest.importorskip("nixl_cu12")
 
-API_KEY = "test-key"
-MODEL = "tiny"
 MAX_WAITING = 4
 MAX_REQUEST_BYTES = 200_000
-START_TIMEOUT_S = 120
 LONG_PROMPT_TOKENS = 2000  # long enough that prefills queue behind each other
 
 
-class Server:
-    def __init__(self, process: subprocess.Popen, url: str, root: Path, health: list[int]):
-        self.process = process
-        self.url = url
-        self.root = root
-        self.health_statuses_before_ready = health  # /health statuses seen while starting
-        self.http = httpx.Client(base_url=url, headers=auth(), timeout=30)
-        self.client = openai.OpenAI(
-            base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=30
-        )
-
-    @property
-    def log(self) -> str:
-        return (self.root / "server.log").read_text()
-
-
-def auth(key: str = API_KEY) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "dualpath.cli", "--log-level", "INFO", "serve",
-        "--model", str(tiny_model_dir),
-        "--kv-store", str(root / "kv"),
-        "--port", str(port),
-        "--api-key", API_KEY,
-        "--served-model-name", MODEL,
+    with start_server(
+        tiny_model_dir,
+        root,
         "--max-waiting-requests", str(MAX_WAITING),
         "--max-request-bytes", str(MAX_REQUEST_BYTES),
-        "--engine-log-dir", str(root / "logs"),
-    ]  # fmt: skip
-    env = dict(os.environ, DUALPATH_HOME=str(root / "home"))
-    with open(root / "server.log", "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    statuses = wait_until_healthy(process, url, root)
-    yield Server(process, url, root, statuses)
-    if process.poll() is None:
-        process.kill()
-        process.wait()
-
-
-def wait_until_healthy(process: subprocess.Popen, url: str, root: Path) -> list[int]:
-    statuses: list[int] = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {(root / 'server.log').read_text()[-3000:]}")
-        try:
-            status = httpx.get(f"{url}/health", timeout=5).status_code
-        except httpx.TransportError:
-            time.sleep(0.1)
-            continue
-        if status == 200:
-            return statuses
-        statuses.append(status)
-        time.sleep(0.1)
-    process.kill()
-    raise TimeoutError(f"server not healthy: {(root / 'server.log').read_text()[-3000:]}")
-
-
-def metric_values(server: Server) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{server.url}/metrics").text  # no key needed
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def http_count(values: dict, route: str, status: int) -> float:
-    key = ("dualpath_http_requests_total", (("route", route), ("status_code", str(status))))
-    return values.get(key, 0.0)
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 1000 + 5 for i in range(n)]
+    ) as started:  # fmt: skip
+        yield started
 
 
 # --- operations -----------------------------------------------------------------------------
@@ -513,20 +441,3 @@ def test_sigterm_ends_requests_stops_every_child_and_exits_0(server: Server) -> 
     assert not [p for p in children if is_running(p)]
     # The store is consistent: every write finished (no temporary files left).
     assert not list((server.root / "kv").rglob("*.tmp"))
-
-
-def child_pids(pid: int) -> list[int]:
-    """Children of every thread of ``pid`` (engines are spawned from a worker thread)."""
-    return [
-        int(child)
-        for task in Path(f"/proc/{pid}/task").iterdir()
-        for child in (task / "children").read_text().split()
-    ]
-
-
-def is_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except OSError:
-        return False
