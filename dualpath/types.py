@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
+
+# Temperatures below this sample greedily, as vLLM treats them: dividing logits by a smaller
+# one overflows float32 (below ~1e-38 every scaled logit is infinite) and means argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+# Integers cross process boundaries as msgpack, which holds at most 64 bits.
+_MAX_WIRE_INT = (1 << 63) - 1
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are int32 in the paged cache and on the wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,7 +20,8 @@ class SamplingParams:
     """How to pick tokens and when to stop, per request (names as in vLLM and OpenAI)."""
 
     max_tokens: int = 16
-    # 0 = greedy. Greedy output is identical whichever path the KV took (SPEC: correctness).
+    # 0 (or below GREEDY_TEMPERATURE) = greedy. Greedy output is identical whichever path the
+    # KV took (SPEC: correctness).
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -27,14 +36,19 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= _MAX_WIRE_INT:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= _MAX_WIRE_INT:
+            raise ValueError(f"top_k must be in [0, 2**63), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed <= _MAX_WIRE_INT:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside [0, 2**31)")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
@@ -48,7 +62,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True, slots=True)

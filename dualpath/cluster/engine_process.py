@@ -303,6 +303,9 @@ class _EngineProcess:
                 self.decode.add(assignment)
         except ValueError as exc:
             self._send(RequestFailed(assignment.request_id, str(exc)))
+        except Exception as exc:  # a bug this request met: it fails, the engine goes on
+            logger.exception("request %d could not be added", assignment.request_id)
+            self._send(RequestFailed(assignment.request_id, f"engine error: {exc!r}"))
 
     def _connect_peers(self, table: PeerTable) -> None:
         if self.prefill is None:
@@ -328,12 +331,20 @@ class _EngineProcess:
                 return False
             try:
                 finished = self.prefill.run_batch(batch, self.remotes.__getitem__)
-            except DualPathError as exc:  # a DE died or timed out mid-transfer
-                logger.error("prefill batch failed: %s", exc)  # its requests are cancelled
+            except Exception as exc:  # its requests are cancelled here; the engine goes on
+                # A DE died or timed out mid-transfer: placing them again may succeed. Any
+                # other error is a bug these requests met: placing them again would repeat it.
+                is_retryable = isinstance(exc, DualPathError)
+                if is_retryable:
+                    logger.error("prefill batch failed: %s", exc)
+                else:
+                    logger.exception("prefill batch failed")
                 for request, _ in batch:
                     self._send(
                         RequestFailed(
-                            request.request_id, f"prefill failed: {exc}", is_retryable=True
+                            request.request_id,
+                            f"prefill failed: {exc!r}",
+                            is_retryable=is_retryable,
                         )
                     )
                 return True
@@ -343,13 +354,26 @@ class _EngineProcess:
         assert self.decode is not None
         for ready in self.decode.poll_ready():
             self._send(ready)
-        updates = self.decode.step()
+        try:
+            updates = self.decode.step()
+        except Exception as exc:
+            self._fail_all_decodes(exc)
+            return True
         for update in updates:
             self._send(update)
         persisted = self.decode.poll_persisted()
         if persisted is not None:
             self._send(persisted)
         return bool(updates) or self.decode.engine.has_unfinished_requests()
+
+    def _fail_all_decodes(self, exc: Exception) -> None:
+        """A decode step raised (a bug: the sampler and the cache raise on no request's
+        values): the step's batch is every running request, so all of this engine's requests
+        fail and are freed, and the engine goes on serving new ones."""
+        logger.exception("decode step failed")
+        for request_id in self.decode.request_ids:
+            self.decode.cancel(request_id)
+            self._send(RequestFailed(request_id, f"decode failed: {exc!r}"))
 
     def _report(self, now_s: float) -> None:
         """Report the load (the group's fetch when this engine leads it); an idle engine whose

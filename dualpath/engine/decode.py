@@ -249,6 +249,12 @@ class DecodeEngine:
         return pending + running + waiting
 
     @property
+    def request_ids(self) -> list[int]:
+        """Every request this engine holds: waiting for its prompt KV, or in the paged cache."""
+        in_cache = [int(s.request_id) for s in (*self.engine.running, *self.engine.waiting)]
+        return [*self.requests, *in_cache]
+
+    @property
     def num_seqs(self) -> int:
         return len(self.requests) + len(self.engine.running) + len(self.engine.waiting)
 

@@ -29,7 +29,13 @@ from dualpath.config import EngineConfig, KVStoreConfig
 from dualpath.engine.kv_cache import PagedKVCache
 from dualpath.engine.kv_io import KVStoreIO, Mover, direct_move
 from dualpath.engine.runner import ModelRunner, ScheduledSeq
-from dualpath.engine.sampling import SamplingParams, TokenLogprob, make_generator, sample
+from dualpath.engine.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    banned_token_ids,
+    make_generator,
+    sample,
+)
 from dualpath.engine.sequence import Sequence, SequenceStatus
 from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.store import FileKVStore, StoreStats
@@ -398,10 +404,7 @@ class LLMEngine:
         seq.num_persisted_blocks = num_full
 
     def _banned_tokens(self, seq: Sequence) -> tuple[int, ...]:
-        if len(seq.output_token_ids) >= seq.params.min_tokens:
-            return ()
-        eos = () if seq.params.ignore_eos else self.eos_token_ids
-        return tuple(eos) + seq.params.stop_token_ids
+        return banned_token_ids(seq.params, len(seq.output_token_ids), self.eos_token_ids)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params

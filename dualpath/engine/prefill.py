@@ -40,8 +40,7 @@ import torch
 from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone
 from dualpath.engine.buffers import KVBuffer, StoreReader
 from dualpath.engine.kv_io import Mover, direct_move
-from dualpath.engine.sampling import make_generator, sample
-from dualpath.errors import DualPathError
+from dualpath.engine.sampling import banned_token_ids, make_generator, sample
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
@@ -166,6 +165,7 @@ class PrefillEngine:
         )
         config = model.config
         self._kv_shape = (2, config.num_kv_heads, config.head_dim)
+        self._eos_token_ids = config.eos_token_ids
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -268,13 +268,13 @@ class PrefillEngine:
         """Compute ``batch``'s chunks and leave their KV in each request's DE buffer; one
         ``PrefillDone`` per request whose last chunk this was (its prompt KV is complete).
 
-        A ``DualPathError`` mid-batch (a transfer timed out, a DE died) cancels every request
-        of the batch -- their PE buffer slots and chunk KV are freed -- and is re-raised; the
-        caller fails them, which makes their DEs free theirs.
+        Any exception mid-batch (a ``DualPathError``: a transfer timed out, a DE died; or a
+        bug) cancels every request of the batch -- their PE buffer slots and chunk KV are
+        freed -- and is re-raised; the caller fails them, which makes their DEs free theirs.
         """
         try:
             return self._run_batch(batch, remote_of)
-        except DualPathError:
+        except Exception:
             for request, _ in batch:
                 self.cancel(request.request_id)
             raise
@@ -341,7 +341,10 @@ class PrefillEngine:
         done = []
         for row, i in enumerate(last):
             request = requests[i]
-            token_id, logprob = sample(logits[row], request.params, make_generator(request.params))
+            params = request.params
+            # min_tokens holds for the first token too: no end-of-sequence or stop token yet.
+            banned = banned_token_ids(params, 0, self._eos_token_ids)
+            token_id, logprob = sample(logits[row], params, make_generator(params), banned)
             assert request.num_hit is not None, "a batched request has joined the batcher"
             done.append(
                 PrefillDone(

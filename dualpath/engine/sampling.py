@@ -1,12 +1,22 @@
-"""Sampling parameters and the sampler (greedy, seeded temperature / top-k / top-p)."""
+"""Sampling parameters and the sampler (greedy, seeded temperature / top-k / top-p).
+
+The sampler never raises on what a request asked for: probabilities it cannot draw from
+(every token banned or filtered out, an underflow, NaN logits) fall back to the argmax of the
+logits, so one request's values cannot take an engine down.
+"""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
 
 import torch
 
 from dualpath.types import SamplingParams, TokenLogprob
 
-__all__ = ["SamplingParams", "TokenLogprob", "make_generator", "sample"]
+__all__ = ["SamplingParams", "TokenLogprob", "banned_token_ids", "make_generator", "sample"]
+
+logger = logging.getLogger(__name__)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -20,43 +30,65 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return gen
 
 
+def banned_token_ids(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: Iterable[int]
+) -> tuple[int, ...]:
+    """Tokens that may not be sampled next: end-of-sequence and stop tokens until the request
+    has ``min_tokens`` (the same rule for the first token, on the PE, as for the rest)."""
+    if num_output_tokens >= params.min_tokens:
+        return ()
+    eos = () if params.ignore_eos else tuple(eos_token_ids)
+    return eos + params.stop_token_ids
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
     banned_token_ids: tuple[int, ...] = (),
 ) -> tuple[int, TokenLogprob | None]:
-    """Pick one token from a float32 CPU logits row ``[vocab]``; optionally its logprobs."""
-    if banned_token_ids:
+    """Pick one token from a float32 CPU logits row ``[vocab]``; optionally its logprobs.
+
+    Banned ids outside the row are ignored; if every token is banned, the ban is lifted.
+    """
+    banned = [t for t in banned_token_ids if 0 <= t < logits.numel()]
+    if banned and len(set(banned)) < logits.numel():
         logits = logits.clone()
-        logits[list(banned_token_ids)] = float("-inf")
-    if params.is_greedy:
-        token_id = int(torch.argmax(logits))
-    else:
-        token_id = _sample_random(logits, params, generator)
+        logits[banned] = float("-inf")
+    token_id = _argmax(logits) if params.is_greedy else _sample_random(logits, params, generator)
     if params.logprobs is None:
         return token_id, None
     logprobs = torch.log_softmax(logits, dim=-1)
     top = ()
     if params.logprobs:
-        values, ids = torch.topk(logprobs, params.logprobs)
+        values, ids = torch.topk(logprobs, min(params.logprobs, logprobs.numel()))
         top = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
     return token_id, TokenLogprob(token_id, float(logprobs[token_id]), top)
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
 
 
 def _sample_random(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
     scaled = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+    if params.top_k and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    ids = None
     if params.top_p < 1.0:
-        sorted_probs, sorted_ids = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(sorted_ids[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        probs, ids = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays
+        # (top_p may round to 0 in float32).
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False
+        probs = probs.masked_fill(drop, 0.0)
+    total = float(probs.sum())
+    if not (total > 0 and torch.isfinite(probs).all()):
+        logger.warning("unusable sampling probabilities (sum %s): taking the argmax", total)
+        return _argmax(logits)
+    choice = int(torch.multinomial(probs, 1, generator=generator))
+    return choice if ids is None else int(ids[choice])

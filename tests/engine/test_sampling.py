@@ -49,3 +49,65 @@ def test_sampling_params_cross_the_wire_unchanged() -> None:
 
     with pytest.raises(ValueError, match="unknown sampling fields"):
         sampling_params_from_dict({"max_tokens": 3, "bogus": 1})
+
+
+# --- values a request may carry never make the sampler raise ------------------------------
+
+
+def test_a_temperature_below_the_greedy_threshold_is_greedy() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    for temperature in (1e-300, 1e-40, 1e-6):
+        params = SamplingParams(temperature=temperature, seed=0)
+        assert params.is_greedy
+        assert make_generator(params) is None
+        assert sample(logits, params, None)[0] == 1
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    params = SamplingParams(temperature=1.0, top_p=1e-300, seed=0)
+    assert {sample(logits, params, make_generator(params))[0] for _ in range(20)} == {1}
+
+
+def test_unusable_probabilities_fall_back_to_the_argmax() -> None:
+    nan_logits = torch.tensor([float("nan"), 1.0, 2.0])
+    params = SamplingParams(temperature=1.0, seed=0)
+    assert sample(nan_logits, params, make_generator(params))[0] == 2
+    # Infinite logits: softmax gives NaN.
+    inf_logits = torch.tensor([float("inf"), float("inf"), 0.0])
+    assert sample(inf_logits, params, make_generator(params))[0] in (0, 1)
+
+
+def test_a_ban_of_every_token_or_of_ids_outside_the_row_is_harmless() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    assert sample(logits, SamplingParams(), None, banned_token_ids=(0, 1, 2))[0] == 1
+    assert sample(logits, SamplingParams(), None, banned_token_ids=(1, 7, 1 << 40))[0] == 2
+    params = SamplingParams(temperature=1.0, top_k=1 << 40, seed=0)
+    assert sample(logits, params, make_generator(params))[0] in (0, 1, 2)
+
+
+def test_min_tokens_bans_end_and_stop_tokens_until_reached() -> None:
+    from dualpath.engine.sampling import banned_token_ids
+
+    params = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(5,))
+    assert banned_token_ids(params, 0, (2,)) == (2, 5)
+    assert banned_token_ids(params, 2, (2,)) == (2, 5)
+    assert banned_token_ids(params, 3, (2,)) == ()
+    ignoring = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(5,), ignore_eos=True)
+    assert banned_token_ids(ignoring, 0, (2,)) == (5,)
+
+
+def test_sampling_params_refuse_values_the_wire_cannot_carry() -> None:
+    import pytest
+
+    for bad in (
+        {"top_k": 1 << 64},
+        {"seed": 1 << 63},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"top_p": float("nan")},
+        {"stop_token_ids": (1 << 31,)},
+        {"max_tokens": 1 << 64},
+    ):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
