@@ -47,3 +47,7 @@ class PeerUnavailable(TransferError):
 
 class TransferTimeout(TransferError):
     """A transfer did not complete within its timeout."""
+
+
+class ClusterUnavailable(DualPathError):
+    """The cluster cannot serve a request now: no live engine of a role, or no scheduler."""

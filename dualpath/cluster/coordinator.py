@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from dualpath.cluster.group_load import GroupLoad
 from dualpath.cluster.messages import (
     DECODE,
@@ -95,6 +97,9 @@ class RequestEvent:
     error: str | None = None
     logprobs: tuple | None = None
     time_s: float = 0.0
+    # The error is the cluster's state, not the request's: no engine of a role it needs is
+    # alive (the server answers 503, not 500).
+    is_unavailable: bool = False
 
 
 @dataclass
@@ -183,6 +188,10 @@ class Coordinator:
         self._events: queue.SimpleQueue[RequestEvent] = queue.SimpleQueue()
         self._request_ids = itertools.count()
         self._last_heartbeat_s = 0.0
+        self._has_been_ready = False  # every engine has joined once (see unavailable_reason)
+        self._dead_engine_id_to_why: dict[int, str] = {}
+        # Engine processes this host saw exit, with their exit code (the launcher's watch).
+        self._exited: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self.num_assigned = 0
         self.num_reports = 0  # engine and group reports received (idle engines send few)
         self.num_replaced = 0  # placements abandoned with a lost engine and made again
@@ -212,6 +221,8 @@ class Coordinator:
         token_ids = pack_token_ids(prompt_token_ids)
         if not token_ids:
             raise ValueError("prompt is empty: at least one token is needed")
+        sampling = sampling_params_to_dict(params)
+        _check_encodable(sampling)
         request_id = next(self._request_ids)
         keys = self._prompt_block_keys(token_ids)
         self._submissions.put(
@@ -220,12 +231,31 @@ class Coordinator:
                 request_id,
                 token_ids,
                 params,
-                sampling_params_to_dict(params),
+                sampling,
                 self._num_cached_tokens(keys),
                 keys if self.persisting.is_enabled else None,
             )
         )
         return request_id
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why no request can be served now (no live engine of a role), or None. Any thread:
+        it reads counts only. Before every engine has joined once, engines are still coming
+        and nothing is unavailable."""
+        if not self._has_been_ready:
+            return None
+        missing = [role for role in (PREFILL, DECODE) if not self.num_live_engines_of(role)]
+        if not missing:
+            return None
+        return f"no {' and no '.join(missing)} engine is alive"
+
+    def dead_engines(self) -> dict[int, str]:
+        """Engines declared dead: id -> why (the loop thread; a snapshot publishes it)."""
+        return dict(self._dead_engine_id_to_why)
+
+    def num_live_engines_of(self, role: str) -> int:
+        return sum(1 for e in list(self._engines.values()) if e.is_alive and e.info.role == role)
 
     def placement(self, request_id: int) -> tuple[int | None, int | None] | None:
         """(PE, DE) engine ids of a request (the caller's id) that is in flight, None for an
@@ -277,15 +307,21 @@ class Coordinator:
 
     def run_once(self, timeout_s: float) -> None:
         """Take submissions, handle the engines' messages, check liveness."""
+        self._declare_exited_dead()
         while True:
             try:
                 state = self._submissions.get_nowait()
             except queue.Empty:
                 break
             self._requests[state.request_id] = state
+            reason = self.unavailable_reason
+            if reason is not None:
+                self._fail(state.request_id, reason, is_unavailable=True)
+                continue
             self._enqueue(state)
         for client_id, msg in self.server.receive(timeout_s):  # each handled, then dropped
             self._handle(client_id, msg)
+        self._has_been_ready = self._has_been_ready or self.is_ready()
         self._fetch_for_idle_groups()
         self._check_liveness()
         if self._delayed_placements:
@@ -450,6 +486,7 @@ class Coordinator:
 
     def _join(self, info: EngineInfo, client: _Client) -> None:
         self._engines[info.engine_id] = _EngineState(info, client)
+        self._dead_engine_id_to_why.pop(info.engine_id, None)
         group = self._engine_id_to_group[info.engine_id]
         group.is_usable[group.spec.engine_ids.index(info.engine_id)] = False  # until it reports
         self._is_peer_table_stale = True
@@ -548,7 +585,12 @@ class Coordinator:
             prefill_engine_id=pe,
             decode_engine_id=de,
         )
-        data = encode(assignment)  # once: both engines get the same bytes
+        try:
+            data = encode(assignment)  # once: both engines get the same bytes
+        except (TypeError, ValueError, OverflowError) as exc:  # submit checked; never here
+            logger.exception("request %d cannot be sent", state.client_request_id)
+            self._fail(request_id, f"the request cannot be sent to its engines: {exc}")
+            return
         try:
             self._send_encoded_to_engine(de, data)
             self._send_encoded_to_engine(pe, data)
@@ -608,14 +650,19 @@ class Coordinator:
             del self._client_id_to_request_id[state.client_request_id]
         return state
 
-    def _fail(self, request_id: int, reason: str) -> None:
+    def _fail(self, request_id: int, reason: str, *, is_unavailable: bool = False) -> None:
         state = self._pop(request_id)
         if state is None:
             return
         logger.warning("request %d failed: %s", state.client_request_id, reason)
         self._events.put(
             RequestEvent(
-                state.client_request_id, (), "error", state.num_cached_tokens, error=reason
+                state.client_request_id,
+                (),
+                "error",
+                state.num_cached_tokens,
+                error=reason,
+                is_unavailable=is_unavailable,
             )
         )
         self._cancel_on_live_engines(state)
@@ -685,9 +732,24 @@ class Coordinator:
                 self._declare_dead(engine_id, f"no report for {silent_s:.1f} s")
         self._broadcast(Heartbeat(self.num_live_engines))
 
+    def on_engine_exited(self, engine_id: int, exit_code: int) -> None:
+        """An engine process of this host exited (any thread): it is declared dead on the
+        loop's next turn, without waiting for the heartbeat timeout."""
+        self._exited.put((engine_id, exit_code))
+
+    def _declare_exited_dead(self) -> None:
+        while True:
+            try:
+                engine_id, exit_code = self._exited.get_nowait()
+            except queue.Empty:
+                return
+            if self._is_alive(engine_id):
+                self._declare_dead(engine_id, f"its process exited with code {exit_code}")
+
     def _declare_dead(self, engine_id: int, why: str) -> None:
         state = self._engines[engine_id]
         state.is_alive = False
+        self._dead_engine_id_to_why[engine_id] = why
         group = self._engine_id_to_group[engine_id]
         group.is_usable[group.spec.engine_ids.index(engine_id)] = False
         if not any(e.is_alive and e.client is state.client for e in self._engines.values()):
@@ -706,6 +768,19 @@ class Coordinator:
                     self._fail(request_id, lost)
         self._enqueue_all(self.persisting.engine_lost(engine_id))
         self._is_peer_table_stale = True
+        self._fail_unplaceable()
+
+    def _fail_unplaceable(self) -> None:
+        """With no live engine of a role left, every request that still needs one fails now
+        (nothing could place it): all of them without a DE, those not prefilled without a PE."""
+        reason = self.unavailable_reason
+        if reason is None:
+            return
+        needs_decode = not self.num_live_engines_of(DECODE)
+        for request_id, request in list(self._requests.items()):
+            if needs_decode or not request.is_prefill_done:
+                self._fail(request_id, reason, is_unavailable=True)
+        self._delayed_placements.clear()
 
     def _send_to_engine(self, engine_id: int, msg: object) -> None:
         """Send to the client that speaks for the engine; ``PeerUnavailable`` if none does."""
@@ -733,6 +808,16 @@ class Coordinator:
         self.server.close()
         if self.store is not None:
             self.store.close()
+
+
+def _check_encodable(sampling: dict[str, Any]) -> None:
+    """``ValueError`` unless the sampling fields can cross the control channel (msgpack holds
+    64-bit integers at most): a value that cannot must fail its request at the door, not the
+    scheduler loop that sends it."""
+    try:
+        msgpack.packb(sampling)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"sampling parameters cannot be sent to the engines: {exc}") from exc
 
 
 def _client_id(engine_id: int) -> str:

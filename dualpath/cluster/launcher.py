@@ -29,13 +29,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dualpath.cluster.coordinator import Coordinator, RequestEvent, open_store_for_lookups
 from dualpath.cluster.messages import DECODE, PREFILL
 from dualpath.config import ClusterConfig, EngineConfig, KVStoreConfig, SchedulerConfig
 from dualpath.control.channel import new_cluster_token
+from dualpath.errors import ClusterUnavailable
 from dualpath.model.identity import checkpoint_kv_identity
 from dualpath.transfer.links import check_pd_ratio
 from dualpath.types import SamplingParams
@@ -89,6 +90,12 @@ class ClusterSnapshot:
     # engine id -> cumulative bytes by "link.class" (e.g. "node0.snic.kv"), plus
     # "store_read_bytes" (hit KV the engine read from the store); empty until it reports.
     link_bytes: dict[int, dict[str, int]] = field(default_factory=dict)
+    # Live engines by role ("prefill", "decode"), and the engines declared dead (id -> why).
+    num_live_engines_by_role: dict[str, int] = field(default_factory=dict)
+    dead_engines: dict[int, str] = field(default_factory=dict)
+    # Why no request can be served (no live engine of a role, or the scheduler loop died), or
+    # None when requests can be served (or engines are still joining).
+    unavailable_reason: str | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -178,6 +185,7 @@ class LocalCluster:
         self._cancelled: set[int] = set()  # cancelled, events may still be in flight
         self._cancellations: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._arrivals: dict[int, float] = {}
+        self._loop_error: str | None = None  # why the loop thread died, if it did
         self._snapshot = self._take_snapshot(time.monotonic())
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -196,7 +204,9 @@ class LocalCluster:
                 for node in self.coordinator.topology.nodes:
                     for engine_id in node.engine_ids:
                         role = self.engine_id_to_role[engine_id]
-                        self._processes.append(self._spawn(role, engine_id, node.node_id))
+                        process = self._spawn(role, engine_id, node.node_id)
+                        self._processes.append(process)
+                        self._watch(process, engine_id)
         deadline = time.monotonic() + timeout_s
         while not self._snapshot.is_ready:
             if self._closing.is_set():
@@ -259,10 +269,36 @@ class LocalCluster:
             output = open(self.log_dir / f"engine-{engine_id}.log", "ab")  # noqa: SIM115
         return subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT)
 
+    def _watch(self, process: subprocess.Popen, engine_id: int) -> None:
+        """Reap the engine's process when it exits and tell the scheduler at once (its
+        requests fail or are placed again within a loop turn, not a heartbeat timeout)."""
+
+        def wait() -> None:
+            exit_code = process.wait()
+            if not self._closing.is_set():
+                logger.error("engine %d (pid %d) exited with %d", engine_id, process.pid, exit_code)
+                self.coordinator.on_engine_exited(engine_id, exit_code)
+
+        threading.Thread(target=wait, name=f"watch-engine-{engine_id}", daemon=True).start()
+
     def _log_hint(self) -> str:
         return f"; see logs in {self.log_dir}" if self.log_dir else "; pass log_dir for logs"
 
     def _loop(self) -> None:
+        """The scheduler loop. If it dies (a bug), it says so: every request in flight gets
+        an error event, new ones fail at once, and the snapshot says why (/health is 503)."""
+        try:
+            self._run_loop()
+        except BaseException as exc:
+            logger.exception("the scheduler loop died")
+            self._loop_error = f"the scheduler loop died: {exc!r}"
+            self._snapshot = replace(
+                self._snapshot, time_s=time.monotonic(), unavailable_reason=self._loop_error
+            )
+            self._fail_listeners(self._loop_error)
+            raise
+
+    def _run_loop(self) -> None:
         next_snapshot_s = 0.0
         while not self._stop.is_set():
             # Cancellations taken before run_once: their requests were submitted before they
@@ -310,6 +346,11 @@ class LocalCluster:
             num_replaced=coordinator.num_replaced,
             num_reports=coordinator.num_reports,
             link_bytes=coordinator.link_bytes(),
+            num_live_engines_by_role={
+                role: coordinator.num_live_engines_of(role) for role in (PREFILL, DECODE)
+            },
+            dead_engines=coordinator.dead_engines(),
+            unavailable_reason=self._loop_error or coordinator.unavailable_reason,
         )
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -341,10 +382,17 @@ class LocalCluster:
                 process.kill()
                 process.wait()
         self.coordinator.close()
+        self._fail_listeners("cluster stopped")
+
+    def _fail_listeners(self, reason: str) -> None:
+        """End every streaming request with an error event (the loop that would have sent
+        their events is gone)."""
         with self._lock:
             listeners, self._listeners = self._listeners, {}
             for request_id, listener in listeners.items():
-                listener(RequestEvent(request_id, (), "error", 0, error="cluster stopped"))
+                listener(
+                    RequestEvent(request_id, (), "error", 0, error=reason, is_unavailable=True)
+                )
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -367,6 +415,8 @@ class LocalCluster:
     ) -> int:
         """Queue a request; returns its id. Thread-safe; ``ValueError`` for a bad request.
 
+        ``ClusterUnavailable`` once the scheduler loop has died.
+
         Without ``on_event`` its events are kept for ``result``. With it, every event of the
         request is passed to ``on_event`` in order, on the scheduler loop thread, the last one
         with ``finish_reason`` set; ``on_event`` must return quickly and must not block.
@@ -376,6 +426,8 @@ class LocalCluster:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the model's context of {self.max_model_len} tokens"
             )
+        if self._loop_error is not None:
+            raise ClusterUnavailable(self._loop_error)
         arrival_s = time.monotonic()
         request_id = self.coordinator.submit(prompt_token_ids, params)
         if on_event is None:

@@ -329,3 +329,50 @@ def test_an_unconfirmed_write_is_waited_for_at_most_persist_wait_s(cluster) -> N
     placed = {a.request_id: a for a in engines[0].receive(Assignment)}
     assert placed[second_id].num_hit_blocks == 0  # placed with what the store holds
     assert coordinator.persisting.num_expired == 1
+
+
+def test_a_request_the_wire_cannot_carry_is_refused_at_submit(cluster) -> None:
+    coordinator, engines, _, _ = cluster
+    # msgpack writes strings as UTF-8: a lone surrogate cannot be sent to the engines. It
+    # must fail its submit, not the loop thread that would send its Assignment.
+    with pytest.raises(ValueError, match="cannot be sent to the engines"):
+        coordinator.submit(list(range(10)), SamplingParams(max_tokens=2, stop=("\ud800",)))
+    _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
+    assert len(engines[0].receive(Assignment)) == 1  # the loop goes on placing requests
+
+
+def test_an_engine_process_that_exits_is_dead_at_once(cluster) -> None:
+    coordinator, engines, _, _ = cluster
+    streaming = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
+    (assignment,) = engines[0].receive(Assignment)
+    de = assignment.decode_engine_id
+    engines[0].client.send(PrefillDone(streaming, 42, None, 0))
+    spin(coordinator, 5)
+    coordinator.on_engine_exited(de, -9)  # no heartbeat timeout: the clock has not moved
+    spin(coordinator, 2)
+    first, event = coordinator.drain_events()
+    assert first.token_ids == (42,)
+    assert event.finish_reason == "error" and "exited with code -9" in event.error
+    assert not event.is_unavailable  # the other DE lives: this request's engine died
+    assert coordinator.dead_engines() == {de: "its process exited with code -9"}
+    assert coordinator.unavailable_reason is None
+
+
+def test_with_no_engine_of_a_role_left_requests_fail_at_once(cluster) -> None:
+    coordinator, engines, _, _ = cluster
+    queued = coordinator.submit(list(range(10)), SamplingParams(max_tokens=2))
+    spin(coordinator, 2)  # queued for a PE: no report yet
+    coordinator.on_engine_exited(0, 1)
+    spin(coordinator, 2)
+    (event,) = coordinator.drain_events()
+    assert event.request_id == queued and event.is_unavailable
+    assert coordinator.unavailable_reason == "no prefill engine is alive"
+    # A new request fails on its first loop turn instead of waiting for a PE that is gone.
+    later = coordinator.submit(list(range(10)), SamplingParams(max_tokens=2))
+    spin(coordinator, 1)
+    (event,) = coordinator.drain_events()
+    assert (event.request_id, event.error) == (later, "no prefill engine is alive")
+    coordinator.on_engine_exited(1, 1)
+    coordinator.on_engine_exited(2, 1)
+    spin(coordinator, 1)
+    assert coordinator.unavailable_reason == "no prefill and no decode engine is alive"
