@@ -26,7 +26,14 @@ class Tokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; ``ValueError`` for text that is not Unicode scalar values
+        (a lone surrogate such as "\\ud800", which JSON can carry and UTF-8 cannot)."""
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError as exc:
+            bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+            where = "" if bad is None else f" (a lone surrogate at character {bad})"
+            raise ValueError(f"text cannot be tokenized: it is not valid Unicode{where}") from exc
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)

@@ -110,9 +110,7 @@ class ServingContext:
             return "the cluster failed to start"
         if self.state == ServerState.STOPPING:
             return "the server is shutting down"
-        if self.cluster.snapshot().num_live_engines == 0:
-            return "no engine is alive"
-        return None
+        return self.cluster.snapshot().unavailable_reason
 
     def stop_serving(self, reason: str) -> None:
         """Refuse new requests and end every request in flight (their engines free them)."""

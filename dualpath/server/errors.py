@@ -7,6 +7,7 @@ it, so the official clients raise their matching exception (``BadRequestError`` 
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -62,9 +63,17 @@ def error_body(
     }
 
 
+class ErrorJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may quote the client's
+    input, and a lone surrogate in it ("\\ud800" is legal JSON) cannot be written as UTF-8."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(error: APIError) -> JSONResponse:
     body = error_body(error.status, error.message, param=error.param, code=error.code)
-    return JSONResponse(body, status_code=error.status)
+    return ErrorJSONResponse(body, status_code=error.status)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -76,6 +85,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type")
+        if not _is_json(content_type) and _is_body_error(exc.errors()):
+            # The body was not parsed at all: say why, rather than "not a valid dictionary".
+            got = "no Content-Type" if not content_type else f"Content-Type {content_type!r}"
+            return error_response(
+                bad_request(
+                    f"the request body must be JSON sent with 'Content-Type: application/json' "
+                    f"(got {got})",
+                    "body",
+                )
+            )
         return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
@@ -102,3 +122,17 @@ def validation_error(errors: Any) -> APIError:
         else:
             messages.append(f"{name}: {error.get('msg')}")
     return bad_request("; ".join(messages) or "invalid request", param)
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's rule for parsing a body as JSON: application/json or application/*+json."""
+    if not content_type:
+        return False
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
+
+
+def _is_body_error(errors: Any) -> bool:
+    return any(tuple(error.get("loc", ())) == ("body",) for error in errors)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from dualpath.cluster.coordinator import RequestEvent
+from dualpath.errors import ClusterUnavailable
 from dualpath.server.context import ServingContext
 from dualpath.server.detokenizer import IncrementalDetokenizer
 from dualpath.server.errors import APIError
@@ -131,6 +132,9 @@ class Generation:
             # Submission looks the prompt up in the store (file I/O, maybe on a DFS): off the
             # event loop. If this task is cancelled meanwhile, close() stops the rest.
             await asyncio.to_thread(self._submit_all, loop)
+        except ClusterUnavailable as exc:
+            self.close()
+            raise APIError(503, str(exc)) from exc
         except ValueError as exc:
             self.close()
             raise APIError(400, str(exc)) from exc
@@ -197,7 +201,8 @@ class Generation:
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's deltas as their events arrive, ending after the last finishes.
 
-        ``APIError`` 500 when an engine request fails, 503 when the server aborts it.
+        ``APIError`` 500 when an engine request fails, 503 when the server aborts it or no
+        engine it needs is alive.
         """
         while self._num_unfinished:
             item = await self._queue.get()
@@ -218,6 +223,8 @@ class Generation:
             self.context.metrics.running.inc()
         if event.error is not None:
             self._finish(choice, "error", now_s)
+            if event.is_unavailable:
+                raise APIError(503, f"generation failed: {event.error}")
             raise APIError(500, f"generation failed: {event.error}")
         logprobs = _logprobs_of(choice, event)
         num_before = len(choice.token_ids)

@@ -12,19 +12,25 @@ vLLM's extensions are accepted: ``ignore_eos``, ``min_tokens``, ``top_k``,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dualpath.server.errors import bad_request
-from dualpath.types import SamplingParams
+from dualpath.types import MAX_TOKEN_ID, SamplingParams
 
 MAX_NUM_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' bound
 
 
+# Every integer crosses to the engines as msgpack, which holds 64 bits at most.
+MAX_INT = (1 << 63) - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinity are not numbers a request can mean (Python's JSON parser takes them).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -35,11 +41,11 @@ class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = Field(default=None, ge=0, lt=1 << 63)
+    n: int = Field(default=1, ge=1, le=MAX_INT)
+    seed: int | None = Field(default=None, ge=0, le=MAX_INT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,10 +54,10 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions.
-    top_k: int = Field(default=0, ge=-1)  # 0 or -1 = off
+    top_k: int = Field(default=0, ge=-1, le=MAX_INT)  # 0 or -1 = off
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=MAX_INT)
+    stop_token_ids: list[TokenId] | None = None
     return_token_ids: bool = False
 
     def check_supported(self) -> None:
@@ -71,6 +77,8 @@ class _GenerationRequest(_Strict):
             )
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", "stop")
+        if not all(map(_is_unicode, stop)):
+            raise bad_request("stop strings must be valid Unicode (no lone surrogates)", "stop")
         return stop
 
     @property
@@ -78,9 +86,18 @@ class _GenerationRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` has only Unicode scalar values (JSON may carry lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class CompletionRequest(_GenerationRequest):
     # Text, token ids, or a batch of either.
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]]  # ids checked against the vocabulary
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -167,7 +184,7 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)  # newer name
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -212,7 +229,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def sampling_params(

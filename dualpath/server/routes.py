@@ -78,7 +78,7 @@ def build_router(context: ServingContext) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.prompt is not None:
-            token_ids = context.tokenizer.encode(body.prompt)
+            token_ids = _encode(context, body.prompt, "prompt")
         else:
             token_ids = _chat_prompt(context, body.messages, None, body.add_generation_prompt)
         return {
@@ -112,7 +112,7 @@ def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[
 
 def _completion_prompt(context: ServingContext, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        return context.tokenizer.encode(prompt)
+        return _encode(context, prompt, "prompt")
     _check_token_ids(context, prompt, "prompt")
     return list(prompt)
 
@@ -131,7 +131,14 @@ def _chat_prompt(
         )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
-    return context.tokenizer.encode(text)
+    return _encode(context, text, "messages")
+
+
+def _encode(context: ServingContext, text: str, param: str) -> list[int]:
+    try:
+        return context.tokenizer.encode(text)
+    except ValueError as exc:  # not valid Unicode: a lone surrogate
+        raise bad_request(f"{param}: {exc}", param) from exc
 
 
 def _check_token_ids(context: ServingContext, token_ids: list[int], param: str) -> None:
