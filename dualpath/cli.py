@@ -16,7 +16,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from dualpath.server.args import positive_float
 from dualpath.units import gb_to_bytes
 
 DEFAULT_PRESET = "tiny"
+
+logger = logging.getLogger(__name__)
 
 
 def data_home() -> Path:
@@ -38,6 +42,44 @@ def default_model_dir() -> Path:
 
 def default_kv_store_dir() -> Path:
     return data_home() / "kv"
+
+
+# Without --kv-store-capacity-gb the store may fill this fraction of its file system's free
+# space at start: any client can send unique prompts, and an unbounded cache fills the disk.
+DEFAULT_STORE_FREE_SPACE_FRACTION = 0.25
+
+
+def store_config(root_dir: Path | None, capacity_gb: float | None):  # -> KVStoreConfig
+    """The store's config from the flags; ``ValueError`` naming the flag for a bad budget.
+
+    Without a budget it is ``DEFAULT_STORE_FREE_SPACE_FRACTION`` of the free space on the file
+    system that holds (or will hold) ``root_dir``, measured now."""
+    from dualpath.config import KVStoreConfig
+
+    if root_dir is None:
+        return KVStoreConfig()
+    if capacity_gb is not None:
+        if not 0 < capacity_gb < float("inf"):
+            raise ValueError(f"--kv-store-capacity-gb must be > 0 and finite, got {capacity_gb}")
+        return KVStoreConfig(root_dir=root_dir, capacity_bytes=gb_to_bytes(capacity_gb))
+    existing = Path(root_dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    free_bytes = shutil.disk_usage(existing).free
+    capacity_bytes = int(free_bytes * DEFAULT_STORE_FREE_SPACE_FRACTION)
+    if capacity_bytes <= 0:
+        raise ValueError(
+            f"the file system of the KV store {root_dir} has no free space; free some, pass "
+            "--kv-store-capacity-gb, or --no-kv-store"
+        )
+    logger.info(
+        "KV store %s: capacity %.2f GB (%d%% of the %.2f GB free; --kv-store-capacity-gb sets it)",
+        root_dir,
+        capacity_bytes / 1e9,
+        round(DEFAULT_STORE_FREE_SPACE_FRACTION * 100),
+        free_bytes / 1e9,
+    )
+    return KVStoreConfig(root_dir=root_dir, capacity_bytes=capacity_bytes)
 
 
 def _positive_int(text: str) -> int:
@@ -126,7 +168,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, default_threads: int | None 
         type=float,
         default=None,
         help="store budget in GB (1e9 bytes); least-recently-used blocks are evicted beyond it "
-        "(default: unbounded)",
+        "(default: 25%% of the free space on the store's file system at start)",
     )
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default cpu)")
     p.add_argument(
@@ -205,15 +247,11 @@ def _build_llm(args: argparse.Namespace):  # -> LLM (lazy import keeps --help fa
     from dualpath.engine.llm import LLM
 
     kv_store = None if args.no_kv_store else (args.kv_store or default_kv_store_dir())
-    capacity = None
-    if args.kv_store_capacity_gb is not None:
-        if args.kv_store_capacity_gb <= 0:
-            raise ValueError(f"--kv-store-capacity-gb must be > 0, got {args.kv_store_capacity_gb}")
-        capacity = gb_to_bytes(args.kv_store_capacity_gb)
+    store = store_config(kv_store, args.kv_store_capacity_gb)
     return LLM(
         _resolve_model(args.model),
         kv_store=kv_store,
-        kv_store_capacity_bytes=capacity,
+        kv_store_capacity_bytes=store.capacity_bytes,
         device=args.device,
         dtype=args.dtype,
         block_size=args.block_size,
@@ -367,7 +405,7 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 def _run_engine(args: argparse.Namespace) -> int:
     from dualpath.cluster.engine_process import EngineProcessConfig, run_engine
     from dualpath.cluster.launcher import TOKEN_ENV
-    from dualpath.config import ClusterConfig, EngineConfig, KVStoreConfig, TrafficConfig
+    from dualpath.config import ClusterConfig, EngineConfig, TrafficConfig
 
     token = os.environ.get(TOKEN_ENV)
     if not token:
@@ -380,11 +418,9 @@ def _run_engine(args: argparse.Namespace) -> int:
         scheduler_endpoint=args.scheduler,
         token=token,
         model_dir=_resolve_model(args.model),
-        store=KVStoreConfig(
-            root_dir=None if args.no_kv_store else (args.kv_store or default_kv_store_dir()),
-            capacity_bytes=None
-            if args.kv_store_capacity_gb is None
-            else gb_to_bytes(args.kv_store_capacity_gb),
+        store=store_config(
+            None if args.no_kv_store else (args.kv_store or default_kv_store_dir()),
+            args.kv_store_capacity_gb,
         ),
         engine=EngineConfig(
             block_size_tokens=args.block_size,
@@ -432,7 +468,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from dualpath.cluster.launcher import TOKEN_ENV, LocalCluster
-    from dualpath.config import DTYPES, KVStoreConfig
+    from dualpath.config import DTYPES
     from dualpath.model.config import ModelConfig
     from dualpath.model.tokenizer import Tokenizer
     from dualpath.server.args import resolve
@@ -444,8 +480,6 @@ def _run_serve(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV) or None
     if s.external_engines and token is None:
         raise ValueError(f"--external-engines needs ${TOKEN_ENV}, shared with the engines")
-    if s.kv_store_capacity_gb is not None and not s.kv_store_capacity_gb > 0:
-        raise ValueError(f"--kv-store-capacity-gb must be > 0, got {s.kv_store_capacity_gb}")
     model_dir = _resolve_model(s.model)
     dtype = s.dtype or ModelConfig.from_file(model_dir / "config.json").torch_dtype
     if dtype not in DTYPES:
@@ -456,16 +490,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         _serve_cluster_config(s),
         model_dir=model_dir,
-        store=KVStoreConfig(
-            root_dir=None if s.no_kv_store else (s.kv_store or default_kv_store_dir()),
-            capacity_bytes=None
-            if s.kv_store_capacity_gb is None
-            else gb_to_bytes(s.kv_store_capacity_gb),
+        store=store_config(
+            None if s.no_kv_store else (s.kv_store or default_kv_store_dir()),
+            s.kv_store_capacity_gb,
         ),
         engine=_serve_engine_config(s, dtype),
         transport=s.transport,
         prefill_tokens_per_s=s.prefill_tokens_per_s,
-        log_dir=s.engine_log_dir or data_home() / "logs",
+        log_dir=s.engine_log_dir or _server_log_dir(),
         spawn_engines=not s.external_engines,
         token=token,
     )
@@ -473,7 +505,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     url = f"http://{server_config.host}:{server_config.port}"
     print(
         f"dualpath serve: model {server_config.served_model_name!r} on {url}; engines joining "
-        f"the scheduler at {cluster.coordinator.endpoint} (GET /health turns 200 when ready)",
+        f"the scheduler at {cluster.coordinator.endpoint} (GET /health turns 200 when ready); "
+        f"{_store_summary(cluster.store_config)}; engine logs in {cluster.log_dir}",
         file=sys.stderr,
         flush=True,
     )
@@ -481,6 +514,19 @@ def _run_serve(args: argparse.Namespace) -> int:
         context,
         on_ready=lambda: print(f"dualpath serve: ready on {url}", file=sys.stderr, flush=True),
     )
+
+
+def _store_summary(store) -> str:  # store: KVStoreConfig
+    if store.root_dir is None:
+        return "no KV store"
+    return f"KV store {store.root_dir} of at most {store.capacity_bytes / 1e9:.2f} GB"
+
+
+def _server_log_dir() -> Path:
+    """This server's own folder for its engines' logs: servers running side by side (or one
+    after another) never write into each other's files."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return data_home() / "logs" / f"serve-{stamp}-{os.getpid()}"
 
 
 def _serve_server_config(s: argparse.Namespace, model_dir: Path):  # -> ServerConfig

@@ -150,3 +150,21 @@ def test_simulate_refuses_free_form_flags_with_an_experiment(
     for what in (("--calibrate",), ("--experiment", "fidelity")):
         code, _, err = run_cli(capsys, "simulate", *what, "--seed", "1")
         assert code == 2 and "--seed shapes free-form runs" in err
+
+
+def test_the_store_is_bounded_by_default(tmp_path: Path) -> None:
+    import shutil
+
+    from dualpath.cli import DEFAULT_STORE_FREE_SPACE_FRACTION, store_config
+
+    root = tmp_path / "not" / "yet" / "kv"  # measured on the file system it will be made on
+    free_bytes = shutil.disk_usage(tmp_path).free
+    capacity_bytes = store_config(root, None).capacity_bytes
+    assert capacity_bytes is not None
+    assert capacity_bytes == pytest.approx(DEFAULT_STORE_FREE_SPACE_FRACTION * free_bytes, rel=0.01)
+    assert store_config(root, 2.5).capacity_bytes == 2_500_000_000
+    assert store_config(None, None).root_dir is None
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="--kv-store-capacity-gb"):
+            store_config(root, bad)
+    assert not root.exists()  # building the config made nothing

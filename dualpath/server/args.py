@@ -221,7 +221,8 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
         "--engine-log-dir",
         type=Path,
         default=None,
-        help="engine processes' logs (default: $DUALPATH_HOME/logs)",
+        help="engine processes' logs, engine-N.log each (default: a folder of this server's "
+        "own, $DUALPATH_HOME/logs/serve-DATE-TIME-PID)",
     )
 
 
