@@ -51,9 +51,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def start_server(model_dir: Path, root: Path, *extra_args: str) -> Iterator[Server]:
+def start_server(
+    model_dir: Path, root: Path, *extra_args: str, has_engine_log_dir: bool = True
+) -> Iterator[Server]:
     """`dualpath serve` on ``model_dir`` with its store, logs and home under ``root``; healthy
-    on entry, killed (if still running) on exit."""
+    on entry, killed (if still running) on exit. Without ``has_engine_log_dir`` the engines
+    log where the server chooses (under ``root / "home"``)."""
     port = free_port()
     argv = [
         sys.executable, "-m", "dualpath.cli", "--log-level", "INFO", "serve",
@@ -62,9 +65,10 @@ def start_server(model_dir: Path, root: Path, *extra_args: str) -> Iterator[Serv
         "--port", str(port),
         "--api-key", API_KEY,
         "--served-model-name", MODEL,
-        "--engine-log-dir", str(root / "logs"),
         *extra_args,
     ]  # fmt: skip
+    if has_engine_log_dir:
+        argv += ["--engine-log-dir", str(root / "logs")]
     env = dict(os.environ, DUALPATH_HOME=str(root / "home"))
     with open(root / "server.log", "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -131,3 +135,12 @@ def is_running(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def engine_pids(server: Server) -> dict[int, int]:
+    """Engine id -> pid of the server's engine processes (from their command lines)."""
+    pids = {}
+    for pid in child_pids(server.process.pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        pids[int(argv[argv.index(b"--engine-id") + 1])] = pid
+    return pids
