@@ -25,6 +25,7 @@ from dualpath.server.context import ServerState, ServingContext
 from dualpath.server.errors import install_error_handlers
 from dualpath.server.metrics import link_totals
 from dualpath.server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from dualpath.server.openapi import install_openapi
 from dualpath.server.routes import build_router
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,15 @@ def build_app(
     install_error_handlers(app)
     app.include_router(build_router(context))
     _add_operational_routes(app, context)
+    install_openapi(
+        app,
+        served_model_names=[context.model.name],
+        max_model_len=context.model.max_model_len,
+        max_prompt_tokens=context.max_prompt_tokens,
+        vocab_size=context.model.vocab_size,
+        max_num_generations_per_request=context.config.max_num_generations_per_request,
+        is_api_key_required=context.config.api_key is not None,
+    )
     # Added last = outermost: every response, a 413 included, gets an id and is counted.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=context.config.max_request_bytes)
     app.add_middleware(RequestContextMiddleware, metrics=context.metrics)
@@ -70,6 +80,10 @@ def _add_operational_routes(app: FastAPI, context: ServingContext) -> None:
             "state": context.state.value,
             "num_live_engines": snapshot.num_live_engines,
             "num_expected_engines": snapshot.num_expected_engines,
+            # Live engines by role, and those lost (id -> why): one lost of two DEs serves on,
+            # degraded; no PE or no DE left is a 503.
+            "num_live_engines_by_role": snapshot.num_live_engines_by_role,
+            "dead_engines": {str(e): why for e, why in snapshot.dead_engines.items()},
             # Store faults the engines met so far (cumulative): serving goes on regardless,
             # recomputing what it cannot read and not persisting what it cannot write.
             "store": {

@@ -29,8 +29,10 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class _Strict(BaseModel):
-    # NaN and infinity are not numbers a request can mean (Python's JSON parser takes them).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Types as the schema states them: no "seed": true or "ignore_eos": 0.0 (an integer is still
+    # a number). NaN and infinity are not numbers a request can mean (Python's JSON parser
+    # takes them).
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
