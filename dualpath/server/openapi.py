@@ -55,6 +55,15 @@ ERROR_RESPONSE_SCHEMA: Schema = {
     "additionalProperties": False,
 }
 
+_SSE_EVENT_SCHEMA: Schema = {
+    "title": "ServerSentEvent",
+    "description": "One event of a stream: its data is a JSON chunk (or an ErrorResponse "
+    "body when the generation fails mid-stream), and the last event's is [DONE].",
+    "type": "object",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+}
+
 # Status -> why a route answers it. Which routes answer which: ``_error_statuses``.
 _ERROR_DESCRIPTIONS = {
     "400": "Invalid request: a field out of its bounds, an unknown field, or an unsupported "
@@ -180,7 +189,9 @@ def _document_responses(
         responses[status] = copy.deepcopy(response)
     if body is not None and "stream" in body.get("properties", {}):
         ok_content = responses.setdefault("200", {}).setdefault("content", {})
-        ok_content["text/event-stream"] = {"schema": {"type": "string"}}  # stream=true
+        # stream=true. Before OpenAPI 3.2 (``itemSchema``) a stream's ``schema`` describes
+        # each event, as readers of 3.1 schemas (schemathesis among them) take it.
+        ok_content["text/event-stream"] = {"schema": _SSE_EVENT_SCHEMA}
 
 
 def _request_body_schema(operation: Schema, component_schemas: Schema) -> Schema | None:
