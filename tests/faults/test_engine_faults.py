@@ -23,7 +23,8 @@ pytest.importorskip("nixl_cu12")
 
 HEARTBEAT_TIMEOUT_S = 4.0
 NUM_REQUESTS = 6
-MAX_TOKENS = 1000  # mid-decode when the fault hits: 300 tokens (6 to 20 ms each) could all end first
+# Mid-decode when the fault hits: 300 tokens (6 to 20 ms each) could all end before it.
+MAX_TOKENS = 1000
 FAULT_AFTER_S = 2.0
 
 
