@@ -145,7 +145,8 @@ def test_killing_a_decode_engine_fails_only_its_requests(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     with _fast_failing_1p2d(tiny_model_dir, tmp_path) as cluster:
-        long_params = SamplingParams(max_tokens=250, ignore_eos=True)
+        # Long enough to be decoding at the kill on a fast host (250 tokens could all end first).
+        long_params = SamplingParams(max_tokens=1000, ignore_eos=True)
         request_ids = [cluster.submit(random_ids(300, seed=s), long_params) for s in range(6)]
         time.sleep(1.0)  # every request is decoding by now
         victim = cluster.engine_pids[2]  # engine 2: the second decode engine
@@ -156,7 +157,7 @@ def test_killing_a_decode_engine_fails_only_its_requests(
         assert failed, "no request was on the killed engine"
         # Failed by the scheduler's death notice, or by the PE's transfer to the dead engine.
         assert all("engine 2 (decode) died" in o.error or "engine-2" in o.error for o in failed)
-        assert all(len(o.token_ids) == 250 for o in finished)
+        assert all(len(o.token_ids) == 1000 for o in finished)
         # The survivors keep serving: new requests land on the live decode engine.
         after = cluster.generate(
             [random_ids(200, seed=s) for s in (7, 8)], SamplingParams(max_tokens=8, ignore_eos=True)
