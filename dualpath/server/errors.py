@@ -100,7 +100,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+        response = error_response(APIError(exc.status_code, str(exc.detail)))
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110)
+        return response
 
     @app.exception_handler(DualPathError)
     async def _dualpath_error(request: Request, exc: DualPathError) -> JSONResponse:
