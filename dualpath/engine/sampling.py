@@ -67,7 +67,10 @@ def sample(
 
 
 def _argmax(logits: torch.Tensor) -> int:
-    return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
+    token_id = int(torch.argmax(logits))
+    if torch.isnan(logits[token_id]):  # argmax takes NaN for the largest: only then a copy
+        token_id = int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
+    return token_id
 
 
 def _sample_random(
