@@ -11,7 +11,7 @@ from typing import Any
 # one overflows float32 (below ~1e-38 every scaled logit is infinite) and means argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
 # Integers cross process boundaries as msgpack, which holds at most 64 bits.
-_MAX_WIRE_INT = (1 << 63) - 1
+MAX_WIRE_INT = (1 << 63) - 1
 MAX_TOKEN_ID = (1 << 31) - 1  # token ids are int32 in the paged cache and on the wire
 
 
@@ -36,15 +36,15 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= _MAX_WIRE_INT:
+        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= MAX_WIRE_INT:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:  # NaN fails this too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.top_k <= _MAX_WIRE_INT:
+        if not 0 <= self.top_k <= MAX_WIRE_INT:
             raise ValueError(f"top_k must be in [0, 2**63), got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed <= _MAX_WIRE_INT:
+        if self.seed is not None and not 0 <= self.seed <= MAX_WIRE_INT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         bad = [t for t in self.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID]
         if bad:

@@ -17,14 +17,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dualpath.server.errors import bad_request
-from dualpath.types import MAX_TOKEN_ID, SamplingParams
+from dualpath.types import MAX_TOKEN_ID, MAX_WIRE_INT, SamplingParams
 
 MAX_NUM_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' bound
 
 
-# Every integer crosses to the engines as msgpack, which holds 64 bits at most.
-MAX_INT = (1 << 63) - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
@@ -43,11 +41,11 @@ class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_WIRE_INT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_INT)
-    seed: int | None = Field(default=None, ge=0, le=MAX_INT)
+    n: int = Field(default=1, ge=1, le=MAX_WIRE_INT)
+    seed: int | None = Field(default=None, ge=0, le=MAX_WIRE_INT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -56,9 +54,9 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions.
-    top_k: int = Field(default=0, ge=-1, le=MAX_INT)  # 0 or -1 = off
+    top_k: int = Field(default=0, ge=-1, le=MAX_WIRE_INT)  # 0 or -1 = off
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0, le=MAX_INT)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_WIRE_INT)
     stop_token_ids: list[TokenId] | None = None
     return_token_ids: bool = False
 
@@ -186,7 +184,7 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)  # newer name
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_WIRE_INT)  # newer name
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
