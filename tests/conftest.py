@@ -25,3 +25,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dualpath.model.make import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default's real weights (SmolLM2-135M-Instruct from its packaged GGUF),
+    converted once per test session (about 15 s)."""
+    from dualpath.model.default import bundled_gguf_path
+    from dualpath.model.gguf import convert_gguf
+
+    return convert_gguf(bundled_gguf_path(), tmp_path_factory.mktemp("models") / "smollm2")

@@ -274,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dualpath.cli import _resolve_model
 
-    model_dir = _resolve_model(args.model)
+    model_dir = _resolve_model(args.model, tiny=True)
     if args.url is not None:
         if args.modes is not None:
             raise ValueError("--url runs against one existing server: do not give --modes")

@@ -332,7 +332,7 @@ def main(args: argparse.Namespace) -> int:
     report = run_online(
         modes,
         args.preset,
-        model_dir=_resolve_model(args.model),
+        model_dir=_resolve_model(args.model, tiny=True),
         seed=args.seed,
         aps=args.aps,
         find_capacity=args.find_capacity,

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from dualpath.cli import _resolve_model
 
-    profile = measure_all(_resolve_model(args.model), num_threads=args.threads)
+    profile = measure_all(_resolve_model(args.model, tiny=True), num_threads=args.threads)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(profile, indent=1) + "\n")
     return 0
