@@ -30,8 +30,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default's real weights (SmolLM2-135M-Instruct from its packaged GGUF),
-    converted once per test session (about 15 s)."""
-    from dualpath.model.default import bundled_gguf_path
-    from dualpath.model.gguf import convert_gguf
+    converted once per test session (about 15 s) by the code that makes the default."""
+    from dualpath.model.default import DEFAULT_MODEL_NAME, ensure_default_model
 
-    return convert_gguf(bundled_gguf_path(), tmp_path_factory.mktemp("models") / "smollm2")
+    path = ensure_default_model(tmp_path_factory.mktemp("models"))
+    assert path.name == DEFAULT_MODEL_NAME and (path / "config.json").is_file()
+    return path
