@@ -290,13 +290,13 @@ def _resolve_model(path: Path | None, *, tiny: bool = False) -> Path:
     return ensure_default_model(data_home() / "models")
 
 
-def _build_llm(args: argparse.Namespace):  # -> LLM (lazy import keeps --help fast)
-    from dualpath.engine.llm import LLM
+def _build_llm(args: argparse.Namespace, model_dir: Path | None = None):  # -> LLM
+    from dualpath.engine.llm import LLM  # lazy: keeps --help fast
 
     kv_store = None if args.no_kv_store else (args.kv_store or default_kv_store_dir())
     store = store_config(kv_store, args.kv_store_capacity_gb)
     return LLM(
-        _resolve_model(args.model),
+        model_dir or _resolve_model(args.model),
         kv_store=kv_store,
         kv_store_capacity_bytes=store.capacity_bytes,
         device=args.device,
@@ -357,45 +357,64 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="run a multi-turn agent conversation on the embedded default (what `make run` does)",
-        description="Replay a short multi-turn conversation on the embedded default model: each "
-        "turn sends the whole context so far plus a short append, and reports how much of the "
-        "prompt's KV came from the store.",
+        help="a short coding-agent conversation on the embedded default, with its KV reuse",
+        description="Replay a short coding-agent conversation on the model (default: the "
+        "embedded SmolLM2-135M-Instruct) through its chat template: each turn sends the whole "
+        "conversation so far plus the next message, as an agent does, and reports the answer and "
+        "how much of the prompt's KV came from the store.",
     )
     _add_engine_args(p)
-    p.add_argument("--turns", type=_positive_int, default=4, help="turns to run (default 4)")
     p.add_argument(
-        "--max-tokens", type=_positive_int, default=32, help="tokens per answer (default 32)"
+        "--turns",
+        type=_positive_int,
+        default=4,
+        help=f"turns to run, <= {len(DEMO_TURNS)} (default 4)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=48,
+        help="tokens per answer at most (default 48)",
     )
     p.set_defaults(func=_run_demo)
 
 
-DEMO_APPENDS = (
-    "You are a coding agent. The test suite fails in test_cache.py. Find the bug.\n",
-    "$ pytest -q tests/test_cache.py\nFAILED test_evict_order - assert [3, 1] == [1, 3]\n",
-    "$ grep -n 'def evict' cache.py\n42:    def evict(self, n: int) -> list[int]:\n",
-    "$ sed -n 40,60p cache.py\n        victims = sorted(self._lru)[:n]\n        return victims\n",
-    "$ git diff\n-        victims = sorted(self._lru)[:n]\n+        victims = list(self._lru)[:n]\n",
-    "$ pytest -q\n12 passed in 0.41s\n",
+DEMO_SYSTEM = "You are a coding agent. Answer in one or two short sentences."
+DEMO_TURNS = (
+    "The test suite fails in test_cache.py. Which command shows the failure?",
+    "$ pytest -q tests/test_cache.py\nFAILED test_evict_order - assert [3, 1] == [1, 3]\n"
+    "What does this failure tell us?",
+    "$ sed -n 40,44p cache.py\n    def evict(self, n: int) -> list[int]:\n"
+    "        victims = sorted(self._lru)[:n]\n        return victims\nWhat is wrong here?",
+    "$ git diff\n-        victims = sorted(self._lru)[:n]\n+        victims = list(self._lru)[:n]\n"
+    "$ pytest -q\n12 passed in 0.41s\nSummarize the fix for the commit message.",
 )
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from dualpath.engine.sampling import SamplingParams
+    from dualpath.server.chat import ChatRenderer
 
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    if args.turns > len(DEMO_TURNS):
+        raise ValueError(f"--turns must be <= {len(DEMO_TURNS)}, got {args.turns}")
+    model_dir = _resolve_model(args.model)
+    chat = ChatRenderer.for_checkpoint(model_dir)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    messages = [{"role": "system", "content": DEMO_SYSTEM}]
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'hit':>6} {'ttft_ms':>8}  answer")
-    with _build_llm(args) as llm:
-        context: list[int] = []
-        for turn in range(args.turns):
-            context += llm.tokenizer.encode(DEMO_APPENDS[turn % len(DEMO_APPENDS)])
-            out = llm.generate({"prompt_token_ids": context}, params)[0]
-            context += out.token_ids
+    with _build_llm(args, model_dir) as llm:
+        for turn, text in enumerate(DEMO_TURNS[: args.turns]):
+            messages.append({"role": "user", "content": text})
+            prompt = llm.tokenizer.encode(chat.render(messages))
+            out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+            answer = llm.tokenizer.decode(
+                [t for t in out.token_ids if t not in llm.engine.eos_token_ids]
+            ).strip()
+            messages.append({"role": "assistant", "content": answer})
             hit = out.num_cached_tokens / out.num_prompt_tokens
-            answer = out.text.replace("\n", " ")[:40]
             print(
                 f"{turn + 1:>4} {out.num_prompt_tokens:>7} {out.num_cached_tokens:>7} "
-                f"{hit:>6.1%} {1000 * (out.ttft_s or 0):>8.1f}  {answer!r}"
+                f"{hit:>6.1%} {1000 * (out.ttft_s or 0):>8.1f}  {answer.replace(chr(10), ' ')}"
             )
     return 0
 

@@ -94,15 +94,25 @@ def test_malformed_checkpoint_is_named(
 
 
 def test_demo_runs_on_the_embedded_default(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    smollm2_model_dir: Path,
 ) -> None:
+    """The real default (already converted: linked where the default lives) answers through its
+    chat template, and each turn finds the earlier turns' KV in the store."""
+    from dualpath.model.default import DEFAULT_MODEL_NAME
+
     monkeypatch.setenv("DUALPATH_HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / DEFAULT_MODEL_NAME).symlink_to(smollm2_model_dir)
     code, out, _ = run_cli(capsys, "demo", "--turns", "3", "--max-tokens", "8")
     assert code == 0
-    rows = [line.split() for line in out.splitlines()[1:]]
+    rows = [line.split(maxsplit=5) for line in out.splitlines()[1:]]
     assert [r[0] for r in rows] == ["1", "2", "3"]
     assert int(rows[0][2]) == 0 and int(rows[2][2]) > 0  # turn 3 finds turn 1-2's blocks
-    assert (tmp_path / "models" / "tiny" / "config.json").is_file()
+    assert all(len(r) == 6 and "<|im_end|>" not in r[5] for r in rows)  # an answer, no end token
+    assert not (tmp_path / "models" / "tiny").exists()
 
 
 def test_simulate_free_form_writes_runs_and_says_which_build_ran(
