@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 
 from dualpath.bench.server_process import ServerProcess
+from dualpath.model.make import make_model
 
 VOCAB_SIZE = 1024  # the tiny model's
 KEEPALIVE_EXPIRY_S = 2.0
@@ -222,7 +223,9 @@ def main() -> int:
         shm_before = set(os.listdir("/dev/shm"))
         with tempfile.TemporaryDirectory(prefix="dualpath-soak-") as tmp:
             root = Path(tmp)
-            serve_args = ["--served-model-name", "tiny", "--kv-store", str(root / "kv"),
+            model_dir = make_model("tiny", root / "tiny")  # the soak is sized for it
+            serve_args = ["--model", str(model_dir), "--served-model-name", "tiny",
+                          "--kv-store", str(root / "kv"),
                           "--engine-log-dir", str(root / "logs")]  # fmt: skip
             server = ServerProcess(
                 serve_args,
