@@ -285,9 +285,17 @@ def _resolve_model(path: Path | None, *, tiny: bool = False) -> Path:
         from dualpath.model.make import ensure_model
 
         return ensure_model(DEFAULT_PRESET, tiny_model_dir())
-    from dualpath.model.default import ensure_default_model
+    from dualpath.model.default import DEFAULT_MODEL_NAME, ensure_default_model
 
-    return ensure_default_model(data_home() / "models")
+    models_dir = data_home() / "models"
+    if not (models_dir / DEFAULT_MODEL_NAME / "config.json").is_file():
+        print(
+            f"dualpath: converting the embedded default ({DEFAULT_MODEL_NAME}) from its packaged "
+            f"GGUF into {models_dir / DEFAULT_MODEL_NAME} (once, about 15 s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ensure_default_model(models_dir)
 
 
 def _build_llm(args: argparse.Namespace, model_dir: Path | None = None):  # -> LLM
