@@ -1,4 +1,5 @@
-"""The Llama / Qwen2 decoder, written for serving: a layer-wise forward over packed sequences.
+"""The Llama / Qwen2 / Qwen3 / Mistral decoder, written for serving: a layer-wise forward
+over packed sequences.
 
 One call shape serves prefill with a cached prefix, chunked prefill and decode::
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dualpath.model.config import ModelConfig
+from dualpath.model.rope import rope_inv_freq
 
 Device = torch.device | str | None
 LayerPast = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per sequence: (k, v) [c_i, Hkv, D]
@@ -95,7 +97,11 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias, device=device)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, device=device)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, device=device)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, device=device)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias, device=device)
+        self.has_qk_norm = config.has_qk_norm
+        if self.has_qk_norm:  # Qwen3: each head's q and k are RMS-normalised before rope
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, device)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, device)
 
     def forward(
         self,
@@ -108,6 +114,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(num_rows, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_rows, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = _apply_rope(q, rope), _apply_rope(k, rope)
         out = torch.empty_like(q)
         offsets = batch.row_offsets
@@ -153,12 +161,6 @@ def _attend(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies (no scaling), float32, as the reference implementation has them."""
-    exponent = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
-    return 1.0 / (config.rope_theta**exponent)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -227,11 +229,16 @@ class DecoderModel(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the packed rows, computed in float32 like the reference, once per batch."""
+        """cos/sin for the packed rows, computed in float32 like the reference, once per batch.
+
+        Both are scaled by the rope's attention factor (YaRN's; 1.0, an exact no-op, otherwise).
+        """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        scale = self.config.rope.attention_factor
+        cos, sin = emb.cos() * scale, emb.sin() * scale
         dtype = self.model.embed_tokens.weight.dtype
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def forward_layer(
         self,

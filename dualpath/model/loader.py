@@ -17,7 +17,8 @@ from dualpath.errors import CheckpointError
 from dualpath.kv.hashing import digest_files
 from dualpath.model.config import ModelConfig
 from dualpath.model.identity import weight_files
-from dualpath.model.llama import DecoderModel, rope_inv_freq
+from dualpath.model.llama import DecoderModel
+from dualpath.model.rope import rope_inv_freq
 from dualpath.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
