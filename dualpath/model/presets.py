@@ -10,22 +10,68 @@ from dataclasses import dataclass
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
 EOS_TOKEN = "<|im_end|>"
 
-# ChatML with tool calls rendered as JSON inside <tool_call> tags, and tool results as a
-# `tool` turn, so a conversation with tool use renders the same way on every turn.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{%- if message.get('content') is string %}{{ message['content'] }}"
-    "{%- elif message.get('content') %}{%- for part in message['content'] %}"
-    "{%- if part.get('type') == 'text' %}{{ part['text'] }}{%- endif %}{%- endfor %}"
-    "{%- endif %}"
-    "{%- for call in message.get('tool_calls') or [] %}\n<tool_call>"
-    '{"name": {{ call["function"]["name"] | tojson }}, '
-    '"arguments": {{ call["function"]["arguments"] | tojson }}}</tool_call>'
-    "{%- endfor %}<|im_end|>\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
-)
+# ChatML, with tools and tool calls as Qwen2.5-Instruct writes them (Hermes style): the tools'
+# JSON schemas in the system turn, each call as `<tool_call>\n{"name": ..., "arguments": {...}}
+# \n</tool_call>` in the assistant turn, and tool results as `<tool_response>`s in one user turn.
+# A conversation with tool use renders the same way on every turn, so an agent's turn 2 repeats
+# turn 1's prompt and answer (KV found in the store) when the answer was written this way.
+# Unlike Qwen's, it adds no system prompt of its own, and writes a call's name with `tojson`.
+CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content -%}
+        {%- for part in content if part.type == 'text' -%}
+            {{- part.text -}}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set has_system = messages and messages[0].role == 'system' %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if has_system %}
+        {{- text_of(messages[0].content) + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and ' }}
+    {{- 'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif has_system %}
+    {{- '<|im_start|>system\n' + text_of(messages[0].content) + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'assistant' and message.tool_calls %}
+        {{- '<|im_start|>assistant' }}
+        {%- set content = text_of(message.content) %}
+        {%- if content %}
+            {{- '\n' + content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+            {{- '\n<tool_call>\n{"name": ' + call.name | tojson + ', "arguments": ' }}
+            {{- call.arguments | tojson + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + text_of(message.content) + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + text_of(message.content) + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
-"""Text <-> token ids through a checkpoint's ``tokenizer.json`` (the ``tokenizers`` library)."""
+"""Text <-> token ids through a checkpoint's ``tokenizer.json`` (the ``tokenizers`` library), and
+the checkpoint's chat templates as transformers finds them."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -19,7 +21,7 @@ class Tokenizer:
             self._tokenizer = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception for a bad file
             raise CheckpointError(f"{path}: cannot load tokenizer: {exc}") from exc
-        self.chat_template = _read_chat_template(path.parent / "tokenizer_config.json")
+        self.chat_template = read_chat_templates(path.parent).get(DEFAULT_TEMPLATE_NAME)
 
     @property
     def vocab_size(self) -> int:
@@ -42,12 +44,49 @@ class Tokenizer:
         return self._tokenizer.token_to_id(token)
 
 
-def _read_chat_template(path: Path) -> str | None:
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.50 saves the template here
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # and more named ones as NAME.jinja here
+DEFAULT_TEMPLATE_NAME = "default"
+
+
+def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's ``tokenizer_config.json`` ({} if it has none)."""
+    path = Path(model_dir) / "tokenizer_config.json"
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        return None
+        return {}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: cannot be parsed as JSON: {exc}") from exc
-    template = raw.get("chat_template") if isinstance(raw, dict) else None
-    return template if isinstance(template, str) else None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_chat_templates(model_dir: Path) -> dict[str, str]:
+    """The checkpoint's chat templates by name ("default", "tool_use", ...), as transformers
+    reads them: from ``chat_template.jinja`` (the default one) and
+    ``additional_chat_templates/NAME.jinja``, the files transformers >= 5 saves; if there are
+    none, from ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named
+    templates). {} if the checkpoint has no template."""
+    model_dir = Path(model_dir)
+    files = [(DEFAULT_TEMPLATE_NAME, model_dir / CHAT_TEMPLATE_FILE)]
+    files += [(p.stem, p) for p in sorted((model_dir / CHAT_TEMPLATE_DIR).glob("*.jinja"))]
+    templates: dict[str, str] = {}
+    for name, path in files:
+        try:
+            templates[name] = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            continue
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: cannot be read: {exc}") from exc
+    if templates:  # as in transformers, the files replace the config's templates
+        return templates
+    raw = read_tokenizer_config(model_dir).get("chat_template")
+    if isinstance(raw, str):
+        templates[DEFAULT_TEMPLATE_NAME] = raw
+    elif isinstance(raw, list):
+        for entry in raw:
+            if isinstance(entry, dict) and isinstance(entry.get("template"), str):
+                templates[str(entry.get("name"))] = entry["template"]
+    return templates

@@ -1,10 +1,11 @@
 """Chat messages -> prompt text, through the checkpoint's chat template.
 
-The template comes from the checkpoint's ``tokenizer_config.json`` (``chat_template``), as in
-transformers; a checkpoint without one gets ``DEFAULT_CHAT_TEMPLATE``: ChatML, with assistant
-tool calls rendered as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` and tool
-results as a ``tool`` turn, so turn 2 of an agent's conversation renders turn 1 exactly as the
-model saw it (and its KV is found in the store).
+The template is the checkpoint's, found as transformers finds it (``chat_template.jinja``,
+else ``tokenizer_config.json``'s ``chat_template``; ``read_chat_templates``), and its
+"tool_use" template when a request has tools and the checkpoint names one. A checkpoint without
+one gets ``DEFAULT_CHAT_TEMPLATE``: ChatML with tools and tool calls as Qwen2.5 writes them, so
+turn 2 of an agent's conversation renders turn 1 as the model saw and wrote it (and its KV is
+found in the store).
 
 Templates are untrusted input (they ship with checkpoints): they run in Jinja's immutable
 sandbox with the globals transformers provides (``raise_exception``, ``strftime_now``) and
@@ -23,8 +24,14 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dualpath.model.presets import CHAT_TEMPLATE
+from dualpath.model.tokenizer import (
+    DEFAULT_TEMPLATE_NAME,
+    read_chat_templates,
+    read_tokenizer_config,
+)
 
 DEFAULT_CHAT_TEMPLATE = CHAT_TEMPLATE
+TOOL_USE_TEMPLATE_NAME = "tool_use"  # transformers' name for the template used with tools
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -35,7 +42,14 @@ class ChatTemplateError(ValueError):
 class ChatRenderer:
     """Renders a conversation with one compiled template. Thread-safe (templates are)."""
 
-    def __init__(self, template: str | None, special_tokens: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        template: str | None,
+        special_tokens: dict[str, str] | None = None,
+        *,
+        tool_use_template: str | None = None,
+    ) -> None:
+        """``tool_use_template`` renders requests that have tools, when given."""
         self.is_default = template is None
         self.source = DEFAULT_CHAT_TEMPLATE if template is None else template
         environment = ImmutableSandboxedEnvironment(
@@ -46,32 +60,33 @@ class ChatRenderer:
         environment.globals["strftime_now"] = _strftime_now
         try:
             self._template = environment.from_string(self.source)
+            self._tool_use_template = (
+                self._template
+                if tool_use_template is None
+                else environment.from_string(tool_use_template)
+            )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
         self._special_tokens = dict(special_tokens or {})
 
     @classmethod
     def for_checkpoint(cls, model_dir: Path) -> ChatRenderer:
-        """The checkpoint's template and special tokens (``tokenizer_config.json``), if any."""
-        path = Path(model_dir) / "tokenizer_config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            return cls(None)
-        if not isinstance(raw, dict):
-            return cls(None)
-        template = raw.get("chat_template")
-        if isinstance(template, list):  # several named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
+        """The checkpoint's templates (``read_chat_templates``) and special tokens
+        (``tokenizer_config.json``), if any; ``CheckpointError`` for unreadable files."""
+        templates = read_chat_templates(model_dir)
+        config = read_tokenizer_config(model_dir)
         special = {}
         for name in _SPECIAL_TOKEN_NAMES:
-            value = raw.get(name)
+            value = config.get(name)
             if isinstance(value, dict):  # {"content": "<s>", ...}
                 value = value.get("content")
             if isinstance(value, str):
                 special[name] = value
-        return cls(template if isinstance(template, str) else None, special)
+        return cls(
+            templates.get(DEFAULT_TEMPLATE_NAME),
+            special,
+            tool_use_template=templates.get(TOOL_USE_TEMPLATE_NAME),
+        )
 
     def render(
         self,
@@ -81,8 +96,9 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
     ) -> str:
         """The prompt text; ``ChatTemplateError`` if the template refuses the conversation."""
+        template = self._template if tools is None else self._tool_use_template
         try:
-            return self._template.render(
+            return template.render(
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,

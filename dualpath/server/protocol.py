@@ -12,6 +12,7 @@ vLLM's extensions are accepted: ``ignore_eos``, ``min_tokens``, ``top_k``,
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,6 +128,28 @@ class ToolCall(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionCall
 
+    def to_template(self) -> dict[str, Any]:
+        """The call with its arguments parsed, as vLLM hands it to a template: templates
+        write ``arguments | tojson``, which must give the object the model wrote, not a
+        string of it. Empty arguments are ``{}``; arguments that are not JSON are a 400."""
+        arguments: Any = {}
+        if self.function.arguments:
+            try:
+                arguments = json.loads(self.function.arguments, parse_constant=_refuse_constant)
+            except (ValueError, RecursionError) as exc:
+                raise bad_request(
+                    f"tool call {self.id!r}: arguments are not valid JSON: {exc}", "messages"
+                ) from exc
+        return {
+            "id": self.id,
+            "type": self.type,
+            "function": {"name": self.function.name, "arguments": arguments},
+        }
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # Python's parser takes NaN and Infinity
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -157,7 +180,7 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message

@@ -1,5 +1,6 @@
-"""Chat rendering: the embedded template with every role and tool calls, the checkpoint's
-template, and the sandbox."""
+"""Chat rendering: the embedded template with every role, tools and tool calls (Qwen2.5's
+layout), an agent's turn 2 repeating turn 1's prompt and answer, the checkpoint's templates
+(``chat_template.jinja`` first, as in transformers), and the sandbox."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from dualpath.errors import CheckpointError
+from dualpath.model.tokenizer import Tokenizer, read_chat_templates
 from dualpath.server.chat import ChatRenderer, ChatTemplateError
+from dualpath.server.errors import APIError
 from dualpath.server.protocol import ChatMessage
 
 CONVERSATION = [
@@ -29,16 +33,70 @@ def render(renderer: ChatRenderer, messages: list[dict], **kwargs) -> str:
     return renderer.render([ChatMessage(**m).to_template() for m in messages], **kwargs)
 
 
+TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {}}}]
+
+
 def test_default_template_renders_every_role_and_tool_calls() -> None:
-    text = render(ChatRenderer(None), CONVERSATION)
+    messages = [*CONVERSATION, {"role": "developer", "content": "Be brief."}]
+    text = render(ChatRenderer(None), messages)
     assert text == (
-        "<|im_start|>systemYou are a coding agent.<|im_end|>"
-        "<|im_start|>userList the files.<|im_end|>"
-        "<|im_start|>assistant"
-        '<tool_call>{"name": "ls", "arguments": "{\\"d\\": \\".\\"}"}</tool_call><|im_end|>'
-        "<|im_start|>toola.py b.py<|im_end|>"
-        "<|im_start|>assistant"
+        "<|im_start|>system\nYou are a coding agent.<|im_end|>\n"
+        "<|im_start|>user\nList the files.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "ls", "arguments": {"d": "."}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\na.py b.py\n</tool_response><|im_end|>\n"
+        "<|im_start|>developer\nBe brief.<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
+
+
+def test_default_template_puts_tools_in_the_system_turn_as_qwen_does() -> None:
+    text = render(ChatRenderer(None), CONVERSATION[:2], tools=TOOLS)
+    assert text == (
+        "<|im_start|>system\nYou are a coding agent.\n\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "ls", "parameters": {}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nList the files.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    without_system = render(ChatRenderer(None), CONVERSATION[1:2], tools=TOOLS)
+    assert without_system.startswith("<|im_start|>system\n# Tools\n\n")
+
+
+def test_tool_results_in_a_row_share_one_user_turn_and_calls_with_text_follow_it() -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "Two calls.",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": ""}},
+                {"id": "b", "type": "function", "function": {"name": "g", "arguments": "[1]"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "1"},
+        {"role": "tool", "tool_call_id": "b", "content": [{"type": "text", "text": "2"}]},
+    ]
+    text = render(ChatRenderer(None), messages, add_generation_prompt=False)
+    assert text == (
+        "<|im_start|>user\ngo<|im_end|>\n"
+        "<|im_start|>assistant\nTwo calls.\n"
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": [1]}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n"
+        "<tool_response>\n2\n</tool_response><|im_end|>\n"
+    )
+
+
+def test_arguments_that_are_not_json_are_refused() -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    for arguments in ("{oops", '{"x": NaN}'):
+        call["function"]["arguments"] = arguments
+        with pytest.raises(APIError, match="tool call 'c': arguments are not valid JSON"):
+            ChatMessage(role="assistant", tool_calls=[call]).to_template()
 
 
 def test_rendering_matches_transformers_apply_chat_template(tiny_model_dir: Path) -> None:
@@ -51,13 +109,6 @@ def test_rendering_matches_transformers_apply_chat_template(tiny_model_dir: Path
     )
     ours = ChatRenderer.for_checkpoint(tiny_model_dir).render(messages, tools=tools)
     assert ours == expected
-
-
-def test_turn_two_starts_with_turn_one_so_its_kv_is_reused() -> None:
-    renderer = ChatRenderer(None)
-    turn_one = render(renderer, CONVERSATION[:2], add_generation_prompt=False)
-    turn_two = render(renderer, CONVERSATION)
-    assert turn_two.startswith(turn_one)
 
 
 def test_the_checkpoints_template_and_special_tokens_are_used(tmp_path: Path) -> None:
@@ -75,6 +126,44 @@ def test_the_checkpoints_template_and_special_tokens_are_used(tmp_path: Path) ->
 
 def test_a_checkpoint_without_a_template_gets_the_default(tmp_path: Path) -> None:
     assert ChatRenderer.for_checkpoint(tmp_path).is_default
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path: Path) -> None:
+    # transformers >= 5 saves the template beside tokenizer_config.json, not in it.
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "old", "eos_token": "</s>"})
+    )
+    (tmp_path / "chat_template.jinja").write_text("{{ eos_token }}new")
+    renderer = ChatRenderer.for_checkpoint(tmp_path)
+    assert renderer.render([{"role": "user", "content": "x"}]) == "</s>new"
+    assert read_chat_templates(tmp_path) == {"default": "{{ eos_token }}new"}
+
+
+def test_named_templates_and_the_tool_use_one(tmp_path: Path) -> None:
+    named = [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    renderer = ChatRenderer.for_checkpoint(tmp_path)
+    assert renderer.render([{"role": "user", "content": "x"}]) == "plain"
+    assert renderer.render([{"role": "user", "content": "x"}], tools=TOOLS) == "tools"
+    # The files transformers >= 5 writes for the same templates replace the config's.
+    (tmp_path / "chat_template.jinja").write_text("plain 2")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("tools 2")
+    assert read_chat_templates(tmp_path) == {"default": "plain 2", "tool_use": "tools 2"}
+
+
+def test_the_tokenizer_reads_the_same_template(tmp_path: Path, tiny_model_dir: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    assert Tokenizer(tmp_path / "tokenizer.json").chat_template == ChatRenderer(None).source
+    (tmp_path / "chat_template.jinja").write_text("jinja")
+    assert Tokenizer(tmp_path / "tokenizer.json").chat_template == "jinja"
+
+
+def test_an_unreadable_tokenizer_config_is_a_checkpoint_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+        ChatRenderer.for_checkpoint(tmp_path)
 
 
 def test_template_refusals_and_sandbox_escapes_are_template_errors() -> None:
