@@ -91,6 +91,11 @@ def test_malformed_checkpoint_is_named(
     (broken / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     code, _, err = run_cli(capsys, "generate", "--model", str(broken), "--prompt", "x")
     assert code == 2 and "GPT2LMHeadModel" in err
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}
+    (broken / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, "generate", "--model", str(broken), "--prompt", "x")
+    assert code == 2 and "dynamic" in err and "rope" in err
 
 
 def test_demo_runs_on_the_embedded_default(
