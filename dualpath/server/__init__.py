@@ -1,7 +1,8 @@
 """dualpath.server: the OpenAI-compatible HTTP API in front of a PD-disaggregated cluster.
 
-    dualpath serve                      # embedded default: tiny model, 1P2D, 127.0.0.1:8000
-    curl localhost:8000/v1/completions -d '{"model": "tiny", "prompt": "def fib(n):"}'
+    dualpath serve                      # embedded default: SmolLM2-135M-Instruct, 1P2D, :8000
+    curl localhost:8000/v1/completions -H "Content-Type: application/json" \
+        -d '{"model": "smollm2-135m-instruct", "prompt": "def fib(n):"}'
 
 One process runs the scheduler (``LocalCluster``'s loop thread) and this API (FastAPI on
 uvicorn, one asyncio loop); every engine is its own process. Modules, outside in:
@@ -12,6 +13,7 @@ uvicorn, one asyncio loop); every engine is its own process. Modules, outside in
     routes.py       /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize
     generation.py   one API call's engine requests: events in, text deltas out
     responses.py    OpenAI's response bodies and stream chunks
+    tool_calls.py   Hermes/Qwen-style tool calls found in a chat output, streamed or whole
     protocol.py     request bodies (pydantic) and their mapping to ``SamplingParams``
     chat.py         chat messages -> prompt text through the checkpoint's template
     detokenizer.py  incremental text with stop strings and stop tokens handled

@@ -242,6 +242,11 @@ class ChatCompletionRequest(_GenerationRequest):
     def num_top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether tool calls in the output become ``tool_calls`` (else they are text)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
 
 class TokenizeRequest(_Strict):
     model: str | None = None

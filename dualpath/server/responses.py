@@ -3,17 +3,29 @@
 ``return_token_ids`` (vLLM's extension) adds ``token_ids`` to every choice and every chunk, and
 ``prompt_token_ids`` to every non-streamed choice: the exact tokens, so an agent or a benchmark
 extends its context without re-tokenising.
+
+A chat request with ``tools`` (and ``tool_choice`` "auto", the default) gets the calls in its
+output as ``message.tool_calls`` (``tool_calls.py`` says what a call is), the rest of the text
+as ``content`` (null when there is none), and ``finish_reason`` "tool_calls" when the model
+stopped after calling. Streamed, each call is two chunks, as OpenAI sends them: its id, type
+and name with empty arguments, then its arguments.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dualpath.server.detokenizer import Decoder
 from dualpath.server.generation import Choice, ChoiceDelta, Generation
+from dualpath.server.tool_calls import (
+    ParsedToolCall,
+    ToolCallParser,
+    new_tool_call_id,
+    parse_tool_calls,
+)
 from dualpath.types import TokenLogprob
 
 
@@ -92,16 +104,25 @@ def _completion_logprobs(logprobs: Sequence[TokenLogprob], decoder: Decoder) -> 
 # --- /v1/chat/completions -------------------------------------------------------------------
 
 
-def chat_body(meta: ResponseMeta, generation: Generation, decoder: Decoder) -> dict:
+def chat_body(
+    meta: ResponseMeta,
+    generation: Generation,
+    decoder: Decoder,
+    *,
+    parses_tool_calls: bool,
+) -> dict:
     choices = []
     for choice in generation.choices:
+        message, finish_reason = chat_message(
+            choice.text, choice.finish_reason, parses_tool_calls=parses_tool_calls
+        )
         body: dict[str, Any] = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": _chat_logprobs(choice.logprobs, decoder)
             if choice.params.logprobs is not None
             else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
         }
         _add_token_ids(body, meta, choice, generation)
         choices.append(body)
@@ -113,6 +134,25 @@ def chat_body(meta: ResponseMeta, generation: Generation, decoder: Decoder) -> d
         "choices": choices,
         "usage": generation.usage(),
     }
+
+
+def chat_message(
+    text: str,
+    finish_reason: str | None,
+    *,
+    parses_tool_calls: bool,
+    new_call_id: Callable[[], str] = new_tool_call_id,
+) -> tuple[dict[str, Any], str | None]:
+    """A whole output's message, and its finish reason as the client sees it."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if not parses_tool_calls:
+        return message, finish_reason
+    content, calls = parse_tool_calls(text)
+    if not calls:
+        return message, finish_reason
+    message["content"] = content or None
+    message["tool_calls"] = [_tool_call_body(call, new_call_id()) for call in calls]
+    return message, _with_tool_calls(finish_reason)
 
 
 def chat_role_chunk(meta: ResponseMeta, index: int) -> dict:
@@ -128,18 +168,69 @@ def chat_role_chunk(meta: ResponseMeta, index: int) -> dict:
     return _chunk(meta, "chat.completion.chunk", [choice])
 
 
-def chat_chunk(
-    meta: ResponseMeta, delta: ChoiceDelta, *, want_logprobs: bool, decoder: Decoder
-) -> dict:
-    choice: dict[str, Any] = {
-        "index": delta.index,
-        "delta": {"content": delta.text} if delta.text else {},
-        "logprobs": _chat_logprobs(delta.logprobs, decoder) if want_logprobs else None,
-        "finish_reason": delta.finish_reason,
+def chat_chunks(
+    meta: ResponseMeta,
+    delta: ChoiceDelta,
+    parser: ToolCallParser | None,
+    *,
+    want_logprobs: bool,
+    decoder: Decoder,
+    new_call_id: Callable[[], str] = new_tool_call_id,
+) -> list[dict]:
+    """The chunks one delta of a choice makes (none if it says nothing). ``parser`` is the
+    choice's own, fed here, or None when tool calls are not parsed. The delta's token ids and
+    log-probabilities go in the first chunk, its finish reason in the last."""
+    if parser is None:
+        events: list[str | ParsedToolCall] = [delta.text] if delta.text else []
+    else:
+        events = parser.push(delta.text)
+        if delta.finish_reason is not None:
+            events += parser.finish()
+    message_deltas: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, str):
+            message_deltas.append({"content": event})
+        else:
+            head = {"index": event.index, **_tool_call_body(event, new_call_id())}
+            head["function"]["arguments"] = ""
+            arguments = {"index": event.index, "function": {"arguments": event.arguments}}
+            message_deltas += [{"tool_calls": [head]}, {"tool_calls": [arguments]}]
+    has_extras = meta.return_token_ids or want_logprobs
+    if not (message_deltas or delta.finish_reason or has_extras):
+        return []
+    finish_reason = delta.finish_reason
+    if parser is not None and parser.num_calls:
+        finish_reason = _with_tool_calls(finish_reason)
+    message_deltas = message_deltas or [{}]
+    chunks = []
+    for i, message_delta in enumerate(message_deltas):
+        is_first, is_last = i == 0, i == len(message_deltas) - 1
+        choice: dict[str, Any] = {
+            "index": delta.index,
+            "delta": message_delta,
+            "logprobs": _chat_logprobs(delta.logprobs, decoder)
+            if want_logprobs and is_first
+            else None,
+            "finish_reason": finish_reason if is_last else None,
+        }
+        if meta.return_token_ids:
+            choice["token_ids"] = list(delta.token_ids) if is_first else []
+        chunks.append(_chunk(meta, "chat.completion.chunk", [choice]))
+    return chunks
+
+
+def _tool_call_body(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
     }
-    if meta.return_token_ids:
-        choice["token_ids"] = list(delta.token_ids)
-    return _chunk(meta, "chat.completion.chunk", [choice])
+
+
+def _with_tool_calls(finish_reason: str | None) -> str | None:
+    """A generation that stopped after calling tools finished "tool_calls", as OpenAI says;
+    one cut short ("length") says so, calls or not."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _chat_logprobs(logprobs: Sequence[TokenLogprob], decoder: Decoder) -> dict:

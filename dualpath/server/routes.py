@@ -27,13 +27,14 @@ from dualpath.server.protocol import (
 from dualpath.server.responses import (
     ResponseMeta,
     chat_body,
-    chat_chunk,
+    chat_chunks,
     chat_role_chunk,
     completion_body,
     completion_chunk,
     sse,
     usage_chunk,
 )
+from dualpath.server.tool_calls import ToolCallParser
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SEED_MODULUS = 1 << 63
@@ -194,8 +195,13 @@ async def _generate(
         generation.close()
     if not is_done:  # the client went away; nobody reads this
         return Response(status_code=499)
-    make_body = chat_body if is_chat else completion_body
-    return JSONResponse(make_body(meta, generation, context.tokenizer))
+    if is_chat:
+        response_body = chat_body(
+            meta, generation, context.tokenizer, parses_tool_calls=body.parses_tool_calls
+        )
+    else:
+        response_body = completion_body(meta, generation, context.tokenizer)
+    return JSONResponse(response_body)
 
 
 def _params_per_choice(
@@ -264,17 +270,30 @@ async def _sse_stream(
     is_chat: bool,
 ) -> AsyncIterator[str]:
     want_logprobs = body.num_top_logprobs is not None
-    make_chunk = chat_chunk if is_chat else completion_chunk
+    decoder = context.tokenizer
+    # Each choice's own parser: its calls are told from its text as the text arrives.
+    parsers = [
+        ToolCallParser() if is_chat and body.parses_tool_calls else None for _ in generation.choices
+    ]
     try:
         if is_chat:
             for choice in generation.choices:
                 yield sse(chat_role_chunk(meta, choice.index))
         async for delta in generation.deltas():
-            if delta.text or delta.finish_reason or meta.return_token_ids or want_logprobs:
-                chunk = make_chunk(
-                    meta, delta, want_logprobs=want_logprobs, decoder=context.tokenizer
+            if is_chat:
+                chunks = chat_chunks(
+                    meta,
+                    delta,
+                    parsers[delta.index],
+                    want_logprobs=want_logprobs,
+                    decoder=decoder,
                 )
-                yield sse(chunk)
+                for chunk in chunks:
+                    yield sse(chunk)
+            elif delta.text or delta.finish_reason or meta.return_token_ids or want_logprobs:
+                yield sse(
+                    completion_chunk(meta, delta, want_logprobs=want_logprobs, decoder=decoder)
+                )
         if body.include_usage:
             object_name = "chat.completion.chunk" if is_chat else "text_completion"
             yield sse(usage_chunk(meta, object_name, generation))

@@ -14,6 +14,7 @@ from dualpath.model.tokenizer import Tokenizer, read_chat_templates
 from dualpath.server.chat import ChatRenderer, ChatTemplateError
 from dualpath.server.errors import APIError
 from dualpath.server.protocol import ChatMessage
+from dualpath.server.responses import chat_message
 
 CONVERSATION = [
     {"role": "system", "content": "You are a coding agent."},
@@ -89,6 +90,41 @@ def test_tool_results_in_a_row_share_one_user_turn_and_calls_with_text_follow_it
         "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n"
         "<tool_response>\n2\n</tool_response><|im_end|>\n"
     )
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        '<tool_call>\n{"name": "ls", "arguments": {"d": "."}}\n</tool_call>',
+        'Looking.\n<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "cat", "arguments": {"path": "a.py", "n": [1, 2]}}\n</tool_call>',
+    ],
+)
+def test_turn_two_repeats_turn_ones_prompt_and_answer(answer: str) -> None:
+    # Turn 1's answer, as the client gets it back (arguments as JSON strings) and sends it in
+    # turn 2, renders as the model wrote it: turn 2's prompt starts with turn 1's prompt and
+    # answer, so their KV is found in the store.
+    renderer = ChatRenderer(None)
+    turn_one = CONVERSATION[:2]
+    prompt = render(renderer, turn_one, tools=TOOLS)
+    message, finish_reason = chat_message(answer, "stop", parses_tool_calls=True)
+    assert finish_reason == "tool_calls"
+    results = [
+        {"role": "tool", "tool_call_id": call["id"], "content": "ok"}
+        for call in message["tool_calls"]
+    ]
+    turn_two = render(renderer, [*turn_one, message, *results], tools=TOOLS)
+    assert turn_two.startswith(prompt + answer + "<|im_end|>\n")
+
+
+def test_compact_json_from_the_model_renders_back_with_spaces() -> None:
+    # The documented limit: arguments are json.dumps of the parsed object, so a model that
+    # writes compact JSON is not repeated token for token (vLLM has the same limit).
+    answer = '<tool_call>\n{"name":"ls","arguments":{"d":"."}}\n</tool_call>'
+    message, _ = chat_message(answer, "stop", parses_tool_calls=True)
+    turn_two = render(ChatRenderer(None), [*CONVERSATION[:2], message], tools=TOOLS)
+    assert answer not in turn_two
+    assert '{"name": "ls", "arguments": {"d": "."}}' in turn_two
 
 
 def test_arguments_that_are_not_json_are_refused() -> None:
