@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dualpath.server.config import GENERATION_CONFIG_MODES
+
 # Flags that exclude each other: the command line giving one drops the file's other.
 _EXCLUSIVE_DESTS = (("kv_store", "no_kv_store"),)
 _NOT_IN_FILE = ("config", "help")
@@ -95,6 +97,16 @@ def add_serve_arguments(p: argparse.ArgumentParser, positive_int: Any) -> None:
         type=positive_int,
         default=None,
         help="longest prompt in tokens (default: the context length minus one)",
+    )
+    http.add_argument(
+        "--generation-config",
+        choices=GENERATION_CONFIG_MODES,
+        default="auto",
+        help="auto: requests that omit temperature, top_p or top_k (chat: max_tokens) get the "
+        "values of the checkpoint's generation_config.json, as in vLLM; serve refuses to start "
+        "if the file sets one we do not implement (repetition_penalty, min_p, ...). none: "
+        "ignore the file's sampling values and use ours (temperature 1, top_p 1, no top_k) "
+        "(default auto)",
     )
     http.add_argument(
         "--shutdown-timeout-s",

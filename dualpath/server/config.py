@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GENERATION_CONFIG_MODES = ("auto", "none")
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -30,6 +32,9 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0
     # Link throughput and utilisation in /metrics are averaged over this window.
     metrics_window_s: float = 10.0
+    # "auto": requests that omit temperature, top_p, top_k (or, in chat, max_tokens) get the
+    # checkpoint's generation_config.json values, as in vLLM; "none": ours (OpenAI's).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -47,6 +52,11 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:
             raise ValueError(f"max_prompt_tokens must be > 0 or None, got {self.max_prompt_tokens}")
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(
+                f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, "
+                f"got {self.generation_config!r}"
+            )
         for name in ("engine_start_timeout_s", "shutdown_timeout_s", "metrics_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -12,9 +12,15 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dualpath.cluster.launcher import LocalCluster
+from dualpath.model.generation_config import (
+    GENERATION_CONFIG_FILE,
+    SamplingDefaults,
+    read_sampling_defaults,
+)
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.server.chat import ChatRenderer
 from dualpath.server.config import ServerConfig
@@ -63,6 +69,7 @@ class ServingContext:
             eos_token_ids=model_config.eos_token_ids,
         )
         self.max_prompt_tokens = config.max_prompt_tokens or self.model.max_model_len - 1
+        self.sampling_defaults = sampling_defaults(cluster.model_dir, config.generation_config)
         traffic = cluster.cluster.traffic
         store = cluster.coordinator.store
         self.metrics = ServerMetrics(
@@ -120,3 +127,28 @@ class ServingContext:
         for generation in in_flight:
             generation.abort(reason)
         logger.info("stopped serving (%s); %d requests aborted", reason, len(in_flight))
+
+
+def sampling_defaults(model_dir: Path, generation_config: str) -> SamplingDefaults:
+    """What requests that omit sampling values get (``ServerConfig.generation_config``);
+    ``ValueError`` if the checkpoint recommends sampling we do not implement, so a server never
+    samples differently from what the checkpoint's authors set without saying so."""
+    if generation_config == "none":
+        return SamplingDefaults()
+    path = Path(model_dir) / GENERATION_CONFIG_FILE
+    defaults = read_sampling_defaults(model_dir)
+    if defaults.unsupported:
+        raise ValueError(
+            f"{path} sets {', '.join(defaults.unsupported)}: sampling that dualpath does not "
+            "implement. Pass --generation-config none to serve with our defaults instead "
+            "(temperature 1, top_p 1, no top_k, where a request sets none), or remove the field"
+        )
+    if defaults.describe():
+        # A warning, as in vLLM: outputs differ from a server that ignores the file.
+        logger.warning(
+            "requests that omit them get the sampling defaults of %s: %s "
+            "(--generation-config none: ours)",
+            path,
+            defaults.describe(),
+        )
+    return defaults

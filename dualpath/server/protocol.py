@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dualpath.model.generation_config import SamplingDefaults
 from dualpath.server.errors import bad_request
 from dualpath.types import MAX_TOKEN_ID, MAX_WIRE_INT, SamplingParams
 
@@ -43,8 +44,10 @@ class _GenerationRequest(_Strict):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_WIRE_INT)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Sampling values left out (or null) are the checkpoint's generation_config.json values,
+    # else OpenAI's defaults (SAMPLING_DEFAULTS); see sampling_params.
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_WIRE_INT)
     seed: int | None = Field(default=None, ge=0, le=MAX_WIRE_INT)
     stop: str | list[str] | None = None
@@ -55,7 +58,7 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions.
-    top_k: int = Field(default=0, ge=-1, le=MAX_WIRE_INT)  # 0 or -1 = off
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_WIRE_INT)  # 0 or -1 = off
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=MAX_WIRE_INT)
     stop_token_ids: list[TokenId] | None = None
@@ -260,13 +263,19 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
+# OpenAI's defaults: what a request that sets nothing gets without generation_config.json.
+SAMPLING_DEFAULTS = SamplingDefaults(temperature=1.0, top_p=1.0, top_k=0)
+
+
 def sampling_params(
     request: CompletionRequest | ChatCompletionRequest,
     *,
     max_tokens: int,
     seed: int | None,
+    defaults: SamplingDefaults,
 ) -> SamplingParams:
-    """The engine's parameters for one generation of ``request`` (400 on a bad combination)."""
+    """The engine's parameters for one generation of ``request`` (400 on a bad combination).
+    A sampling value the request leaves out is ``defaults``' (the checkpoint's), else ours."""
     if request.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})",
@@ -275,9 +284,9 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=max(request.top_k, 0),
+            temperature=_first_set(request.temperature, defaults.temperature, "temperature"),
+            top_p=_first_set(request.top_p, defaults.top_p, "top_p"),
+            top_k=max(_first_set(request.top_k, defaults.top_k, "top_k"), 0),
             seed=seed,
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
@@ -287,3 +296,9 @@ def sampling_params(
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+
+
+def _first_set(requested: Any, default: Any, name: str) -> Any:
+    if requested is not None:
+        return requested
+    return default if default is not None else getattr(SAMPLING_DEFAULTS, name)

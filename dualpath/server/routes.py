@@ -231,10 +231,14 @@ def _params_per_choice(
                 f"the prompt has {len(prompt)} tokens; the limit is {context.max_prompt_tokens}",
                 "messages" if is_chat else "prompt",
             )
-        if requested is None:
-            max_tokens = max_model_len - len(prompt) if is_chat else DEFAULT_COMPLETION_MAX_TOKENS
-        else:
+        if requested is not None:
             max_tokens = requested
+        elif is_chat:  # as in vLLM: the checkpoint's max_new_tokens, within the context
+            max_tokens = max_model_len - len(prompt)
+            if context.sampling_defaults.max_tokens is not None:
+                max_tokens = min(max_tokens, context.sampling_defaults.max_tokens)
+        else:
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
         if len(prompt) + max_tokens > max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -244,7 +248,12 @@ def _params_per_choice(
             )
         params.append(
             [
-                sampling_params(body, max_tokens=max_tokens, seed=_choice_seed(body.seed, j))
+                sampling_params(
+                    body,
+                    max_tokens=max_tokens,
+                    seed=_choice_seed(body.seed, j),
+                    defaults=context.sampling_defaults,
+                )
                 for j in range(body.n)
             ]
         )
