@@ -203,10 +203,6 @@ def test_sampling_we_do_not_implement_keeps_serve_from_starting(
     assert "--generation-config none" in result.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli._serve_server_config does not pass --generation-config to ServerConfig yet",
-)
 def test_generation_config_none_serves_with_our_defaults(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
