@@ -616,6 +616,7 @@ def _serve_server_config(s: argparse.Namespace, model_dir: Path):  # -> ServerCo
         max_prompt_tokens=s.max_prompt_tokens,
         engine_start_timeout_s=s.engine_start_timeout_s,
         shutdown_timeout_s=s.shutdown_timeout_s,
+        generation_config=s.generation_config,
     )
 
 
