@@ -12,6 +12,7 @@ from dualpath.workload.mooncake import (
     TraceFormatError,
     TraceRow,
     load_mooncake_trace,
+    packaged_trace_path,
     read_trace_rows,
 )
 from dualpath.workload.replay import (
@@ -20,7 +21,8 @@ from dualpath.workload.replay import (
     replay_session,
     sampling_params_for_turn,
 )
-from dualpath.workload.stats import WorkloadStats, workload_stats
+from dualpath.workload.shape import Misfit, cap_turns, first_misfit, scale_generations
+from dualpath.workload.stats import WorkloadStats, ideal_hit_ratio, workload_stats
 from dualpath.workload.synthetic import (
     PRESETS,
     TrajectoryFit,
@@ -34,6 +36,7 @@ from dualpath.workload.types import Session, Turn, Workload
 __all__ = [
     "DEFAULT_CLONE_PREFIX_TOKENS",
     "PRESETS",
+    "Misfit",
     "TRACE_BLOCK_SIZE_TOKENS",
     "Session",
     "TraceFormatError",
@@ -44,15 +47,20 @@ __all__ = [
     "Turn",
     "Workload",
     "WorkloadStats",
+    "cap_turns",
     "clone_sessions",
+    "first_misfit",
     "fit_trajectories",
     "generate_trajectories",
+    "ideal_hit_ratio",
     "load_mooncake_trace",
     "next_prompt",
+    "packaged_trace_path",
     "poisson_arrival_offsets_s",
     "prompt_lengths_tokens",
     "read_trace_rows",
     "replay_session",
     "sampling_params_for_turn",
+    "scale_generations",
     "workload_stats",
 ]

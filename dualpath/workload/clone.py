@@ -9,6 +9,7 @@ turn that keeps a prompt prefix (``Turn.keep_prefix_tokens``) keeps ``prefix_tok
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
@@ -63,4 +64,4 @@ def clone_sessions(
 def _shifted(turn: Turn, num_tokens: int) -> Turn:
     if turn.keep_prefix_tokens is None:
         return turn
-    return Turn(turn.append_token_ids, turn.output_tokens, turn.keep_prefix_tokens + num_tokens)
+    return dataclasses.replace(turn, keep_prefix_tokens=turn.keep_prefix_tokens + num_tokens)

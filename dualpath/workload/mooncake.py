@@ -7,8 +7,9 @@
 exactly ceil(input_length / block_size) of them, prefix-chained: equal ids mean equal content
 up to that block). The agentic extension adds ``session_id`` and ``turn``: rows group into
 sessions, each session's turns must come in file order 0, 1, 2, ... (other sessions' rows may
-interleave), and a session arrives at its first row's timestamp. Without them, every row is a
-one-turn session arriving at its timestamp. Blank lines are skipped; any other broken line
+interleave), and a session arrives at its first row's timestamp; each later turn keeps the gap
+from the previous row's timestamp (``Turn.gap_s``, which an online replay may wait). Without
+them, every row is a one-turn session arriving at its timestamp. Blank lines are skipped; any other broken line
 raises ``TraceFormatError`` naming the file and line.
 
 **Tokens.** Block id h becomes ``block_size`` random ordinary token ids drawn from a Generator
@@ -37,6 +38,10 @@ max(1, round(tail * B' / B)). Every hash id keeps its place, so the prefix-shari
 (which turns share which blocks) is exactly the trace's. Inputs thus scale by B'/B (0.01 of
 512 gives 5, a factor of 0.0098); outputs scale by ``length_scale``. An output of 0 tokens (4
 rows of the agentic trace) replays as 1: an engine always generates one.
+
+**Packaged traces.** ``packaged_trace_path("agentic_coding_dev")`` is a trace of 37 real
+agentic-coding sessions shipped in ``dualpath/workload/data`` (its README gives origin, licence
+and how the rows were selected); ``bench --preset agentic`` replays it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from dualpath.workload.tokens import allowed_token_ids, random_token_ids
 from dualpath.workload.types import Session, Turn, Workload
 
 TRACE_BLOCK_SIZE_TOKENS = 512  # Mooncake's hash block; both traces in shared/traces use it
+_DATA_DIR = Path(__file__).parent / "data"  # traces shipped with the package (its README.md)
 
 
 class TraceFormatError(ValueError):
@@ -105,6 +111,16 @@ def load_mooncake_trace(
         tuple(sessions),
         f"mooncake {path} seed={seed} length_scale={length_scale} max_sessions={max_sessions}",
     )
+
+
+def packaged_trace_path(name: str) -> Path:
+    """The path of a trace shipped in ``dualpath/workload/data`` (``name`` without
+    ``.jsonl``); ``ValueError`` naming the ones there for another name."""
+    path = _DATA_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        shipped = sorted(p.stem for p in _DATA_DIR.glob("*.jsonl"))
+        raise ValueError(f"no packaged trace {name!r}; shipped: {', '.join(shipped) or 'none'}")
+    return path
 
 
 def read_trace_rows(
@@ -245,15 +261,16 @@ def _session(
     for i in range(1, len(rows)):
         previous, row = rows[i - 1], rows[i]
         shared_blocks = _common_prefix_length(previous.hash_ids, row.hash_ids)
+        gap_s = max(0.0, row.timestamp_s - previous.timestamp_s)
         if shared_blocks >= len(previous.hash_ids) - 1:
             append_tokens = max(0, inputs[i] - prompt_tokens - outputs[i - 1])
             append = blocks.span(row.hash_ids, inputs[i] - append_tokens, inputs[i])
-            turns.append(Turn(append, outputs[i]))
+            turns.append(Turn(append, outputs[i], gap_s=gap_s))
             prompt_tokens += outputs[i - 1] + append_tokens
         else:
             keep_tokens = shared_blocks * geometry.scaled_block_tokens
             append = blocks.span(row.hash_ids, keep_tokens, inputs[i])
-            turns.append(Turn(append, outputs[i], keep_prefix_tokens=keep_tokens))
+            turns.append(Turn(append, outputs[i], keep_prefix_tokens=keep_tokens, gap_s=gap_s))
             prompt_tokens = inputs[i]
     return Session(session_id, rows[0].timestamp_s, tuple(turns))
 

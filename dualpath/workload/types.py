@@ -57,6 +57,9 @@ class Turn:
     append_token_ids: np.ndarray  # int32, read-only; may be empty after the first turn
     output_tokens: int  # generated exactly (max_tokens = min_tokens, EOS ignored)
     keep_prefix_tokens: int | None = None  # None: keep the previous prompt and its output
+    # Seconds from the previous turn's request to this one's in the source trace (0 for a
+    # first turn and for synthetic turns): what an online replay with --replay-gaps waits.
+    gap_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "append_token_ids", _read_only_token_ids(self.append_token_ids))
@@ -64,6 +67,8 @@ class Turn:
             raise ValueError(f"output_tokens must be an int >= 1, got {self.output_tokens!r}")
         if self.keep_prefix_tokens is not None and self.keep_prefix_tokens < 0:
             raise ValueError(f"keep_prefix_tokens must be >= 0, got {self.keep_prefix_tokens}")
+        if not math.isfinite(self.gap_s) or self.gap_s < 0:
+            raise ValueError(f"gap_s must be finite and >= 0, got {self.gap_s}")
 
     @property
     def num_append_tokens(self) -> int:

@@ -119,7 +119,7 @@ def test_statistics_of_a_hand_built_workload() -> None:
     two = _session(
         Turn(np.arange(4), 1), Turn(np.arange(2), 1, keep_prefix_tokens=3), session_id="two"
     )
-    stats = workload_stats(Workload((one, two), "t"))
+    stats = workload_stats(Workload((one, two), "t"), block_size_tokens=1)
     # one: prompts 10, 18; total 20. two: prompts 4, 5; total 6.
     assert stats.turns == 2
     assert stats.total_tokens == 13
@@ -127,7 +127,12 @@ def test_statistics_of_a_hand_built_workload() -> None:
     assert stats.append_tokens == (7.5 + 3) / 2
     assert stats.gen_tokens == (2.5 + 1) / 2
     assert stats.max_total_tokens == 20
-    assert stats.ideal_hit_ratio == (13 + 3) / (28 + 9)
+    assert stats.max_prompt_tokens == 18
+    # Hits, short of each prompt's last token, of what has KV: one's turn 1 hits its first
+    # prompt and 2 of its 3 outputs; two's first prompt is one's first 4 tokens (3 hit) and
+    # its turn 1 hits the 3 tokens it keeps.
+    assert stats.ideal_hit_ratio == (12 + 3 + 3) / (28 + 9)
+    assert stats.block_size_tokens == 1
 
 
 def test_poisson_arrivals() -> None:
