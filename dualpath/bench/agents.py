@@ -11,6 +11,15 @@ count. Any OpenAI-compatible server that honours these works (ours, or another w
 
 Per turn it records the request's arrival, its first and second token times and its end on
 this process's monotonic clock: TTFT, TTST (time to second token), TPOT and JCT follow.
+
+By default an agent sends its next turn as soon as the previous one ends (an RL rollout's
+agents, or a user who never pauses). With ``gap_scale`` it replays the trace's timing too:
+turn i+1 goes out ``gap_scale x Turn.gap_s`` after turn i was sent (the trace's gap between
+the two requests, which held the original model's answer and the tool or user time), at most
+``max_gap_s`` after it if given, or when turn i ends if that is later, since turn i+1's prompt
+holds turn i's answer. Real sessions pause for hours (``agentic_coding_dev``: a median gap of
+12 s, but 10% over a minute and one of 5.4 hours in the first 16 turns), so a cap keeps one
+such pause from holding a run.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from dualpath.workload import Session
+from dualpath.workload import Session, Turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +89,27 @@ async def run_agents(
     timeout_s: float = 600.0,
     on_turn: Callable[[TurnRecord], None] | None = None,
     stop_after_s: float | None = None,
+    gap_scale: float | None = None,
+    max_gap_s: float | None = None,
 ) -> list[TurnRecord]:
     """Replay every session, each starting its ``arrival_s`` after the call; every turn's
     record, in completion order. An agent whose turn fails stops (later turns depend on it).
     With ``stop_after_s``, agents still running then are cancelled (their open requests
-    disconnect, which cancels them on the server) and the records so far are returned."""
+    disconnect, which cancels them on the server) and the records so far are returned. With
+    ``gap_scale``, turns keep the trace's gaps between requests, each at most ``max_gap_s``
+    (module docstring)."""
+    if gap_scale is not None and not gap_scale >= 0:
+        raise ValueError(f"gap_scale must be >= 0, got {gap_scale}")
+    if max_gap_s is not None and not max_gap_s >= 0:
+        raise ValueError(f"max_gap_s must be >= 0, got {max_gap_s}")
+
+    def gap_of(turn: Turn) -> float | None:
+        """Seconds from the previous request to this one's, at the least; None: no wait."""
+        if gap_scale is None:
+            return None
+        gap_s = gap_scale * turn.gap_s
+        return gap_s if max_gap_s is None else min(gap_s, max_gap_s)
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(sessions) or 1)
     records: list[TurnRecord] = []
@@ -103,7 +128,9 @@ async def run_agents(
         start_s = time.monotonic()
         agents = asyncio.gather(
             *(
-                _run_agent(client, model, index, session, start_s + session.arrival_s, record)
+                _run_agent(
+                    client, model, index, session, start_s + session.arrival_s, record, gap_of
+                )
                 for index, session in enumerate(sessions)
             )
         )
@@ -119,15 +146,21 @@ async def _run_agent(
     session: Session,
     start_at_s: float,
     record: Callable[[TurnRecord], None],
+    gap_of: Callable[[Turn], float | None],
 ) -> None:
     await asyncio.sleep(max(0.0, start_at_s - time.monotonic()))
     prompt = session.first_prompt()
     generated: list[int] = []
+    sent_s = time.monotonic()
     for turn in range(session.num_turns):
         if turn:
             prompt = session.next_prompt(turn, prompt, generated)
+            gap_s = gap_of(session.turns[turn])
+            if gap_s is not None:
+                await asyncio.sleep(max(0.0, sent_s + gap_s - time.monotonic()))
         num_output_tokens = session.turns[turn].output_tokens
         result = await complete_turn(client, model, index, turn, prompt, num_output_tokens)
+        sent_s = result.record.arrival_s
         record(result.record)
         if result.record.error is not None:
             return

@@ -49,6 +49,8 @@ class ModeRun:
     # Prompt tokens a PE gets through per second (the scheduler's beta = 5 s of it); None:
     # the server's default.
     prefill_tokens_per_s: float | None = None
+    # The servers' longest prompt (serve --max-prompt-tokens); None: the context minus one.
+    max_prompt_tokens: int | None = None
     extra_serve_args: tuple[str, ...] = ()
 
 
@@ -70,6 +72,8 @@ def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
         args += ["--read-path", run.read_path]
     if run.prefill_tokens_per_s is not None:
         args += ["--prefill-tokens-per-s", f"{run.prefill_tokens_per_s:.1f}"]
+    if run.max_prompt_tokens is not None:
+        args += ["--max-prompt-tokens", str(run.max_prompt_tokens)]
     return args + list(run.extra_serve_args)
 
 
@@ -81,10 +85,14 @@ def run_mode(
     progress: bool = True,
     keep_records: bool = False,
     stop_after_s: float | None = None,
+    gap_scale: float | None = None,
+    max_gap_s: float | None = None,
 ) -> dict:
     """Serve ``run``, replay ``workload`` against it, and return the mode's figures (with
     ``keep_records``, also every turn's ``TurnRecord`` under ``"_records"``). With
-    ``stop_after_s`` the agents stop then; ``"is_complete"`` says whether every turn ran."""
+    ``stop_after_s`` the agents stop then; ``"is_complete"`` says whether every turn ran,
+    ``"first_errors"`` what the first failed turns answered. ``gap_scale``, ``max_gap_s``: wait
+    the trace's gaps between turns, times this, at most that (``agents.run_agents``)."""
     name = run.mode.replace("+", "-")
     memory_dir = _memory_dir() if mode_settings(run.mode).is_io_free else None
     store_dir = (memory_dir or work_dir) / f"kv-{name}"
@@ -96,7 +104,13 @@ def run_mode(
         try:
             with MetricsSampler(server.url, period_s=0.5) as sampler:
                 records, tokens = _replay(
-                    server.url, workload, run.mode, progress, stop_after_s=stop_after_s
+                    server.url,
+                    workload,
+                    run.mode,
+                    progress,
+                    stop_after_s=stop_after_s,
+                    gap_scale=gap_scale,
+                    max_gap_s=max_gap_s,
                 )
             final = sampler.last
         finally:
@@ -108,7 +122,7 @@ def run_mode(
     result.update(link_figures(final, sampler.samples, result["jct_s"]))
     result["store_in_memory"] = memory_dir is not None
     result["server_exit_code"] = exit_code
-    result["is_complete"] = len(records) == sum(s.num_turns for s in workload.sessions)
+    result.update(completion(records, workload))
     result["tokens"] = tokens
     if keep_records:
         result["_records"] = records
@@ -122,8 +136,27 @@ def run_against_url(
     records, tokens = _replay(url, workload, "url", progress, model=model, api_key=api_key)
     result = summarize_turns(records)
     result.update(link_figures({}, [], result["jct_s"]))
+    result.update(completion(records, workload))
     result["tokens"] = tokens
     return result
+
+
+MAX_ERRORS_KEPT = 5  # failed turns a result quotes (the count is in num_failed)
+
+
+def completion(records: list[TurnRecord], workload: Workload) -> dict:
+    """Whether every turn of ``workload`` ran, and the first failed turns (session id, turn,
+    what the server answered): what makes a run a result or not (``validity.py``)."""
+    num_turns = sum(s.num_turns for s in workload.sessions)
+    failed = sorted((r for r in records if r.error is not None), key=lambda r: r.finish_s)
+    return {
+        "num_turns_expected": num_turns,
+        "is_complete": len(records) == num_turns,  # a failed turn stops its agent
+        "first_errors": [
+            {"session": workload.sessions[r.session].session_id, "turn": r.turn, "error": r.error}
+            for r in failed[:MAX_ERRORS_KEPT]
+        ],
+    }
 
 
 def _replay(
@@ -135,6 +168,8 @@ def _replay(
     model: str = SERVED_MODEL_NAME,
     api_key: str | None = None,
     stop_after_s: float | None = None,
+    gap_scale: float | None = None,
+    max_gap_s: float | None = None,
 ) -> tuple[list[TurnRecord], dict[str, str]]:
     total = sum(s.num_turns for s in workload.sessions)
     with tqdm(total=total, desc=f"{label:>15}", unit="turn", disable=not progress) as bar:
@@ -150,6 +185,8 @@ def _replay(
                 api_key=api_key,
                 on_turn=on_turn,
                 stop_after_s=stop_after_s,
+                gap_scale=gap_scale,
+                max_gap_s=max_gap_s,
             )
         )
     failed = [r for r in records if r.error is not None]

@@ -1,6 +1,8 @@
 """Offline (RL-rollout style) benchmark: N agents start together; JCT is when the last ends.
 
     dualpath bench offline --preset ci --modes basic,dualpath,oracle --json results/offline.json
+    dualpath bench offline --preset agentic --json results/agentic.json  # real sessions
+    dualpath bench offline --preset paper-ratio --trace my_sessions.jsonl  # shaped as the preset
 
 Each mode gets a fresh `dualpath serve` (fresh store) with the same workload and seed; the
 agents talk to it over its OpenAI-compatible API (``harness.run_mode``). Link caps emulate a
@@ -19,28 +21,51 @@ With 1P2D, Basic puts the whole demand on one SNIC (rho = 2: about 2x slower tha
 while DualPath spreads it over three (rho / 3 < 1: about Oracle's speed); the ideal speedup
 is max(1, rho) / max(1, rho / 3).
 
-JSON (``modes.<mode>``): ``jct_s``, ``tokens_per_s``, ``ttft_s``/``ttst_s``/``tpot_s``
-percentiles, ``hit_ratio``, ``snic_bytes`` (per SNIC), ``path_bytes.{pe,de}`` (hit KV read by
-each side), ``snic_load_balance``, ``pe_busy_fraction``, ``token_mismatches`` (turns whose
-tokens differ from the first mode's); top level ``ratios``, ``rho``, ``snic_caps_gbps``,
-``prefill_tokens_per_s``, ``prompt_tokens_per_busy_s``, ``kv_bytes_per_token``, ``workload``
-(its statistics).
+**Valid or fail.** Before any server starts, every turn of the shaped workload is checked
+against the model's context (and ``--max-prompt-tokens``): a turn that cannot fit would fail
+in every mode, so the run is refused, naming the session, the turn and the ``--length-scale``
+that fits. After the runs, a failed request, an incomplete mode or tokens that differ between
+modes make the run invalid (``validity.py``): the command exits 1 and says why, and the JSON
+has ``"valid": false``, the ``problems`` and no ``ratios``.
+
+JSON (``modes.<mode>``): ``jct_s``, ``agent_jct_s`` (each agent's own JCT, percentiles),
+``tokens_per_s``, ``ttft_s``/``ttst_s``/``tpot_s`` percentiles, ``hit_ratio``, ``snic_bytes``
+(per SNIC), ``path_bytes.{pe,de}`` (hit KV read by each side), ``snic_load_balance``,
+``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
+(turns whose tokens differ from the first mode's); top level ``valid``, ``problems``,
+``ratios``, ``rho``, ``snic_caps_gbps``, ``prefill_tokens_per_s``, ``prompt_tokens_per_busy_s``,
+``kv_bytes_per_token``, ``shaping`` (the workload's shaping: ``presets.WorkloadShape``) and
+``workload`` (its statistics, with ``ideal_hit_ratio``, the infinite-cache hit bound at the
+servers' block size).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_against_url, run_mode, token_mismatches
-from dualpath.bench.presets import PRESETS, BenchPreset, preset_workload
+from dualpath.bench.presets import (
+    PRESETS,
+    BenchPreset,
+    WorkloadShape,
+    shaped_workload,
+    workload_shape,
+)
 from dualpath.bench.report import write_outputs
-from dualpath.config import MODES, READ_PATHS
+from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
+from dualpath.config import MODES, READ_PATHS, EngineConfig
 from dualpath.units import bytes_per_s_to_gbps
-from dualpath.workload import Workload, load_mooncake_trace, workload_stats
+from dualpath.workload import Misfit, Workload, first_misfit, workload_stats
+
+# The servers' KV block (serve --block-size's default): hits are whole blocks of it.
+BLOCK_SIZE_TOKENS = EngineConfig().block_size_tokens
 
 
 def ideal_speedup(rho: float, num_snics: int = 3) -> float:
@@ -50,38 +75,79 @@ def ideal_speedup(rho: float, num_snics: int = 3) -> float:
 
 
 def load_workload(
-    preset: BenchPreset,
+    shape: WorkloadShape,
     *,
     model_dir: Path,
     seed: int,
-    trace: Path | None = None,
-    max_sessions: int | None = None,
-    length_scale: float | None = None,
+    max_prompt_tokens: int | None = None,
+    num_agents: int | None = None,
 ) -> Workload:
-    """The preset's synthetic trajectories, or a Mooncake-format trace (every session
-    arriving at 0 for an offline run)."""
+    """The shaped workload (``presets.shaped_workload``), every turn checked against the
+    model's context and ``max_prompt_tokens``: ``ValueError`` naming the first turn that does
+    not fit and the ``--length-scale`` that would, before any server starts."""
     from dualpath.model.config import ModelConfig
 
     config = ModelConfig.from_file(Path(model_dir) / "config.json")
-    avoid = tuple(config.eos_token_ids)
-    if trace is None:
-        return preset_workload(
-            preset,
+
+    def build(one: WorkloadShape) -> Workload:
+        return shaped_workload(
+            one,
             seed=seed,
             vocab_size=config.vocab_size,
-            avoid_token_ids=avoid,
-            num_agents=max_sessions,
-            length_scale=length_scale,
+            avoid_token_ids=tuple(config.eos_token_ids),
+            num_agents=num_agents,
         )
-    workload = load_mooncake_trace(
-        trace,
-        vocab_size=config.vocab_size,
-        seed=seed,
-        avoid_token_ids=avoid,
-        max_sessions=max_sessions,
-        length_scale=length_scale or 1.0,
+
+    def misfit_of(workload: Workload) -> Misfit | None:
+        return first_misfit(
+            workload,
+            max_model_len=config.max_position_embeddings,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+
+    workload = build(shape)
+    misfit = misfit_of(workload)
+    if misfit is None:
+        return workload
+    fitting = fitting_length_scale(shape, misfit, lambda s: misfit_of(build(s)) is None)
+    fix = (
+        f"rerun with --length-scale {fitting:g} (now {shape.length_scale:g}; about the "
+        "largest that fits)"
+        if fitting is not None
+        else "no --length-scale fits it: raise --max-prompt-tokens or use a longer-context --model"
     )
-    return workload.with_arrival_offsets([0.0] * workload.num_sessions)
+    raise ValueError(
+        f"the workload does not fit {Path(model_dir).name}: {misfit.describe()}; every mode "
+        f"would fail those requests, so no server was started: {fix}"
+    )
+
+
+def fitting_length_scale(
+    shape: WorkloadShape,
+    misfit: Misfit,
+    fits: Callable[[WorkloadShape], bool],
+    max_tries: int = 8,
+) -> float | None:
+    """A two-significant-digit ``length_scale`` at which ``fits(shape)`` holds: the current one
+    divided by the misfit's overshoot, rounded down, then 3% less at a time (lengths scale a
+    little unevenly: blocks and outputs round, a clone's first turn does not scale); None if
+    none within ``max_tries``."""
+    candidate = _round_down(shape.length_scale / misfit.max_fill)
+    for _ in range(max_tries):
+        if candidate <= 0:
+            return None
+        if fits(replace(shape, length_scale=candidate)):
+            return candidate
+        candidate = _round_down(candidate * 0.97)
+    return None
+
+
+def _round_down(value: float) -> float:
+    """``value`` cut to two significant digits (0.1249 -> 0.12)."""
+    if value <= 0:
+        return 0.0
+    unit = 10.0 ** (math.floor(math.log10(value)) - 1)
+    return round(math.floor(value / unit + 1e-9) * unit, 12)
 
 
 def checked_preset(preset_name: str, modes: list[str]) -> BenchPreset:
@@ -95,7 +161,12 @@ def checked_preset(preset_name: str, modes: list[str]) -> BenchPreset:
 
 
 def oracle_run(
-    preset: BenchPreset, model_dir: Path, *, transport: str, read_path: str | None = None
+    preset: BenchPreset,
+    model_dir: Path,
+    *,
+    transport: str,
+    read_path: str | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> ModeRun:
     """The preset's cluster in ``oracle`` mode (other modes: ``replace(run, mode=...)``)."""
     return ModeRun(
@@ -105,7 +176,15 @@ def oracle_run(
         snic_bandwidth_gbps=preset.snic_bandwidth_gbps or 0.0,
         read_path=read_path,
         transport=transport,
+        max_prompt_tokens=max_prompt_tokens,
     )
+
+
+def workload_report(workload: Workload, shape: WorkloadShape) -> dict:
+    """The JSON's ``shaping`` and ``workload`` (statistics and the hit bound at the servers'
+    block size, from the prompts this run replays)."""
+    stats = workload_stats(workload, block_size_tokens=BLOCK_SIZE_TOKENS)
+    return {"shaping": asdict(shape), "workload": {"source": workload.source, **asdict(stats)}}
 
 
 def run_offline(
@@ -121,20 +200,35 @@ def run_offline(
     trace: Path | None = None,
     max_sessions: int | None = None,
     length_scale: float | None = None,
+    max_turns: int | None = None,
+    gen_scale: float | None = None,
+    clones: int | None = None,
+    max_prompt_tokens: int | None = None,
     progress: bool = True,
 ) -> dict:
+    """Every mode on the shaped workload; the report, ``valid`` or not (``validity.py``)."""
     preset = checked_preset(preset_name, modes)
     if rho is not None:
         preset = replace(preset, snic_bandwidth_gbps=None, rho=rho)
-    workload = load_workload(
+    shape = workload_shape(
         preset,
-        model_dir=model_dir,
-        seed=seed,
         trace=trace,
         max_sessions=max_sessions,
         length_scale=length_scale,
+        max_turns=max_turns,
+        gen_scale=gen_scale,
+        clones=clones,
     )
-    base = oracle_run(preset, model_dir, transport=transport, read_path=read_path)
+    workload = load_workload(
+        shape, model_dir=model_dir, seed=seed, max_prompt_tokens=max_prompt_tokens
+    )
+    base = oracle_run(
+        preset,
+        model_dir,
+        transport=transport,
+        read_path=read_path,
+        max_prompt_tokens=max_prompt_tokens,
+    )
     report: dict = {
         "benchmark": "offline",
         "preset": preset_name,
@@ -143,7 +237,7 @@ def run_offline(
         "model_dir": str(model_dir),
         "transport": transport,
         "read_path": read_path,
-        "workload": {"source": workload.source, **asdict(workload_stats(workload))},
+        **workload_report(workload, shape),
         "hardware": hardware_info(),
     }
     results: dict[str, dict] = {}
@@ -152,6 +246,10 @@ def run_offline(
         if preset.snic_bandwidth_gbps is None:
             assert preset.rho is not None, "a calibrated preset names its rho"
             oracle = run_mode(base, workload, work_dir=root / "calibration", progress=progress)
+            problems = mode_problems("calibration (oracle, uncapped)", oracle)
+            if problems:  # caps from a broken run would be wrong: no timed run
+                report["modes"] = {}
+                return mark_validity(report, problems)
             calibration = calibrate(oracle, preset.rho, model_dir)
             report.update(calibration)
             base = replace(
@@ -166,7 +264,7 @@ def run_offline(
     report["link_caps_emulated"] = base.snic_bandwidth_gbps > 0
     report["snic_caps_gbps"] = base.snic_bandwidth_gbps
     report["modes"] = {mode: results[mode] for mode in modes}
-    _finish(report, modes)
+    finish_report(report, modes)
     return report
 
 
@@ -195,7 +293,9 @@ def calibrate(oracle: dict, rho: float, model_dir: Path) -> dict:
     }
 
 
-def _finish(report: dict, modes: list[str]) -> None:
+def finish_report(report: dict, modes: list[str]) -> dict:
+    """Token mismatches against the first mode, the ratios between modes, and whether the run
+    is a result at all (no ratio survives an invalid run)."""
     results = report["modes"]
     reference = results[modes[0]]["tokens"]
     for result in results.values():
@@ -210,6 +310,12 @@ def _finish(report: dict, modes: list[str]) -> None:
             if mode != "oracle":
                 ratios[f"{mode}_vs_oracle_jct"] = r["jct_s"] / results["oracle"]["jct_s"]
     report["ratios"] = ratios
+    problems = [
+        problem
+        for mode, result in results.items()
+        for problem in mode_problems(mode, result, reference=modes[0])
+    ]
+    return mark_validity(report, problems)
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -229,13 +335,38 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace", type=Path, default=None, help="replay a Mooncake-format JSONL trace instead"
     )
     parser.add_argument(
-        "--max-sessions", type=int, default=None, help="agents (sessions) to replay"
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="sessions to replay: trajectories generated, or a trace's first sessions (default: "
+        "the preset's agents)",
     )
     parser.add_argument(
         "--length-scale",
         type=float,
         default=None,
-        help="multiply every length (prompts, appends, outputs) by this (default: the preset's)",
+        help="multiply every length (prompts, appends, outputs) by this, a trace's too "
+        "(default: the preset's)",
+    )
+    parser.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        help="keep each session's first N turns, a trace's too (default: the preset's cap)",
+    )
+    parser.add_argument(
+        "--gen-scale",
+        type=float,
+        default=None,
+        help="multiply every generation's length by this, after --length-scale (default: the "
+        "preset's)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="the servers' longest prompt (serve --max-prompt-tokens; default the model's "
+        "context minus one): the workload is checked against it before any server starts",
     )
     parser.add_argument(
         "--url",
@@ -264,6 +395,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument(
+        "--clones",
+        type=int,
+        default=None,
+        help="every session also runs as N clones with a fresh first turn (SPEC 7: "
+        "cache-disjoint), so many agents replay few sessions (default: the preset's)",
+    )
+    parser.add_argument(
         "--rho",
         default=None,
         help="calibrate SNIC caps to this hit-KV demand over one SNIC (e.g. 2), or a sweep "
@@ -278,23 +416,7 @@ def main(args: argparse.Namespace) -> int:
     if args.url is not None:
         if args.modes is not None:
             raise ValueError("--url runs against one existing server: do not give --modes")
-        preset = PRESETS[args.preset]
-        workload = load_workload(
-            preset,
-            model_dir=model_dir,
-            seed=args.seed,
-            trace=args.trace,
-            max_sessions=args.max_sessions,
-            length_scale=args.length_scale,
-        )
-        result = run_against_url(
-            args.url, args.served_model_name or model_dir.name, workload, api_key=args.api_key
-        )
-        result.pop("tokens")
-        report = {"benchmark": "offline", "url": args.url, "preset": args.preset, "modes": {}}
-        report["modes"]["url"] = result
-        _write(report, args)
-        return 0
+        return _write(_run_url(args, model_dir), args)
     modes = [m.strip() for m in (args.modes or "basic,dualpath,oracle").split(",") if m.strip()]
     rhos = [float(x) for x in args.rho.split(",")] if args.rho else [None]
     reports = [
@@ -309,15 +431,53 @@ def main(args: argparse.Namespace) -> int:
             trace=args.trace,
             max_sessions=args.max_sessions,
             length_scale=args.length_scale,
+            max_turns=args.max_turns,
+            gen_scale=args.gen_scale,
+            clones=args.clones,
+            max_prompt_tokens=args.max_prompt_tokens,
         )
         for rho in rhos
     ]
-    report = (
-        reports[0] if len(reports) == 1 else {"benchmark": "offline-rho-sweep", "runs": reports}
+    if len(reports) == 1:
+        return _write(reports[0], args)
+    problems = [f"rho {r['rho']:g}: {p}" for r in reports for p in r["problems"]]
+    sweep = {"benchmark": "offline-rho-sweep", "runs": reports}
+    return _write(mark_validity(sweep, problems), args)
+
+
+def _run_url(args: argparse.Namespace, model_dir: Path) -> dict:
+    """The agents against ``--url``: one "mode", validity as for our own servers."""
+    shape = workload_shape(
+        PRESETS[args.preset],
+        trace=args.trace,
+        max_sessions=args.max_sessions,
+        length_scale=args.length_scale,
+        max_turns=args.max_turns,
+        gen_scale=args.gen_scale,
+        clones=args.clones,
     )
-    _write(report, args)
-    return 0
+    workload = load_workload(
+        shape, model_dir=model_dir, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens
+    )
+    result = run_against_url(
+        args.url, args.served_model_name or model_dir.name, workload, api_key=args.api_key
+    )
+    result.pop("tokens")
+    report = {
+        "benchmark": "offline",
+        "url": args.url,
+        "preset": args.preset,
+        "seed": args.seed,
+        **workload_report(workload, shape),
+        "modes": {"url": result},
+    }
+    return mark_validity(report, mode_problems("url", result))
 
 
-def _write(report: dict, args: argparse.Namespace) -> None:
+def _write(report: dict, args: argparse.Namespace) -> int:
+    """Write the outputs; 0 for a valid report, 1 (having said why on stderr) otherwise."""
     write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="offline")
+    if report["valid"]:
+        return 0
+    print(invalid_message(report), file=sys.stderr)
+    return 1

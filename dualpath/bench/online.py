@@ -2,6 +2,7 @@
 
     dualpath bench online --preset ci --modes basic,dualpath --aps 2 --json results/online.json
     dualpath bench online --preset paper-ratio --modes basic,dualpath --find-capacity
+    dualpath bench online --preset agentic --modes basic,dualpath --find-capacity
 
 **SLO (SPEC §7, scaled to this machine).** By default TTFT <= 4 x and TPOT <= 4 x Oracle's
 *unloaded* p50 (one agent alone, measured once per invocation and recorded in the JSON);
@@ -27,12 +28,25 @@ and counts as a miss (``is_complete`` false in its JSON). A mode that attained a
 has ``capacity_aps`` null and ``capacity_below_aps`` (its lowest probe); where that is Basic,
 ``ratios`` gives ``<mode>_vs_basic_capacity_at_least``, a lower bound.
 Link caps are the preset's, or calibrated as in ``bench offline`` (``paper-ratio``).
+
+**Agents.** A synthetic preset generates as many trajectories as a probe has agents; a trace
+(``agentic``, ``--trace``) gives its shaped sessions in order, cloned round robin (SPEC §7)
+when a probe needs more agents than it has. Each agent sends its next turn when the previous
+one ends, or, with ``--replay-gaps [SCALE]``, also no sooner than the trace's gap between the
+two requests times SCALE (default 1), at most ``--max-gap-s``, after the previous one was sent
+(``agents.py``: real sessions pause for hours). The unloaded agent waits them too, so the SLO's
+and the run's lengths follow.
+
+**Valid or fail.** As offline (``validity.py``): a failed request in any probe, the unloaded
+runs or the calibration makes the run invalid (exit 1, ``"valid": false``, no ratios). A probe
+stopped for overload is a measured miss, not a failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -48,8 +62,11 @@ from dualpath.bench.offline import (
     checked_preset,
     load_workload,
     oracle_run,
+    workload_report,
 )
+from dualpath.bench.presets import workload_shape
 from dualpath.bench.report import write_outputs
+from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.workload import Workload, poisson_arrival_offsets_s
 
 SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
@@ -164,10 +181,17 @@ def run_online(
     trace: Path | None = None,
     length_scale: float | None = None,
     max_sessions: int | None = None,
+    max_turns: int | None = None,
+    gen_scale: float | None = None,
+    max_prompt_tokens: int | None = None,
+    replay_gaps: float | None = None,
+    max_gap_s: float | None = None,
     min_agents: int = DEFAULT_MIN_AGENTS,
     slo_basis: str = "oracle",
     progress: bool = True,
 ) -> dict:
+    """Every mode at the starting rate (or its capacity search); the report, ``valid`` or not
+    (``validity.py``). ``max_sessions`` caps the agents of every run."""
     preset = checked_preset(preset_name, modes)
     if slo_basis not in SLO_BASES:
         raise ValueError(f"--slo-basis must be one of {SLO_BASES}, got {slo_basis!r}")
@@ -177,34 +201,51 @@ def run_online(
     if start_aps <= 0:
         raise ValueError(f"--aps must be > 0, got {start_aps}")
 
-    def workload_of(num_agents: int) -> Workload:
+    if replay_gaps is not None and replay_gaps < 0:
+        raise ValueError(f"--replay-gaps must be >= 0, got {replay_gaps}")
+    if max_gap_s is not None and (replay_gaps is None or max_gap_s < 0):
+        raise ValueError(f"--max-gap-s must be >= 0 and goes with --replay-gaps, got {max_gap_s}")
+    gaps = {"gap_scale": replay_gaps, "max_gap_s": max_gap_s}
+    shape = workload_shape(
+        preset, trace=trace, length_scale=length_scale, max_turns=max_turns, gen_scale=gen_scale
+    )
+
+    def workload_of(num_agents: int | None) -> Workload:
         return load_workload(
-            preset,
+            shape,
             model_dir=model_dir,
             seed=seed,
-            trace=trace,
-            max_sessions=num_agents,
-            length_scale=length_scale,
+            max_prompt_tokens=max_prompt_tokens,
+            num_agents=num_agents,
         )
 
-    base = oracle_run(preset, model_dir, transport=transport)
+    # What offline replays (sessions and their clones): the calibration's workload, checked
+    # against the model before any server starts.
+    calibration_workload = workload_of(max_sessions)
+    base = oracle_run(preset, model_dir, transport=transport, max_prompt_tokens=max_prompt_tokens)
     report: dict = {
         "benchmark": "online",
         "preset": preset_name,
         "preset_config": asdict(preset),
         "seed": seed,
         "model_dir": str(model_dir),
+        **workload_report(calibration_workload, shape),
+        "replay_gaps": replay_gaps,
+        "max_gap_s": max_gap_s,
         "hardware": hardware_info(),
     }
+    problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dualpath-online-") as tmp:
         root = Path(work_dir or tmp)
         # Unloaded: one agent alone on Oracle (uncapped, from memory).
-        unloaded = _unloaded(base, workload_of(1), root / "unloaded", progress)
+        unloaded = _unloaded(base, workload_of(1), root / "unloaded", progress, gaps, problems)
         if preset.snic_bandwidth_gbps is None:
             assert preset.rho is not None, "a calibrated preset names its rho"
-            oracle = run_mode(
-                base, workload_of(max_sessions or preset.num_agents), work_dir=root / "cal"
-            )
+            oracle = run_mode(base, calibration_workload, work_dir=root / "cal")
+            problems += mode_problems("calibration (oracle, uncapped)", oracle)
+            if problems:  # caps from a broken run would be wrong: no probe
+                report["modes"] = {}
+                return mark_validity(report, problems)
             calibration = calibrate(oracle, preset.rho, model_dir)
             report.update(calibration)
             base = replace(
@@ -216,7 +257,12 @@ def run_online(
         report["min_agents"] = min_agents
         # One agent alone on Basic with the run's caps: what the SLO basis "basic" uses.
         unloaded_basic = _unloaded(
-            replace(base, mode="basic"), workload_of(1), root / "unloaded-basic", progress
+            replace(base, mode="basic"),
+            workload_of(1),
+            root / "unloaded-basic",
+            progress,
+            gaps,
+            problems,
         )
         basis = unloaded if slo_basis == "oracle" else unloaded_basic
         slo = {
@@ -250,8 +296,12 @@ def run_online(
                     progress=progress,
                     keep_records=True,
                     stop_after_s=last_arrival_s + OVERLOAD_AGENT_JCTS * unloaded["jct_s"],
+                    **gaps,
                 )
                 result.pop("tokens")
+                # A probe stopped for overload is a miss, not a failure: only failed requests.
+                if result["num_failed"]:
+                    problems += mode_problems(f"{mode} at {rate:.3g} APS", result)
                 result["aps"] = rate
                 result["num_agents"] = num_agents
                 result["second_half_p90_ttft_s"], result["second_half_p90_tpot_s"] = (
@@ -280,12 +330,20 @@ def run_online(
             results[mode] = summary
     report["modes"] = results
     report["ratios"] = capacity_ratios(results)
-    return report
+    return mark_validity(report, problems)
 
 
-def _unloaded(run: ModeRun, workload: Workload, work_dir: Path, progress: bool) -> dict:
-    """JCT, TTFT and TPOT of one agent alone on ``run``."""
-    result = run_mode(run, workload, work_dir=work_dir, progress=progress)
+def _unloaded(
+    run: ModeRun,
+    workload: Workload,
+    work_dir: Path,
+    progress: bool,
+    gaps: dict,
+    problems: list[str],
+) -> dict:
+    """JCT, TTFT and TPOT of one agent alone on ``run``; what went wrong into ``problems``."""
+    result = run_mode(run, workload, work_dir=work_dir, progress=progress, **gaps)
+    problems += mode_problems(f"unloaded agent ({run.mode})", result)
     return {k: result[k] for k in ("jct_s", "ttft_s", "tpot_s")}
 
 
@@ -312,6 +370,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="oracle",
         help="whose unloaded p50 TTFT/TPOT the default SLO multiplies by 4: one agent on "
         "Oracle (uncapped), or on Basic with the run's SNIC caps (default oracle)",
+    )
+    parser.add_argument(
+        "--replay-gaps",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=None,
+        metavar="SCALE",
+        help="send each turn no sooner than the trace's gap between the two requests (times "
+        "SCALE, default 1) after the previous one was sent (default: right after it ends)",
+    )
+    parser.add_argument(
+        "--max-gap-s",
+        type=float,
+        default=None,
+        help="with --replay-gaps: wait at most this many seconds between two requests (real "
+        "sessions pause for hours; default: no cap)",
     )
     parser.add_argument(
         "--slo-ttft-s", type=float, default=None, help="TTFT SLO (default 4 x unloaded p50)"
@@ -342,8 +417,16 @@ def main(args: argparse.Namespace) -> int:
         trace=args.trace,
         length_scale=args.length_scale,
         max_sessions=args.max_sessions,
+        max_turns=args.max_turns,
+        gen_scale=args.gen_scale,
+        max_prompt_tokens=args.max_prompt_tokens,
+        replay_gaps=args.replay_gaps,
+        max_gap_s=args.max_gap_s,
         min_agents=args.min_agents,
         slo_basis=args.slo_basis,
     )
     write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="online")
-    return 0
+    if report["valid"]:
+        return 0
+    print(invalid_message(report), file=sys.stderr)
+    return 1

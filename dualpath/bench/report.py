@@ -10,12 +10,25 @@ def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _percentiles(values: dict | None, spec: str, scale: float = 1.0) -> str:
+    """``p50 / p90 / p99`` of a ``stats.percentiles`` dict."""
+    values = values or {}
+    return " / ".join(
+        _fmt(None if values.get(q) is None else values[q] * scale, spec)
+        for q in ("p50", "p90", "p99")
+    )
+
+
 def markdown_table(report: dict) -> str:
-    """One row per mode: JCT, throughput, latency percentiles, hits, reads, balance."""
+    """One row per mode: JCT, each agent's JCT, throughput, latency percentiles, hits (against
+    the workload's bound), reads, balance, failures."""
+    bound = (report.get("workload") or {}).get("ideal_hit_ratio")
+    hit = "hit" if bound is None else f"hit (bound {bound:.1%})"
     lines = [
-        "| mode | JCT s | tok/s | TTFT p50/p90 s | TPOT p50/p90 ms | hit | PE / DE read MB "
-        "| SNIC max/avg (reads only) | PE busy | tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| mode | JCT s | agent JCT p50/p90/p99 s | tok/s | TTFT p50/p90/p99 s "
+        f"| TPOT p50/p90 ms | {hit} | PE / DE read MB | SNIC max/avg (reads only) | PE busy "
+        "| failed | tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in report["modes"].items():
         path = r.get("path_bytes")
@@ -24,12 +37,13 @@ def markdown_table(report: dict) -> str:
         tpot_ms = [None if v is None else v * 1e3 for v in (tpot["p50"], tpot["p90"])]
         mismatches = r.get("token_mismatches")
         lines.append(
-            f"| {mode} | {r['jct_s']:.2f} | {r['tokens_per_s']:.0f} "
-            f"| {_fmt(r['ttft_s']['p50'], '.3f')} / {_fmt(r['ttft_s']['p90'], '.3f')} "
+            f"| {mode} | {r['jct_s']:.2f} | {_percentiles(r.get('agent_jct_s'), '.1f')} "
+            f"| {r['tokens_per_s']:.0f} | {_percentiles(r['ttft_s'], '.3f')} "
             f"| {_fmt(tpot_ms[0], '.1f')} / {_fmt(tpot_ms[1], '.1f')} "
             f"| {r['hit_ratio']:.1%} | {reads} | {_fmt(r.get('snic_load_balance'), '.2f')} "
             f"({_fmt(r.get('snic_read_load_balance'), '.2f')}) "
             f"| {_fmt(r.get('pe_busy_fraction'), '.0%')} "
+            f"| {r.get('num_failed', 0)} of {r['num_requests']} "
             f"| {'–' if mismatches is None else ('same' if mismatches == 0 else f'{mismatches} differ')} |"
         )
     return "\n".join(lines)
@@ -39,6 +53,11 @@ def write_markdown(report: dict, path: Path | None) -> str:
     """The summary as Markdown (returned, and written to ``path`` if given)."""
     runs = report.get("runs", [report])
     parts = []
+    if report.get("valid") is False:
+        parts.append(
+            "**INVALID RUN: no figure below is a result, and no ratio is given.**\n\n"
+            + "\n".join(f"- {problem}" for problem in report["problems"])
+        )
     for run in runs:
         head = f"## {run['benchmark']} · preset {run.get('preset')}"
         if run.get("rho") is not None:

@@ -1,0 +1,60 @@
+"""Whether a benchmark run is a result: every request succeeded, every turn ran, and every mode
+generated the same tokens.
+
+    problems = mode_problems("dualpath", result)  # [] for a clean run
+    mark_validity(report, problems)  # "valid", "problems"; no "ratios" unless valid
+
+A failed request ends its agent, so the figures of a run with failures describe a smaller,
+different workload (the requests that failed are often the longest), and ratios between modes
+that lost different requests compare nothing. Such a run exits non-zero, says why, and
+writes its JSON with ``"valid": false`` and no ratios (STYLE.md §6: a result that could be
+broken must say so).
+"""
+
+from __future__ import annotations
+
+MAX_ERRORS_SHOWN = 3  # failed turns quoted per mode in a problem (the count is always given)
+
+
+def mode_problems(label: str, result: dict, *, reference: str | None = None) -> list[str]:
+    """Why one mode's (or probe's, or calibration's) result is not a result; [] if it is.
+    ``reference`` names the mode whose tokens ``token_mismatches`` counts against."""
+    problems = []
+    num_failed = result.get("num_failed", 0)
+    if num_failed:
+        errors = "; ".join(
+            f"session {e['session']} turn {e['turn']}: {e['error']}"
+            for e in result.get("first_errors", [])[:MAX_ERRORS_SHOWN]
+        )
+        problems.append(
+            f"{label}: {num_failed} of {result['num_requests']} requests failed "
+            f"(each ends its agent), first: {errors}"
+        )
+    elif not result.get("is_complete", True):
+        problems.append(
+            f"{label}: incomplete, {result['num_requests']} of "
+            f"{result.get('num_turns_expected', '?')} turns ran"
+        )
+    if result.get("token_mismatches"):
+        problems.append(
+            f"{label}: {result['token_mismatches']} turns generated other tokens than "
+            f"{reference or 'the first mode'}"
+        )
+    return problems
+
+
+def mark_validity(report: dict, problems: list[str]) -> dict:
+    """Record ``valid`` and ``problems`` in ``report``; an invalid report keeps no ratios."""
+    report["valid"] = not problems
+    report["problems"] = list(problems)
+    if problems and "ratios" in report:
+        report["ratios"] = {}
+    return report
+
+
+def invalid_message(report: dict) -> str:
+    """What a command prints (stderr) before it exits non-zero on an invalid report."""
+    num = len(report["problems"])
+    lines = [f"invalid run ({num} problem{'' if num == 1 else 's'}); no ratio is a result:"]
+    lines += [f"  - {problem}" for problem in report["problems"]]
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""Valid or fail: a run with failed requests, an incomplete mode or tokens that differ between
+modes exits non-zero, says why, and writes ``"valid": false`` with no ratios.
+
+The end-to-end cases run ``dualpath bench offline --url`` against a small fake of the
+OpenAI-compatible completions API (``fake_server.py``: the benchmark's real client, no
+engines)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dualpath.bench.offline import finish_report
+from dualpath.cli import main
+from tests.bench.fake_server import fake_completions_server
+
+TRACE = Path(__file__).parents[1] / "workload" / "data" / "agentic_head.jsonl"
+
+
+def _bench_url(url: str, model_dir: Path, out: Path) -> int:
+    return main(
+        ["bench", "offline", "--url", url, "--model", str(model_dir), "--json", str(out)]
+        + ["--trace", str(TRACE), "--length-scale", "0.01", "--max-turns", "4"]
+        + ["--gen-scale", "0.5", "--clones", "1"]
+    )
+
+
+def test_a_run_with_failed_requests_exits_non_zero_and_says_why(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "broken.json"
+    # Every session's turn 1 (a clone's turn 2, after its fresh first turn) is over 400
+    # tokens at this scale: the fake refuses it, as a server refuses a prompt over its limit.
+    with fake_completions_server(max_prompt_tokens=400) as server:
+        assert _bench_url(server.url, tiny_model_dir, out) == 1
+    report = json.loads(out.read_text())
+    result = report["modes"]["url"]
+    assert report["valid"] is False and "ratios" not in report
+    assert result["num_failed"] == 4 and result["is_complete"] is False
+    assert {(e["session"], e["turn"]) for e in result["first_errors"]} == {
+        ("trace_0008", 1),
+        ("trace_0182", 1),
+        ("trace_0008+clone0", 2),
+        ("trace_0182+clone0", 2),
+    }
+    err = capsys.readouterr().err
+    assert "invalid run" in err and "url: 4 of 10 requests failed" in err
+    assert "turn 1: TurnFailed: HTTP 400" in err
+    assert "INVALID RUN" in (tmp_path / "broken.md").read_text()
+
+
+def test_a_clean_run_is_valid_and_records_its_shaping(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "clean.json"
+    with fake_completions_server(max_prompt_tokens=10_000) as server:
+        assert _bench_url(server.url, tiny_model_dir, out) == 0
+    report = json.loads(out.read_text())
+    assert report["valid"] is True and report["problems"] == []
+    assert report["modes"]["url"]["num_failed"] == 0
+    shaping = report["shaping"]
+    assert shaping["trace"] == str(TRACE) and shaping["turn_scale"] is None
+    assert (shaping["length_scale"], shaping["max_turns"], shaping["gen_scale"]) == (0.01, 4, 0.5)
+    assert shaping["clones"] == 1
+    # 2 sessions of 4 turns, each with a clone of 5 turns (the fresh first turn).
+    assert report["workload"]["num_sessions"] == 4
+    assert report["modes"]["url"]["num_requests"] == 2 * 4 + 2 * 5
+    assert report["workload"]["block_size_tokens"] == 64
+    assert 0 < report["workload"]["ideal_hit_ratio"] < 1
+
+
+def _result(jct_s: float, tokens: dict[str, str], num_failed: int = 0) -> dict:
+    first_errors = [{"session": "s0", "turn": 1, "error": "HTTP 500"}] if num_failed else []
+    return {
+        "jct_s": jct_s,
+        "num_requests": len(tokens) + num_failed,
+        "num_turns_expected": len(tokens) + 2 * num_failed,
+        "num_failed": num_failed,
+        "is_complete": not num_failed,
+        "first_errors": first_errors,
+        "tokens": tokens,
+    }
+
+
+def test_scripted_results_give_ratios_only_when_every_mode_is_clean() -> None:
+    same = {"s0/0": "a", "s0/1": "b"}
+    clean = finish_report(
+        {"modes": {"basic": _result(4.0, same), "oracle": _result(2.0, same)}},
+        ["basic", "oracle"],
+    )
+    assert clean["valid"] is True and clean["ratios"]["oracle_vs_basic_jct"] == 2.0
+    differ = finish_report(
+        {
+            "modes": {
+                "basic": _result(4.0, same),
+                "oracle": _result(2.0, {"s0/0": "a", "s0/1": "x"}),
+            }
+        },
+        ["basic", "oracle"],
+    )
+    assert differ["valid"] is False and differ["ratios"] == {}
+    assert differ["problems"] == ["oracle: 1 turns generated other tokens than basic"]
+    failed = finish_report(
+        {"modes": {"basic": _result(4.0, same), "oracle": _result(2.0, {"s0/0": "a"}, 1)}},
+        ["basic", "oracle"],
+    )
+    assert failed["valid"] is False and failed["ratios"] == {}
+    assert failed["problems"][0].startswith("oracle: 1 of 2 requests failed")
+    assert "session s0 turn 1: HTTP 500" in failed["problems"][0]
