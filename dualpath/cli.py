@@ -1073,6 +1073,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "cross-process KV transfer GB/s (NIXL or shared memory) vs an in-process copy",
         ),
         (
+            "engine",
+            "dualpath.bench.engine_bench",
+            "prefill and decode tokens/s of our engine vs transformers' generate on the same "
+            "weights, float32 vs bfloat16, against the memory-bandwidth bound",
+        ),
+        (
             "offline",
             "dualpath.bench.offline",
             "N agents on a one-host PD cluster per mode: JCT and bytes per read path",

@@ -1,0 +1,609 @@
+"""Engine benchmark: our single-node engine against transformers' ``generate`` on the same weights.
+
+Run: ``dualpath bench engine --json results/engine.json`` (or ``python -m
+dualpath.bench.engine_bench`` with the same flags).
+
+For each weight dtype, two engines load the same checkpoint directory: ours (``dualpath.LLM``,
+no KV store, so nothing is reused between runs) and transformers'
+``AutoModelForCausalLM.from_pretrained(dir, dtype=...)`` driving ``generate`` (greedy,
+``min_new_tokens = max_new_tokens`` so it cannot stop early). Both run on the same torch
+intra-op thread count, set once for the process. Three workloads:
+
+- prefill: one ``prompt_tokens`` prompt, one output token; tokens/s = prompt tokens / time to
+  the first token;
+- decode at each batch size B: B prompts of ``decode_prompt_tokens`` (equal lengths: no
+  padding), ``decode_tokens`` output tokens each; aggregate tokens/s at steady state =
+  B * (decode_tokens - 1) / (time of the last token - time of the first token), so the prefill
+  is left out;
+- copy bandwidth: a large torch tensor ``copy_``, bytes read + written over time. The batch-1
+  bound is that bandwidth / the weight bytes one token reads (every parameter once; the tied
+  embedding counted once, for the LM head).
+
+One untimed warm-up pass runs every workload first; then each repeat runs every workload on
+every variant, engines alternating which goes first, so the variants share the machine's
+state (others' load, frequency) as closely as a shared CPU allows. Medians are reported,
+with every raw timing and each variant's spread (slowest / fastest repeat). On a CPU that
+other processes also use, every OpenMP barrier of a multi-threaded op can wait for a
+descheduled thread, so ``--threads`` equal to the core count makes single runs swing by
+multiples; the spread says how far, and more ``--repeats`` steady the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dualpath.bench.hardware import hardware_info
+
+DTYPES = ("float32", "bfloat16")
+ENGINES = ("ours", "transformers")
+# The issue's targets: (name, the ratio it judges, the least value that meets it).
+TARGETS = (
+    ("decode@1 ours / transformers", "decode@1", 1.0),
+    ("decode@16 ours / transformers", "decode@16", 3.0),
+    ("decode@1 ours / bandwidth bound", "decode@1_vs_bandwidth_bound", 0.5),
+)
+# 256 MiB: far past any last-level cache, so the copy streams from and to DRAM.
+_COPY_BYTES = 256 << 20
+_COPY_METHOD = (
+    "torch dst.copy_(src) of two {mib} MiB uint8 tensors on the benchmark's threads, allocated "
+    "once and copied once untimed (page faults), then once per repeat; bytes/s = 2 * size "
+    "(read + written) / time, median over repeats"
+)
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    """What one run measures; ``__post_init__`` refuses what could not be measured."""
+
+    model_dir: Path
+    dtypes: tuple[str, ...] = DTYPES
+    num_threads: int = 1
+    prompt_tokens: int = 2048  # the prefill workload's prompt
+    decode_prompt_tokens: int = 128  # each decode prompt: a short chat turn's context
+    decode_tokens: int = 64  # output tokens per decode sequence; decode_tokens - 1 are timed
+    batch_sizes: tuple[int, ...] = (1, 16)
+    num_repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.dtypes if d not in DTYPES]
+        if not self.dtypes or bad or len(set(self.dtypes)) != len(self.dtypes):
+            raise ValueError(f"dtypes must be distinct names from {DTYPES}, got {self.dtypes}")
+        if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be integers > 0, got {self.batch_sizes}")
+        if len(set(self.batch_sizes)) != len(self.batch_sizes):
+            raise ValueError(f"batch sizes must be distinct, got {self.batch_sizes}")
+        for name in ("num_threads", "prompt_tokens", "decode_prompt_tokens", "num_repeats"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.decode_tokens < 2:
+            raise ValueError(
+                f"decode_tokens must be >= 2 (the first token ends the prefill), "
+                f"got {self.decode_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One measured shape: ``batch_size`` prompts of ``prompt_tokens``, ``output_tokens`` each."""
+
+    name: str  # "prefill" or "decode@B"
+    batch_size: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.name == "prefill"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One run of a workload: seconds to the first token, then from the first to the last."""
+
+    prefill_s: float
+    decode_s: float
+    token_ids: list[list[int]]  # per sequence, for checking lengths and comparing engines
+
+
+def workloads(config: EngineBenchConfig) -> list[Workload]:
+    prefill = Workload("prefill", 1, config.prompt_tokens, 1)
+    decodes = [
+        Workload(f"decode@{b}", b, config.decode_prompt_tokens, config.decode_tokens)
+        for b in config.batch_sizes
+    ]
+    return [prefill, *decodes]
+
+
+def run_engine_bench(config: EngineBenchConfig, *, show_progress: bool = False) -> dict:
+    """Measure every (workload, dtype, engine) side by side; a JSON-able dict (module doc)."""
+    from dualpath.model.config import ModelConfig
+
+    model_config = ModelConfig.from_file(config.model_dir / "config.json")
+    _check_fits(config, model_config.max_position_embeddings)
+    torch.set_num_threads(config.num_threads)  # process-wide: every variant runs on these
+    shapes = workloads(config)
+    prompts = _prompts(shapes, model_config.vocab_size, config.seed)
+    engines = {
+        (dtype, name): _load(name, config, dtype) for dtype in config.dtypes for name in ENGINES
+    }
+    copy_buffers = _copy_buffers(_COPY_BYTES)
+    samples: dict[tuple[str, str, str], list[Timing]] = {}
+    copy_samples_s: list[float] = []
+    total = len(shapes) * len(engines) * (config.num_repeats + 1)
+    with tqdm(total=total, desc="engine bench", unit="run", disable=not show_progress) as bar:
+        for repeat in range(-1, config.num_repeats):  # -1: the untimed warm-up
+            # Alternate which engine runs first, so neither always follows the other.
+            order = ENGINES if repeat % 2 == 0 else ENGINES[::-1]
+            for workload in shapes:
+                for dtype in config.dtypes:
+                    for name in order:
+                        bar.set_postfix_str(f"{name} {dtype} {workload.name}")
+                        timing = engines[dtype, name].run(prompts[workload.name], workload)
+                        _check_lengths(timing, workload, name)
+                        if repeat >= 0:
+                            samples.setdefault((dtype, name, workload.name), []).append(timing)
+                        bar.update(1)
+            copy_s = _time_copy(*copy_buffers)
+            if repeat >= 0:
+                copy_samples_s.append(copy_s)
+    weight_bytes = {dtype: engines[dtype, "ours"].weight_bytes() for dtype in config.dtypes}
+    return _report(config, shapes, samples, copy_samples_s, weight_bytes, model_config)
+
+
+def _check_fits(config: EngineBenchConfig, max_positions: int) -> None:
+    longest = max(config.prompt_tokens + 1, config.decode_prompt_tokens + config.decode_tokens)
+    if longest > max_positions:
+        raise ValueError(
+            f"a workload needs {longest} positions but the model has "
+            f"max_position_embeddings {max_positions}"
+        )
+
+
+def _prompts(shapes: list[Workload], vocab_size: int, seed: int) -> dict[str, list[list[int]]]:
+    rng = np.random.default_rng(seed)
+    return {
+        w.name: rng.integers(0, vocab_size, size=(w.batch_size, w.prompt_tokens)).tolist()
+        for w in shapes
+    }
+
+
+def _check_lengths(timing: Timing, workload: Workload, engine: str) -> None:
+    lengths = {len(ids) for ids in timing.token_ids}
+    if len(timing.token_ids) != workload.batch_size or lengths != {workload.output_tokens}:
+        raise RuntimeError(
+            f"{engine} {workload.name}: expected {workload.batch_size} sequences of "
+            f"{workload.output_tokens} tokens, got lengths {sorted(lengths)}: not a result"
+        )
+
+
+# --- the engines ---------------------------------------------------------------------------------
+
+
+class OurEngine:
+    """``dualpath.LLM`` without a KV store; times come from its ``RequestOutput``s."""
+
+    def __init__(self, config: EngineBenchConfig, dtype: str) -> None:
+        from dualpath import LLM
+
+        max_batch = max(config.batch_sizes)
+        self.llm = LLM(
+            config.model_dir,
+            dtype=dtype,
+            num_threads=config.num_threads,
+            max_num_seqs=max(64, max_batch),
+            # Every decode batch prefills in one step, so its first tokens come together.
+            max_num_batched_tokens=max(
+                8192, config.prompt_tokens, max_batch * config.decode_prompt_tokens
+            ),
+        )
+
+    def run(self, prompts: list[list[int]], workload: Workload) -> Timing:
+        from dualpath import SamplingParams
+
+        params = SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        first_token_s = {o.first_token_s for o in outs}
+        assert len(first_token_s) == 1, f"{workload.name}: first tokens in several steps"
+        first_s = first_token_s.pop()
+        return Timing(
+            prefill_s=first_s - min(o.arrival_s for o in outs),
+            decode_s=max(o.finish_s for o in outs) - first_s,
+            token_ids=[o.token_ids for o in outs],
+        )
+
+    def weight_bytes(self) -> int:
+        """Bytes one batch-1 token reads: every parameter once (``parameters()`` yields a tied
+        embedding once, so the LM head is not counted twice)."""
+        model = self.llm.engine.loaded.model
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class TransformersEngine:
+    """transformers' ``generate``, greedy, unable to stop early; a logits processor stamps
+    each token's time (it runs once per token, right after that token's forward)."""
+
+    def __init__(self, config: EngineBenchConfig, dtype: str) -> None:
+        import transformers
+
+        transformers.logging.set_verbosity_error()  # generation-config notes, not results
+        transformers.logging.disable_progress_bar()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            config.model_dir, dtype=getattr(torch, dtype)
+        ).eval()
+        eos = self.model.config.eos_token_id
+        self.pad_token_id = eos[0] if isinstance(eos, list) else eos
+
+    def run(self, prompts: list[list[int]], workload: Workload) -> Timing:
+        import transformers
+
+        input_ids = torch.tensor(prompts)
+        times_s: list[float] = []
+
+        def stamp(_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            times_s.append(time.monotonic())
+            return scores
+
+        start_s = time.monotonic()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=workload.output_tokens,
+                min_new_tokens=workload.output_tokens,
+                do_sample=False,
+                logits_processor=transformers.LogitsProcessorList([stamp]),
+                pad_token_id=self.pad_token_id,
+            )
+        return Timing(
+            prefill_s=times_s[0] - start_s,
+            decode_s=times_s[-1] - times_s[0],
+            token_ids=out[:, input_ids.shape[1] :].tolist(),
+        )
+
+
+def _load(engine: str, config: EngineBenchConfig, dtype: str) -> OurEngine | TransformersEngine:
+    return OurEngine(config, dtype) if engine == "ours" else TransformersEngine(config, dtype)
+
+
+def _copy_buffers(num_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    source = torch.ones(num_bytes, dtype=torch.uint8)
+    destination = torch.empty(num_bytes, dtype=torch.uint8)
+    destination.copy_(source)  # first-touch page faults, once
+    return source, destination
+
+
+def _time_copy(source: torch.Tensor, destination: torch.Tensor) -> float:
+    start_s = time.perf_counter()
+    destination.copy_(source)
+    return time.perf_counter() - start_s
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def _report(
+    config: EngineBenchConfig,
+    shapes: list[Workload],
+    samples: dict[tuple[str, str, str], list[Timing]],
+    copy_samples_s: list[float],
+    weight_bytes: dict[str, int],
+    model_config,
+) -> dict:
+    copy_bytes_per_s = 2 * _COPY_BYTES / statistics.median(copy_samples_s)
+    by_dtype = {
+        dtype: _dtype_result(
+            dtype, shapes, samples, weight_bytes[dtype], copy_bytes_per_s, config.batch_sizes
+        )
+        for dtype in config.dtypes
+    }
+    report = {
+        "benchmark": "engine",
+        "config": {
+            "model_dir": str(config.model_dir),
+            "architecture": model_config.architecture,
+            "dtypes": list(config.dtypes),
+            "num_threads": config.num_threads,
+            "prompt_tokens": config.prompt_tokens,
+            "decode_prompt_tokens": config.decode_prompt_tokens,
+            "decode_tokens": config.decode_tokens,
+            "batch_sizes": list(config.batch_sizes),
+            "num_repeats": config.num_repeats,
+            "seed": config.seed,
+        },
+        "hardware": hardware_info(torch=torch.__version__, transformers=_transformers_version()),
+        "copy_bandwidth": {
+            "method": _COPY_METHOD.format(mib=_COPY_BYTES >> 20),
+            "size_bytes": _COPY_BYTES,
+            "samples_s": copy_samples_s,
+            "bytes_per_s": copy_bytes_per_s,
+        },
+        "results": by_dtype,
+        "targets": [
+            {
+                "name": name,
+                "dtype": dtype,
+                "least": least,
+                "measured": result["ratios"].get(ratio),
+                "is_met": result["ratios"].get(ratio, 0.0) >= least,
+            }
+            for dtype, result in by_dtype.items()
+            for name, ratio, least in TARGETS
+            if ratio in result["ratios"]
+        ],
+    }
+    if len(config.dtypes) > 1:
+        report["dtype_ratios"] = _dtype_ratios(by_dtype, config.dtypes)
+    return report
+
+
+def _dtype_result(
+    dtype: str,
+    shapes: list[Workload],
+    samples: dict[tuple[str, str, str], list[Timing]],
+    weight_bytes: int,
+    copy_bytes_per_s: float,
+    batch_sizes: tuple[int, ...],
+) -> dict:
+    engines = {engine: _engine_result(samples, dtype, engine, shapes) for engine in ENGINES}
+    ours, theirs = engines["ours"]["tokens_per_s"], engines["transformers"]["tokens_per_s"]
+    ratios = {name: ours[name] / theirs[name] for name in ours}
+    bound = copy_bytes_per_s / weight_bytes
+    if 1 in batch_sizes:
+        ratios["decode@1_vs_bandwidth_bound"] = ours["decode@1"] / bound
+    return {
+        "weight_bytes": weight_bytes,
+        "bandwidth_bound_tokens_per_s": bound,
+        **engines,
+        "ratios": ratios,
+        # Greedy tokens identical to transformers' in every repeat (a check on "same weights";
+        # float rounding may part them where two logits nearly tie).
+        "tokens_agree": {
+            w.name: all(
+                a.token_ids == b.token_ids
+                for a, b in zip(
+                    samples[dtype, "ours", w.name],
+                    samples[dtype, "transformers", w.name],
+                    strict=True,
+                )
+            )
+            for w in shapes
+        },
+    }
+
+
+def _engine_result(
+    samples: dict[tuple[str, str, str], list[Timing]], dtype: str, engine: str, shapes
+) -> dict:
+    tokens_per_s: dict[str, float] = {}
+    raw: dict[str, dict[str, list[float]]] = {}
+    for w in shapes:
+        runs = samples[dtype, engine, w.name]
+        raw[w.name] = {
+            "prefill_s": [t.prefill_s for t in runs],
+            "decode_s": [t.decode_s for t in runs],
+        }
+        if w.is_prefill:
+            tokens_per_s[w.name] = w.prompt_tokens / statistics.median(raw[w.name]["prefill_s"])
+        else:
+            num_tokens = w.batch_size * (w.output_tokens - 1)
+            tokens_per_s[w.name] = num_tokens / statistics.median(raw[w.name]["decode_s"])
+    return {"tokens_per_s": tokens_per_s, "spread": _spread(raw), "samples": raw}
+
+
+def _spread(raw: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """Slowest / fastest repeat per workload: how much the machine moved under the variant."""
+    spread = {}
+    for name, timings in raw.items():
+        times = timings["prefill_s" if name == "prefill" else "decode_s"]
+        spread[name] = max(times) / min(times)
+    return spread
+
+
+def _dtype_ratios(by_dtype: dict[str, dict], dtypes: tuple[str, ...]) -> dict[str, dict]:
+    """Each later dtype's tokens/s over the first's, per engine and workload."""
+    base = dtypes[0]
+    return {
+        f"{dtype}_vs_{base}": {
+            engine: {
+                name: value / by_dtype[base][engine]["tokens_per_s"][name]
+                for name, value in by_dtype[dtype][engine]["tokens_per_s"].items()
+            }
+            for engine in ENGINES
+        }
+        for dtype in dtypes[1:]
+    }
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def markdown(report: dict) -> str:
+    """The summary: tokens/s per dtype and engine, ratios, the bound and each target."""
+    cfg, hw = report["config"], report["hardware"]
+    names = list(next(iter(report["results"].values()))["ours"]["tokens_per_s"])
+    lines = [
+        f"## engine · {cfg['architecture']} · {cfg['num_threads']} threads · {hw['cpu_model']}",
+        "",
+        f"prefill: {cfg['prompt_tokens']}-token prompt; decode: {cfg['decode_prompt_tokens']}"
+        f"-token prompts, {cfg['decode_tokens']} output tokens, aggregate tokens/s from the "
+        f"first token to the last; median of {cfg['num_repeats']}; seed {cfg['seed']}; "
+        f"torch {hw['torch']}, transformers {hw['transformers']}",
+        "",
+        "| dtype | engine | " + " | ".join(f"{n} tok/s" for n in names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for dtype, result in report["results"].items():
+        for engine in ENGINES:
+            values = result[engine]["tokens_per_s"]
+            lines.append(
+                f"| {dtype} | {engine} | " + " | ".join(f"{values[n]:.1f}" for n in names) + " |"
+            )
+        ratios = result["ratios"]
+        lines.append(
+            f"| {dtype} | ours / transformers | "
+            + " | ".join(f"{ratios[n]:.2f}x" for n in names)
+            + " |"
+        )
+    lines.append("")
+    copy = report["copy_bandwidth"]
+    for dtype, result in report["results"].items():
+        lines.append(
+            f"- {dtype}: weights {result['weight_bytes'] / 1e6:.1f} MB per token / copy "
+            f"bandwidth {copy['bytes_per_s'] / 1e9:.2f} GB/s = bound "
+            f"{result['bandwidth_bound_tokens_per_s']:.1f} tok/s at batch 1; greedy tokens "
+            f"agree with transformers: "
+            + ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in result["tokens_agree"].items())
+        )
+    for key, engines in report.get("dtype_ratios", {}).items():
+        for engine, values in engines.items():
+            lines.append(
+                f"- {engine} {key.replace('_vs_', ' / ')}: "
+                + ", ".join(f"{n} {v:.2f}x" for n, v in values.items())
+            )
+    name, spread = max(
+        (
+            (f"{engine} {dtype} {n}", value)
+            for dtype, result in report["results"].items()
+            for engine in ENGINES
+            for n, value in result[engine]["spread"].items()
+        ),
+        key=lambda item: item[1],
+    )
+    lines.append(
+        f"- repeats of one variant differed by up to {spread:.2f}x ({name}; slowest / fastest): "
+        "the machine's load moved under the run by that much"
+    )
+    lines.append("")
+    lines.append("| target | dtype | least | measured | |")
+    lines.append("|---|---|---|---|---|")
+    for t in report["targets"]:
+        lines.append(
+            f"| {t['name']} | {t['dtype']} | {t['least']:g} | {t['measured']:.2f} "
+            f"| {'met' if t['is_met'] else 'missed'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def _csv(kind: type, choices: tuple[str, ...] | None = None) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from exc
+        if not values or (choices and any(v not in choices for v in values)):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a comma-separated list of {choices or kind.__name__}"
+            )
+        return values
+
+    return parse
+
+
+def _default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="Hugging Face checkpoint directory both engines load (default: the embedded "
+        "SmolLM2-135M-Instruct, converted from its packaged GGUF on first use)",
+    )
+    parser.add_argument(
+        "--dtypes",
+        type=_csv(str, DTYPES),
+        default=DTYPES,
+        help="weight dtypes, each measured for both engines in this run; targets are judged "
+        "per dtype (default: float32,bfloat16)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=_default_threads(),
+        help="torch intra-op threads, the same for every variant (default: this machine's "
+        "cores available to the process)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=2048, help="prompt length of the prefill workload"
+    )
+    parser.add_argument(
+        "--decode-prompt-tokens",
+        type=int,
+        default=128,
+        help="prompt length of every sequence in the decode workloads",
+    )
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=64,
+        help="output tokens per decode sequence; the last N-1 are timed (steady state)",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=_csv(int),
+        default=(1, 16),
+        help="decode batch sizes, comma-separated; tokens/s is the batch's aggregate "
+        "(default: 1,16)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of every variant; medians reported"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random prompt token ids")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the result (config, every raw timing, ratios, targets) here, and the "
+        "Markdown summary beside it as .md",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from dualpath.cli import _resolve_model
+
+    settings = {
+        "dtypes": args.dtypes,
+        "num_threads": args.threads,
+        "prompt_tokens": args.prompt_tokens,
+        "decode_prompt_tokens": args.decode_prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+        "batch_sizes": args.batch_sizes,
+        "num_repeats": args.repeats,
+        "seed": args.seed,
+    }
+    EngineBenchConfig(Path(), **settings)  # bad flags fail before a first use converts the model
+    config = EngineBenchConfig(_resolve_model(args.model), **settings)
+    report = run_engine_bench(config, show_progress=True)
+    text = markdown(report)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        args.json.with_suffix(".md").write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    raise SystemExit(main(_parser.parse_args()))
