@@ -8,11 +8,22 @@ store keeps (``[num_layers, block_size, bytes_per_token_per_layer]``, K before V
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from dualpath.kv.layout import KVLayout
 from dualpath.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PastBlocks:
+    """A step's cached-token locations: every sequence's blocks back to back, and per sequence
+    the split sizes ``(num_tokens, unused slots of its last block)`` that cut them apart again."""
+
+    block_ids: torch.Tensor  # int64 [sum of blocks], on the cache's device
+    split_sizes: list[int]  # 2 per sequence
 
 
 class PagedKVCache:
@@ -54,17 +65,56 @@ class PagedKVCache:
 
     # --- compute side -----------------------------------------------------------------------
 
-    def gather(
-        self, layer: int, block_table: list[int], num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of a sequence's first ``num_tokens`` tokens in ``layer``: [n, Hkv, D] each."""
-        if num_tokens == 0:
-            empty = self.kv.new_empty((0, *self.kv.shape[4:]))
-            return empty, empty
-        num_blocks = -(-num_tokens // self.block_size)
-        ids = torch.tensor(block_table[:num_blocks], device=self.device)
-        kv = self.kv[ids, layer].reshape(num_blocks * self.block_size, *self.kv.shape[3:])
-        return kv[:num_tokens, 0], kv[:num_tokens, 1]
+    def past_blocks(self, block_tables: list[list[int]], num_tokens: tuple[int, ...]) -> PastBlocks:
+        """Where the first ``num_tokens[i]`` tokens of each sequence live, for ``gather``
+        (computed once per step, used by every layer)."""
+        block_ids: list[int] = []
+        split_sizes: list[int] = []
+        for table, n in zip(block_tables, num_tokens, strict=True):
+            num_blocks = -(-n // self.block_size)
+            block_ids.extend(table[:num_blocks])
+            split_sizes.extend((n, num_blocks * self.block_size - n))
+        return PastBlocks(
+            torch.tensor(block_ids, dtype=torch.long, device=self.device), split_sizes
+        )
+
+    def gather(self, layer: int, past: PastBlocks) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K and V of each sequence's cached tokens in ``layer``: [n_i, Hkv, D] each, views into
+        one copy of all their blocks (one ``index_select`` for the whole step, not one advanced
+        index per sequence: on a CPU that was most of a batch-16 decode step)."""
+        blocks = self.kv[:, layer].index_select(0, past.block_ids)
+        kv = blocks.view(-1, *self.kv.shape[3:])  # [num_blocks * block_size, 2, Hkv, D]
+        keys = kv[:, 0].split(past.split_sizes)[::2]
+        values = kv[:, 1].split(past.split_sizes)[::2]
+        return list(zip(keys, values, strict=True))
+
+    def padded_rows(
+        self, block_tables: list[list[int]], num_cached_tokens: tuple[int, ...]
+    ) -> torch.Tensor:
+        """For ``gather_padded``: the cache rows of layer 0 that fill ``PaddedPast``'s slots of a
+        decode step, [num_seqs, max(c_i) + 1] (computed once per step, used by every layer).
+
+        A row is one token's K and V of one layer; with the cache's layout, token p of a
+        sequence is row ``(table[p // block_size] * num_layers + layer) * block_size
+        + p % block_size``. Slot c_i is the new token's own slot (its block is allocated, its
+        bytes not written yet: attention overwrites the copy); the filler slots beyond repeat
+        the sequence's token 0, finite and its own, never another request's leftovers.
+        """
+        assert all(c > 0 for c in num_cached_tokens), "a decode step has cached tokens"
+        width = max(num_cached_tokens) + 1
+        positions = np.arange(width)[None, :]
+        positions = np.where(positions <= np.array(num_cached_tokens)[:, None], positions, 0)
+        max_blocks = -(-width // self.block_size)
+        tables = np.array([(t + t[:1] * max_blocks)[:max_blocks] for t in block_tables])
+        blocks = np.take_along_axis(tables, positions // self.block_size, axis=1)
+        rows = blocks * (self.layout.num_layers * self.block_size) + positions % self.block_size
+        return torch.from_numpy(rows).to(self.device)
+
+    def gather_padded(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """One copy of ``layer``'s K and V at ``padded_rows``: [num_seqs, width, 2, Hkv, D]."""
+        per_row = self.kv.view(-1, *self.kv.shape[3:])  # [all rows, 2, Hkv, D]
+        layer_rows = rows.view(-1) + layer * self.block_size
+        return per_row.index_select(0, layer_rows).view(*rows.shape, *self.kv.shape[3:])
 
     def scatter(
         self,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dualpath.engine.kv_cache import PagedKVCache
 from dualpath.engine.sequence import Sequence
-from dualpath.model.llama import DecoderModel, PackedBatch
+from dualpath.model.llama import DecoderModel, LayerPast, PackedBatch, PaddedPast
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,24 @@ class ModelRunner:
         block_ids = torch.tensor(slot_blocks, device=device)
         offsets = positions % block_size
 
+        gather = self._gatherer(work, batch)
         hidden = self.model.embed(torch.tensor(input_ids, device=device))
         rope = self.model.rope(positions)
         for layer in range(self.model.num_layers):
-            past = [
-                self.cache.gather(layer, w.seq.block_table, w.seq.num_computed_tokens) for w in work
-            ]
+            past = gather(layer)
             hidden, k_new, v_new = self.model.forward_layer(layer, hidden, rope, batch, past)
             self.cache.scatter(layer, block_ids, offsets, k_new, v_new)
         rows = [row for w, row in zip(work, batch.last_rows(), strict=True) if w.is_sampling]
         if not rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[rows]).cpu()
+
+    def _gatherer(self, work: list[ScheduledSeq], batch: PackedBatch) -> Callable[[int], LayerPast]:
+        """Each layer's cached KV for this step: padded for one attention call when every
+        sequence decodes one token after cached ones, else one (k, v) per sequence."""
+        tables = [w.seq.block_table for w in work]
+        if all(n == 1 for n in batch.num_new_tokens) and all(batch.num_cached_tokens):
+            rows = self.cache.padded_rows(tables, batch.num_cached_tokens)
+            return lambda layer: PaddedPast(self.cache.gather_padded(layer, rows))
+        blocks = self.cache.past_blocks(tables, batch.num_cached_tokens)
+        return lambda layer: self.cache.gather(layer, blocks)

@@ -29,7 +29,26 @@ from dualpath.model.config import ModelConfig
 from dualpath.model.rope import rope_inv_freq
 
 Device = torch.device | str | None
-LayerPast = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per sequence: (k, v) [c_i, Hkv, D]
+
+
+@dataclass(frozen=True)
+class PaddedPast:
+    """One layer's cached K and V for a decode step (one new token per sequence, >= 1 cached
+    token each), padded so that attention runs once for all sequences: ``kv`` is
+    ``[num_seqs, width, 2, Hkv, D]`` with sequence i's cached tokens at ``kv[i, :c_i]``
+    (c_i = ``num_cached_tokens[i]``), its new token's slot at ``kv[i, c_i]`` and, beyond,
+    finite filler (copies of its own tokens) that attention masks. Attention writes the new
+    K/V into the slots: ``kv`` is the caller's scratch for one layer call::
+
+        sequence 0: | c_0 cached          | new | filler |
+        sequence 1: | c_1 cached    | new | filler       |
+    """
+
+    kv: torch.Tensor
+
+
+# Per sequence: (k, v) [c_i, Hkv, D]; or, for a decode step, all of them padded.
+LayerPast = Sequence[tuple[torch.Tensor, torch.Tensor]] | PaddedPast
 
 
 @dataclass(frozen=True)
@@ -117,6 +136,9 @@ class Attention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _apply_rope(q, rope), _apply_rope(k, rope)
+        if isinstance(past, PaddedPast):
+            out = _attend_padded(q, past.kv, batch.num_cached_tokens, k, v)
+            return self.o_proj(out.reshape(num_rows, -1)), k, v
         out = torch.empty_like(q)
         offsets = batch.row_offsets
         for i in range(batch.num_seqs):
@@ -161,6 +183,35 @@ def _attend(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _attend_padded(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    num_cached_tokens: tuple[int, ...],
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+) -> torch.Tensor:
+    """One new query per sequence over its cached keys and its new key (``PaddedPast``), all
+    sequences in one call: one call per sequence cost more than the attention itself on a CPU.
+    Returns [num_seqs, Hq, D]."""
+    num_seqs, width = kv.shape[:2]
+    rows = torch.arange(num_seqs, device=q.device)
+    cached = torch.tensor(num_cached_tokens, device=q.device)
+    kv[rows, cached, 0] = new_k
+    kv[rows, cached, 1] = new_v
+    mask = None
+    if num_seqs > 1:
+        mask = torch.arange(width, device=q.device) <= cached[:, None]  # [B, width]
+        mask = mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        kv[:, :, 0].transpose(1, 2),  # [B, Hkv, width, D]
+        kv[:, :, 1].transpose(1, 2),
+        attn_mask=mask,
+        enable_gqa=q.shape[1] != kv.shape[3],
+    )
+    return out.squeeze(2)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -251,7 +302,8 @@ class DecoderModel(nn.Module):
         """Run one decoder layer; return (hidden, k_new, v_new) for the packed new tokens.
 
         ``past[i]`` must hold sequence i's cached K and V for this layer, each
-        ``[num_cached_tokens[i], num_kv_heads, head_dim]``. Inputs are left untouched.
+        ``[num_cached_tokens[i], num_kv_heads, head_dim]``. Inputs are left untouched, except
+        a ``PaddedPast`` (a decode step's, in one tensor), which is scratch.
         """
         layer = self.model.layers[layer_idx]
         attn_out, k_new, v_new = layer.self_attn(layer.input_layernorm(hidden), rope, batch, past)
