@@ -382,8 +382,10 @@ class _EngineProcess:
         if self.decode is not None:
             num_seqs, num_tokens = self.decode.num_seqs, self.decode.num_tokens
             num_free = self.decode.engine.pool.num_free_blocks
+            num_write_tokens = self.decode.num_queued_write_tokens
         else:
             num_seqs, num_tokens, num_free = len(self.prefill.requests), self.prefill.num_tokens, 0
+            num_write_tokens = 0  # a PE persists nothing (SPEC §2)
         report = EngineReport(
             self.config.engine_id,
             num_seqs,
@@ -392,12 +394,13 @@ class _EngineProcess:
             engine.num_queued_read_tokens,
             self._link_bytes(),
             self.buffer.num_used_bytes // self.identity.layout.full_block_bytes,
+            num_write_tokens,
         )
         keepalive_s = min(
             self.config.report_keepalive_s, self.config.cluster.heartbeat_timeout_s / 4
         )
         if (
-            not (num_seqs or num_tokens or report.read_queue_tokens)
+            not (num_seqs or num_tokens or report.read_queue_tokens or num_write_tokens)
             and now_s - self._last_report_sent_s < keepalive_s
             and _same_but_reports(report, self._last_report)
         ):

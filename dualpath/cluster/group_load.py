@@ -38,6 +38,7 @@ class GroupLoad:
     num_tokens: list[int]
     num_free_kv_blocks: list[int]
     read_queue_tokens: list[int]
+    write_queue_tokens: list[int]
     is_usable: list[bool]
     link_bytes: list[dict[str, int]]  # cumulative counters, for metrics and benchmarks
     # Per engine: its entry may be out of date because it was given work, or a fetch it did
@@ -69,6 +70,7 @@ class GroupLoad:
             num_tokens=[0] * num_engines,
             num_free_kv_blocks=[0] * num_engines,
             read_queue_tokens=[0] * num_engines,
+            write_queue_tokens=[0] * num_engines,
             is_usable=[False] * num_engines,
             link_bytes=[{} for _ in range(num_engines)],
             is_stale=[False] * num_engines,
@@ -82,6 +84,7 @@ class GroupLoad:
         self.num_tokens[position] = report.num_tokens
         self.num_free_kv_blocks[position] = report.num_free_kv_blocks
         self.read_queue_tokens[position] = report.read_queue_tokens
+        self.write_queue_tokens[position] = report.write_queue_tokens
         self.is_usable[position] = True
         self.is_stale[position] = False
 
@@ -91,6 +94,7 @@ class GroupLoad:
         self.num_tokens[:] = report.num_tokens
         self.num_free_kv_blocks[:] = report.num_free_kv_blocks
         self.read_queue_tokens[:] = report.read_queue_tokens
+        self.write_queue_tokens[:] = report.write_queue_tokens or [0] * len(self.is_stale)
         if report.link_bytes:  # the leader may send its counters less often
             self.link_bytes[:] = report.link_bytes
         self.is_stale[:] = [False] * len(self.is_stale)
@@ -104,8 +108,9 @@ class GroupLoad:
             self.is_stale[position] = True
 
     def is_idle_and_current(self) -> bool:
-        """Every engine reported, has no work (no requests, tokens or queued reads) and has
-        been given none since. Such a group's entries are exact until it is given work, so
+        """Every engine reported, has no work (no requests, tokens, queued reads or queued
+        writes) and has been given none since. Such a group's entries are exact until it is
+        given work, so
         the scheduler may fetch on its behalf (an idle engine reports only now and then:
         ``EngineProcessConfig.report_keepalive_s``)."""
         return (
@@ -114,15 +119,17 @@ class GroupLoad:
             and not any(self.num_seqs)
             and not any(self.num_tokens)
             and not any(self.read_queue_tokens)
+            and not any(self.write_queue_tokens)
         )
 
     def snapshot(self) -> GroupSnapshot:
         """What the policy sees of the group at a fetch."""
         num_seqs, num_tokens = self.num_seqs, self.num_tokens
         num_free_kv_blocks, read_queue_tokens = self.num_free_kv_blocks, self.read_queue_tokens
+        write_queue_tokens = self.write_queue_tokens
         if not all(self.is_usable):
             # Not joined or not reported yet, or dead: never chosen (a PE above beta, a DE
-            # without memory), and its read queue is not counted.
+            # without memory), and its read and write queues are not counted.
             usable = self.is_usable
             num_seqs = [n if ok else 0 for n, ok in zip(num_seqs, usable, strict=True)]
             num_tokens = [
@@ -134,10 +141,17 @@ class GroupLoad:
             read_queue_tokens = [
                 n if ok else 0 for n, ok in zip(read_queue_tokens, usable, strict=True)
             ]
+            write_queue_tokens = [
+                n if ok else 0 for n, ok in zip(write_queue_tokens, usable, strict=True)
+            ]
         engines = self._engine_snapshots(num_seqs, num_tokens, num_free_kv_blocks)
-        # Each node's read_q sums its engines'; maps, not a loop: this runs on every fetch.
+        # Each node's read_q and write_q sum its engines'; maps, not a loop: this runs on
+        # every fetch.
         node_read_queue_tokens = map(sum, map(read_queue_tokens.__getitem__, self.node_slices))
-        nodes = tuple(map(NodeSnapshot, self.node_ids, node_read_queue_tokens))
+        node_write_queue_tokens = map(sum, map(write_queue_tokens.__getitem__, self.node_slices))
+        nodes = tuple(
+            map(NodeSnapshot, self.node_ids, node_read_queue_tokens, node_write_queue_tokens)
+        )
         return GroupSnapshot(self.spec.group_id, engines, nodes)
 
     def _engine_snapshots(

@@ -65,7 +65,7 @@ class PeerTable:
 @message("report")
 @dataclass(frozen=True, slots=True)
 class EngineReport:
-    """An engine's load at a fetch (SPEC §6: seq_e, tok_e, read_q)."""
+    """An engine's load at a fetch (SPEC §6: seq_e, tok_e, read_q; and write_q)."""
 
     engine_id: int
     num_seqs: int
@@ -79,6 +79,9 @@ class EngineReport:
     # levels: "buffer_used_bytes" and "buffer_capacity_bytes" (its host KV buffer).
     link_bytes: dict[str, int]
     num_buffer_slots_used: int
+    # Tokens this engine has queued for storage writes (a DE persisting KV, SPEC §2); a node's
+    # write_q sums its engines' (``dualpath.scheduler.message.NodeSnapshot``).
+    write_queue_tokens: int = 0
 
 
 @message("group-info")
@@ -114,6 +117,7 @@ class GroupReport:
     read_queue_tokens: tuple[int, ...]
     link_bytes: tuple[dict[str, int], ...]  # per engine, or () when left out
     num_buffer_slots_used: tuple[int, ...]
+    write_queue_tokens: tuple[int, ...] = ()  # per engine, or () when none has writes queued
 
     def __post_init__(self) -> None:
         # One chained comparison, not a loop: this runs for every report the scheduler decodes.
@@ -125,12 +129,16 @@ class GroupReport:
             == len(self.num_free_kv_blocks)
             == len(self.read_queue_tokens)
             == len(self.num_buffer_slots_used)
-        ) or len(self.link_bytes) not in (0, num_engines):
+        ) or not (
+            len(self.link_bytes) in (0, num_engines)
+            and len(self.write_queue_tokens) in (0, num_engines)
+        ):
             raise ValueError(
                 f"group {self.group_id}: every column needs {num_engines} entries (link_bytes "
-                f"may be empty), got {self.num_seqs}, {self.num_tokens}, "
-                f"{self.num_free_kv_blocks}, {self.read_queue_tokens}, "
-                f"{self.num_buffer_slots_used} and {len(self.link_bytes)} link counter sets"
+                f"and write_queue_tokens may be empty), got {self.num_seqs}, "
+                f"{self.num_tokens}, {self.num_free_kv_blocks}, {self.read_queue_tokens}, "
+                f"{self.num_buffer_slots_used}, {self.write_queue_tokens} and "
+                f"{len(self.link_bytes)} link counter sets"
             )
 
     @classmethod
@@ -145,12 +153,15 @@ class GroupReport:
             tuple(r.read_queue_tokens for r in reports),
             tuple(r.link_bytes for r in reports),
             tuple(r.num_buffer_slots_used for r in reports),
+            tuple(r.write_queue_tokens for r in reports),
         )
 
     @property
     def engines(self) -> tuple[EngineReport, ...]:
-        """One ``EngineReport`` per engine (with empty ``link_bytes`` if they were left out)."""
+        """One ``EngineReport`` per engine (with empty ``link_bytes`` if they were left out, and
+        no queued writes if ``write_queue_tokens`` was)."""
         link_bytes = self.link_bytes or tuple({} for _ in self.engine_ids)
+        write_queue_tokens = self.write_queue_tokens or (0,) * len(self.engine_ids)
         return tuple(
             EngineReport(*entry)
             for entry in zip(
@@ -161,6 +172,7 @@ class GroupReport:
                 self.read_queue_tokens,
                 link_bytes,
                 self.num_buffer_slots_used,
+                write_queue_tokens,
                 strict=True,
             )
         )

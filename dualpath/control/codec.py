@@ -26,8 +26,9 @@ from typing import Any, TypeVar
 
 import msgpack
 
-# 2: token ids as packed uint32 arrays; sequences decode as tuples.
-PROTOCOL_VERSION = 2
+# 2: token ids as packed uint32 arrays; sequences decode as tuples. 3: engine and group
+# reports carry write_queue_tokens (the scheduler's write_q).
+PROTOCOL_VERSION = 3
 
 T = TypeVar("T")
 

@@ -241,6 +241,14 @@ class DecodeEngine:
         return self.reader.num_queued_blocks * self.block_size
 
     @property
+    def num_queued_write_tokens(self) -> int:
+        """Tokens of Full Blocks this engine persists (SPEC §2) that are not written yet: its
+        share of its node's write_q, which the read-side choice adds to read_q (both load the
+        node's SNIC; ``dualpath.scheduler.cluster_view``)."""
+        store_io = self.engine.store_io
+        return 0 if store_io is None else store_io.num_unfinished_writes * self.block_size
+
+    @property
     def num_tokens(self) -> int:
         """tok_e: prompt + max output tokens of every assigned, unfinished request."""
         pending = sum(r.num_prompt_tokens + r.params.max_tokens for r in self.requests.values())

@@ -62,6 +62,7 @@ class KVStoreIO:
         self._lock = threading.Lock()
         # Keys queued or being written, with how many writes of each are outstanding.
         self._pending_keys: Counter[BlockKey] = Counter()
+        self._num_unfinished_writes = 0  # the Counter's total: writes queued or running
         self.num_failed_reads = 0
         self.num_failed_writes = 0
 
@@ -105,6 +106,7 @@ class KVStoreIO:
             self._pop_oldest()
         with self._lock:
             self._pending_keys[key] += 1
+            self._num_unfinished_writes += 1
         self._pending.append((self._writer.submit(self._write_one, key, data), data.nbytes))
         self._pending_bytes += data.nbytes
 
@@ -123,6 +125,7 @@ class KVStoreIO:
             return False
         finally:
             with self._lock:
+                self._num_unfinished_writes -= 1
                 self._pending_keys[key] -= 1
                 if not self._pending_keys[key]:
                     del self._pending_keys[key]
@@ -139,6 +142,13 @@ class KVStoreIO:
     @property
     def num_pending_writes(self) -> int:
         return len(self._pending)
+
+    @property
+    def num_unfinished_writes(self) -> int:
+        """Full Blocks queued or being written (finished ones excluded, unlike
+        ``num_pending_writes``, which counts them until they are reaped): the node's SNIC still
+        has to move them, so they count in its storage queue (the scheduler's ``write_q``)."""
+        return self._num_unfinished_writes
 
     def flush(self, timeout_s: float | None = None) -> int:
         """Block until every queued write has finished (or failed and been counted).

@@ -1,12 +1,21 @@
 """What the scheduler believes about the cluster between two reports (internal, mutable).
 
 Both placement policies share it: the topology's lookup tables, each node's storage read
-queue and the read-path decision, with the one piece of read-path state: per (PE node, DE
-node) pair, how many requests with a hit were planned on it (the turn of the ``"round_robin"``
-read path; the planners themselves are pure). A node's ``read_q`` is the value its group leader last
+and write queues and the read-path decision, with the one piece of read-path state: per (PE
+node, DE node) pair, how many requests with a hit were planned on it (the turn of the
+``"round_robin"`` read path; the planners themselves are pure). A node's ``read_q`` is the value its group leader last
 reported plus every read the scheduler has planned on that node since, so that decisions in
 one fetch, and fetches of other groups before the next report, see the reads already planned
 (our choice; SPEC §6 says only "the latest read_q"). A node not yet reported counts as idle.
+
+The read-side choice compares each node's SNIC queue, ``read_q + write_q``, not ``read_q``
+alone (our extension of SPEC §6): a node's SNIC also carries its DE's persistence writes (SPEC
+§2), which ``read_q`` does not count. Without them a DE node busy writing the first turns'
+prompts looked idle and drew the next turns' reads, which then queued behind those writes
+while the PE node's SNIC idled (``paper-ratio``: seconds of DE nodes at their caps with
+``read_q`` = 0). ``write_q`` is the last reported value: the scheduler plans no writes. PE
+nodes write nothing, so Algorithm 1's categories, which see only PE nodes, keep SPEC's
+``read_q``.
 """
 
 from __future__ import annotations
@@ -40,8 +49,10 @@ class ClusterView:
         self.block_size_tokens = config.block_size_tokens
         self._load_planner = load_planner
         self._node_id_to_index = {node.node_id: i for i, node in enumerate(topology.nodes)}
-        # Per node index: read_q as last reported plus planned since (tokens), read rate, α.
+        # Per node index: read_q as last reported plus planned since (tokens), write_q as last
+        # reported (tokens), read rate, α.
         self.read_queue_tokens: list[int] = [0] * len(topology.nodes)
+        self.write_queue_tokens: list[int] = [0] * len(topology.nodes)
         self.read_tokens_per_s = [node.storage_read_tokens_per_s for node in topology.nodes]
         # Per (PE node, DE node) pair, at prefill_node_index * num_nodes + decode_node_index:
         # requests with a hit planned on it so far.
@@ -86,7 +97,8 @@ class ClusterView:
         return group
 
     def accept(self, snapshot: GroupSnapshot, role: EngineRole) -> GroupIndex:
-        """Validate a leader's report against the topology and record its nodes' ``read_q``."""
+        """Validate a leader's report against the topology and record its nodes' ``read_q``
+        and ``write_q``."""
         group = self.group(snapshot.group_id, role)
         spec = group.spec
         # (Compared entry by entry rather than as tuples of ids: every fetch runs this, and
@@ -106,18 +118,22 @@ class ClusterView:
             got = tuple(node.node_id for node in nodes)
             raise ValueError(f"group {spec.group_id}: snapshot nodes {got} must be {node_ids}")
         read_queue_tokens = self.read_queue_tokens
+        write_queue_tokens = self.write_queue_tokens
         node_indices = group.spec_node_indices
         for position, node in enumerate(nodes):
-            read_queue_tokens[node_indices[position]] = node.read_queue_tokens
+            node_index = node_indices[position]
+            read_queue_tokens[node_index] = node.read_queue_tokens
+            write_queue_tokens[node_index] = node.write_queue_tokens
         return group
 
     def plan_load(
         self, request: SchedulerRequest, prefill_node_index: int, decode_node_index: int
     ) -> LoadPlan:
-        """Fix the request's read plan from both nodes' ``read_q`` (and the pair's turn) and
-        queue its reads there."""
+        """Fix the request's read plan from both nodes' SNIC queues, ``read_q + write_q``
+        (module docstring), and the pair's turn, and queue its reads there."""
         block_size_tokens = self.block_size_tokens
         read_queue_tokens = self.read_queue_tokens
+        write_queue_tokens = self.write_queue_tokens
         num_hit_blocks = request.num_cached_tokens // block_size_tokens
         pair = prefill_node_index * len(read_queue_tokens) + decode_node_index
         num_earlier_plans = self._num_plans_by_pair[pair]
@@ -125,8 +141,8 @@ class ClusterView:
             self._num_plans_by_pair[pair] = num_earlier_plans + 1
         plan = self._load_planner.plan(
             num_hit_blocks,
-            read_queue_tokens[prefill_node_index],
-            read_queue_tokens[decode_node_index],
+            read_queue_tokens[prefill_node_index] + write_queue_tokens[prefill_node_index],
+            read_queue_tokens[decode_node_index] + write_queue_tokens[decode_node_index],
             self.read_tokens_per_s[prefill_node_index],
             self.read_tokens_per_s[decode_node_index],
             num_earlier_plans=num_earlier_plans,

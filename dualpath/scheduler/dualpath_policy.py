@@ -197,7 +197,8 @@ class DualPathScheduler:
     def fetch_decode(self, snapshot: GroupSnapshot) -> DecodeFetchResult:
         """A DE group's fetch: phase 1 for all groups, then phase 2 in this one (SPEC §6).
 
-        Each placed request's read plan is fixed here from both nodes' latest ``read_q``.
+        Each placed request's read plan is fixed here from both nodes' latest ``read_q`` (and
+        ``write_q``: ``ClusterView``).
         """
         group = self._cluster.accept(snapshot, EngineRole.DECODE)
         # (A loop rather than sum() of a list: compiled, it adds machine integers.)
@@ -222,9 +223,10 @@ class DualPathScheduler:
     def report_decode_load(self, group_id: int, num_tokens: int) -> None:
         """Record DE group ``group_id``'s Σ ``tok_e`` (``num_tokens``) as its fetch does, without
         fetching: for a leader whose fetch could place nothing (``decode_fetch_may_place``),
-        every later answer is then the same as after that fetch. The nodes' ``read_q`` a full
-        report also carries is not needed: only the group's own placements read it (a node has
-        one role and one group), and each of those follows a full report of the group."""
+        every later answer is then the same as after that fetch. The nodes' ``read_q`` and
+        ``write_q`` a full report also carries are not needed: only the group's own placements
+        read them (a node has one role and one group), and each of those follows a full report
+        of the group."""
         self._record_decode_load(self._cluster.group(group_id, EngineRole.DECODE).index, num_tokens)
 
     def _record_decode_load(self, index: int, num_tokens: int) -> None:

@@ -1,18 +1,23 @@
 """The LoadPlanner: which side reads a request's hit KV from storage (SPEC §2, §6).
 
 STYLE principle 2: the planner decides, the mover moves. A planner is pure: it gets the number
-of hit Full Blocks, both nodes' storage read queues and how many reads the scheduler planned
-before on the same pair of nodes, and returns a ``LoadPlan``. The engine's traffic manager (or
-the simulator's flows) executes the plan and reports back; the scheduler only adds the planned
+of hit Full Blocks, both nodes' SNIC queues and how many reads the scheduler planned before on
+the same pair of nodes, and returns a ``LoadPlan``. The engine's traffic manager (or the
+simulator's flows) executes the plan and reports back; the scheduler only adds the planned
 tokens to its view of each node's ``read_q`` until the next report.
+
+A node's SNIC queue is what its SNIC still has to move, in tokens: SPEC §6's ``read_q`` plus
+``write_q``, the Full Blocks its DE has queued for persistence (SPEC §2). Counting the writes
+is our extension (``ClusterView`` says why); a node that writes nothing (a PE node, or any node
+once its writes are done) is compared by ``read_q`` alone, as SPEC §6 states.
 
 Policies, by the name ``SchedulerConfig.read_path`` uses:
 
-* ``"dual"`` -- SPEC §6: the whole request on the side whose node has the shorter ``read_q``
-  in tokens; on a tie, the DE side.
-* ``"split"`` -- our extension (SPEC §8): the hit blocks are divided so that both nodes' read
-  queues finish together, given each node's storage read rate; the two finish times differ by
-  at most one block's read time.
+* ``"dual"`` -- SPEC §6: the whole request on the side whose node has the shorter queue in
+  tokens (``read_q``, and ``write_q``: above); on a tie, the DE side.
+* ``"split"`` -- our extension (SPEC §8): the hit blocks are divided so that both nodes' SNIC
+  queues finish together, given each node's storage rate; the two finish times differ by at
+  most one block's read time.
 * ``"pe"`` / ``"de"`` -- always that side; ``"pe"`` is Basic's classic path.
 * ``"round_robin"`` -- the load-oblivious baseline's choice (our reading of the paper's round
   robin, SPEC §7, the ablation's "+dual path" step): the whole request on the PE side, then
@@ -68,14 +73,15 @@ class LoadPlanner(Protocol):
     def plan(
         self,
         num_hit_blocks: int,
-        prefill_read_queue_tokens: float,
-        decode_read_queue_tokens: float,
+        prefill_queue_tokens: float,
+        decode_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
         *,
         num_earlier_plans: int,
     ) -> LoadPlan:
-        """The plan for ``num_hit_blocks`` given each node's queued read tokens and read rate.
+        """The plan for ``num_hit_blocks`` given each node's SNIC queue (tokens queued for
+        storage reads and writes) and storage read rate.
 
         ``num_earlier_plans``: requests with a hit planned before this one on the same (PE
         node, DE node) pair; only the turn-taking ``"round_robin"`` planner reads it.
@@ -93,8 +99,8 @@ class FixedSideLoadPlanner:
     def plan(
         self,
         num_hit_blocks: int,
-        prefill_read_queue_tokens: float,
-        decode_read_queue_tokens: float,
+        prefill_queue_tokens: float,
+        decode_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
         *,
@@ -118,7 +124,8 @@ class _WholeRequestPlanner:
 
 
 class ShorterQueueLoadPlanner(_WholeRequestPlanner):
-    """SPEC §6: the whole request on the side with the shorter ``read_q``; tie -> DE side.
+    """SPEC §6: the whole request on the side with the shorter queue (``read_q``, plus
+    ``write_q``: module docstring); tie -> DE side.
 
     The comparison is in tokens, as SPEC states it, even when the two nodes read at different
     rates; ``SplitLoadPlanner`` is the rate-aware policy.
@@ -127,20 +134,20 @@ class ShorterQueueLoadPlanner(_WholeRequestPlanner):
     def plan(
         self,
         num_hit_blocks: int,
-        prefill_read_queue_tokens: float,
-        decode_read_queue_tokens: float,
+        prefill_queue_tokens: float,
+        decode_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
         *,
         num_earlier_plans: int = 0,
     ) -> LoadPlan:
         return self._whole_request(
-            num_hit_blocks, on_prefill_side=prefill_read_queue_tokens < decode_read_queue_tokens
+            num_hit_blocks, on_prefill_side=prefill_queue_tokens < decode_queue_tokens
         )
 
 
 class SplitLoadPlanner:
-    """Our extension: divide the hit blocks so both read queues finish together.
+    """Our extension: divide the hit blocks so both nodes' SNIC queues finish together.
 
     With k blocks on the PE side, b tokens per block, queues q and rates r, the queues finish at
 
@@ -161,8 +168,8 @@ class SplitLoadPlanner:
     def plan(
         self,
         num_hit_blocks: int,
-        prefill_read_queue_tokens: float,
-        decode_read_queue_tokens: float,
+        prefill_queue_tokens: float,
+        decode_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
         *,
@@ -172,7 +179,7 @@ class SplitLoadPlanner:
         if n == 0:
             return LoadPlan(0, 0)
         b = self._block_size_tokens
-        q_pe, q_de = prefill_read_queue_tokens, decode_read_queue_tokens
+        q_pe, q_de = prefill_queue_tokens, decode_queue_tokens
         r_pe, r_de = prefill_read_tokens_per_s, decode_read_tokens_per_s
         k_real = (r_pe * (q_de + n * b) - r_de * q_pe) / (b * (r_pe + r_de))
         k_floor = min(max(math.floor(k_real), 0), n)
@@ -195,8 +202,8 @@ class RoundRobinLoadPlanner(_WholeRequestPlanner):
     def plan(
         self,
         num_hit_blocks: int,
-        prefill_read_queue_tokens: float,
-        decode_read_queue_tokens: float,
+        prefill_queue_tokens: float,
+        decode_queue_tokens: float,
         prefill_read_tokens_per_s: float,
         decode_read_tokens_per_s: float,
         *,

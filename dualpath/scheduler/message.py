@@ -91,14 +91,19 @@ class EngineSnapshot:
 
 @dataclass(frozen=True, slots=True, init=False)
 class NodeSnapshot:
-    """One node's storage read queue, as its group leader reports it at a fetch."""
+    """One node's storage queues, as its group leader reports it at a fetch."""
 
     node_id: int
     read_queue_tokens: int  # read_q: tokens queued for storage reads on this node's SNIC
+    # write_q (our extension of SPEC §6): tokens of Full Blocks queued for storage writes on
+    # this node's SNIC (a DE persisting KV, SPEC §2), not yet written. The read-side choice
+    # compares read_q + write_q: what the node's SNIC still has to move (``ClusterView``).
+    write_queue_tokens: int
 
-    def __init__(self, node_id: int, read_queue_tokens: int) -> None:
+    def __init__(self, node_id: int, read_queue_tokens: int, write_queue_tokens: int = 0) -> None:
         object.__setattr__(self, "node_id", node_id)
         object.__setattr__(self, "read_queue_tokens", read_queue_tokens)
+        object.__setattr__(self, "write_queue_tokens", write_queue_tokens)
 
 
 @dataclass(frozen=True, slots=True, init=False)

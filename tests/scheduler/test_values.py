@@ -18,7 +18,7 @@ from dualpath.sim import cluster
 VALUES = {
     message.SchedulerRequest: (7, 400, 320, 32),
     message.EngineSnapshot: (3, 2, 900, 11),
-    message.NodeSnapshot: (1, 4096),
+    message.NodeSnapshot: (1, 4096, 512),
     message.GroupSnapshot: (
         2,
         (message.EngineSnapshot(0, 1, 10), message.EngineSnapshot(1, 0, 0, 5)),
