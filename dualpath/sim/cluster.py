@@ -51,6 +51,13 @@ class ClusterModel:
     # engines holds a request fetches at once (our runtime's coordinator does, ``local``);
     # False: every fetch waits for the grid (the paper profiles, calibrated that way).
     fetch_when_idle: bool = False
+    # True: a node's storage reads and writes share one SNIC cap, as the benchmark's emulated
+    # SNIC (one token bucket per node, ``transfer.node_limiter``) does (``local``): the DE's
+    # persistence writes are flows on the node's SNIC, slow its reads, and count in the
+    # node's write_q, which the read-side choice adds to read_q (``scheduler.cluster_view``).
+    # False (the paper profiles): a full-duplex SNIC, on which the writes take no bandwidth
+    # (NOTE(sim) in ``Simulator._persist``) and write_q stays 0.
+    is_snic_shared: bool = False
     inference_weight: int = 99
     kv_weight: int = 1
 

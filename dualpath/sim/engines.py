@@ -1,7 +1,8 @@
 """Simulated nodes and engines: plain state plus the decode engine's fluid step model.
 
 * ``SimRequest`` -- one turn's request as it moves through the cluster (counts and times).
-* ``SimNode`` -- a node's SNIC (read and write links) and its FIFO storage read queue.
+* ``SimNode`` -- a node's SNIC (read and write links), its FIFO storage read queue and, where
+  writes share the SNIC with reads, its storage write queue.
 * ``StorageService`` -- the store's aggregate read throughput, shared by the nodes reading.
 * ``SimPrefillEngine`` / ``SimDecodeEngine`` -- one GPU each, with the load figures the group
   leader reports (``seq_e``, ``tok_e``, free KV blocks).
@@ -53,6 +54,8 @@ class SimRequest:
         "load_plan",
         "num_pending_reads",
         "num_pending_kv",
+        "num_pending_writes",
+        "waiting_turn",
         "submit_s",
         "first_token_s",
         "decode_start_s",
@@ -86,6 +89,9 @@ class SimRequest:
         self.num_output_tokens = num_output_tokens
         self.num_pending_reads = 0
         self.num_pending_kv = 0  # PE->DE flows still moving, +1 until the prefill is done
+        self.num_pending_writes = 0  # store writes of its blocks still moving (shared SNIC)
+        # The agent's next turn, held until those writes end (``Simulator._enqueue``).
+        self.waiting_turn: SimRequest | None = None
         self.submit_s = submit_s
         self.first_token_s = -1.0
         self.decode_start_s = -1.0
@@ -148,7 +154,9 @@ class StorageService:
 
 class SimNode:
     """A node: SNIC links and a FIFO read queue with at most ``max_inflight_reads`` running;
-    with a ``service``, its reads also share the store's throughput (``StorageService``)."""
+    with a ``service``, its reads also share the store's throughput (``StorageService``).
+    Writes (``write``) are flows on the read link: the one SNIC of a node whose reads and
+    writes share a cap (``ClusterModel.is_snic_shared``)."""
 
     __slots__ = (
         "node_id",
@@ -156,6 +164,7 @@ class SimNode:
         "snic_read",
         "snic_write",
         "read_queue_tokens",
+        "write_queue_tokens",
         "max_inflight_reads",
         "group",
         "service",
@@ -179,6 +188,7 @@ class SimNode:
         self.snic_read = snic_read
         self.snic_write = snic_write
         self.read_queue_tokens = 0  # read_q: tokens queued or being read (SPEC §6)
+        self.write_queue_tokens = 0  # write_q: tokens being written (``write``)
         self.max_inflight_reads = max_inflight_reads
         self.service: StorageService | None = None
         self._num_inflight = 0
@@ -186,11 +196,33 @@ class SimNode:
         self._snapshot = NodeSnapshot(node_id, 0)
 
     def snapshot(self) -> NodeSnapshot:
-        """The leader's report of this node (``read_q``); see ``SimPrefillEngine.snapshot``."""
+        """The leader's report of this node (``read_q``, ``write_q``); see
+        ``SimPrefillEngine.snapshot``."""
         snapshot = self._snapshot
-        if snapshot.read_queue_tokens != self.read_queue_tokens:
-            snapshot = self._snapshot = NodeSnapshot(self.node_id, self.read_queue_tokens)
+        if (
+            snapshot.read_queue_tokens != self.read_queue_tokens
+            or snapshot.write_queue_tokens != self.write_queue_tokens
+        ):
+            snapshot = self._snapshot = NodeSnapshot(
+                self.node_id, self.read_queue_tokens, self.write_queue_tokens
+            )
         return snapshot
+
+    def write(
+        self, num_bytes: float, num_tokens: int, on_done: Callable[[Any], None], token: Any
+    ) -> None:
+        """Write ``num_bytes`` (``num_tokens`` of Full Blocks) to the store through the node's
+        SNIC, next to its reads (one flow, shared max-min with the reads in flight), counted
+        in ``write_q`` until written; then ``on_done(token)``."""
+        self.write_queue_tokens += num_tokens
+        self.group.snapshot = None  # its next report carries the new write_q
+        self.snic_read.start(num_bytes, _KV, self._on_write_done, (num_tokens, on_done, token))
+
+    def _on_write_done(self, entry: tuple[int, Callable[[Any], None], Any]) -> None:
+        num_tokens, on_done, token = entry
+        self.write_queue_tokens -= num_tokens
+        self.group.snapshot = None
+        on_done(token)
 
     def read(
         self, num_bytes: float, num_tokens: int, on_done: Callable[[Any], None], token: Any

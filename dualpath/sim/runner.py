@@ -210,6 +210,8 @@ def build_simulator(spec: RunSpec) -> Simulator:
         turn_latency_s=spec.local.turn_latency_s if spec.local else 0.0,
         handoff_s=spec.local.handoff_s if spec.local else 0.0,
         fetch_when_idle=spec.local is not None,
+        # The benchmark's SNIC cap is one token bucket for both directions.
+        is_snic_shared=spec.local is not None,
         # The measured profile's front end is inside its fitted ``turn_latency_s``.
         frontend_s_per_request=0.0 if spec.local else 1.0 / hardware.frontend_requests_per_s,
         # The measured profile's store is this machine's disk, behind the benchmark's SNIC caps.

@@ -112,6 +112,9 @@ class Simulator(PrefillSteps):
         self.num_turns = sum(len(turns[0]) for turns in self._agent_turns)
         self.num_submitted = 0
         self._requests_in_flight: dict[int, SimRequest] = {}
+        # Per agent, its last finished request while store writes of its blocks still move
+        # (shared SNIC only): the agent's next turn waits for them (``_enqueue``).
+        self._persisting_by_agent: dict[int, SimRequest] = {}
         # The scheduler's num_waiting_prefill / num_waiting_decode, counted here from the
         # fetches' answers: the round-robin scheduler's and DualPath's decode count sum one
         # queue per group, and every fetch and decode finish asks.
@@ -308,7 +311,14 @@ class Simulator(PrefillSteps):
             self._enqueue(request)
 
     def _enqueue(self, request: SimRequest) -> None:
-        """The turn reaches the scheduler's FIFO; the PE groups are asked to fetch."""
+        """The turn reaches the scheduler's FIFO; the PE groups are asked to fetch. A turn whose
+        hit includes blocks its agent's last request is still writing waits until they are
+        written (the runtime's scheduler waits for the DE's ``KVPersisted``, rather than
+        placing the turn with a short hit: ``cluster/persisting.py``)."""
+        persisting = self._persisting_by_agent.get(request.agent_index)
+        if persisting is not None:
+            persisting.waiting_turn = request
+            return
         self.scheduler.submit(
             SchedulerRequest(
                 request.request_id,
@@ -523,13 +533,32 @@ class Simulator(PrefillSteps):
             request.decode_engine.join(request)
 
     def _persist(self, request: SimRequest, num_blocks: int, since_s: float | None = None) -> None:
-        """Count ``num_blocks`` Full Blocks written to the store on the DE node's SNIC, spread
-        over [``since_s``, now]. NOTE(sim): the writes take no bandwidth (``count_unpaced``):
-        a turn writes its append and output, ~3% of the bytes it reads."""
+        """Write ``num_blocks`` Full Blocks to the store through the DE node's SNIC.
+
+        On a shared SNIC (``ClusterModel.is_snic_shared``) they are a flow from now on, next
+        to the node's reads, and count in its write_q until written. Otherwise they are only
+        counted, spread over [``since_s``, now]. NOTE(sim): on a full-duplex SNIC the writes
+        take no bandwidth (``count_unpaced``): a turn writes its append and output, ~3% of the
+        bytes it reads, in the other direction."""
         if num_blocks > 0 and not self.settings.is_io_free:
-            request.decode_engine.node.snic_write.count_unpaced(
-                num_blocks * self._block_size * self._kv_bytes_per_token, _KV, since_s
-            )
+            num_bytes = num_blocks * self._block_size * self._kv_bytes_per_token
+            node = request.decode_engine.node
+            if self.cluster.is_snic_shared:
+                request.num_pending_writes += 1
+                node.write(num_bytes, num_blocks * self._block_size, self._on_written, request)
+            else:
+                node.snic_write.count_unpaced(num_bytes, _KV, since_s)
+
+    def _on_written(self, request: SimRequest) -> None:
+        """One of ``request``'s store writes ended; after its last, the agent's next turn goes
+        on to the scheduler if it was waiting for them."""
+        request.num_pending_writes -= 1
+        if request.num_pending_writes == 0 and request.finish_s >= 0:
+            del self._persisting_by_agent[request.agent_index]
+            waiting = request.waiting_turn
+            if waiting is not None:
+                request.waiting_turn = None
+                self._enqueue(waiting)
 
     def _on_decode_finish(self, request: SimRequest) -> None:
         now_s = self.queue.now_s
@@ -541,11 +570,14 @@ class Simulator(PrefillSteps):
             -request.num_decode_blocks,
         )
         # SPEC §2: during decode every block that fills is persisted; the steps run at an even
-        # pace, so the output's blocks are spread over the decode (the last token has no KV).
+        # pace, so the output's blocks are spread over the decode (the last token has no KV;
+        # on a shared SNIC they are written now, as one flow).
         block = self._block_size
         num_tokens_with_kv = request.num_prompt_tokens + request.num_output_tokens - 1
         num_output_blocks = num_tokens_with_kv // block - request.num_prompt_tokens // block
         self._persist(request, num_output_blocks, request.decode_start_s)
+        if request.num_pending_writes:
+            self._persisting_by_agent[request.agent_index] = request
         del self._requests_in_flight[request.request_id]
         self.records.append(
             RequestRecord(
