@@ -81,7 +81,7 @@ class _GenerationRequest(_Strict):
             )
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", "stop")
-        if not all(map(_is_unicode, stop)):
+        if not all(map(is_unicode, stop)):
             raise bad_request("stop strings must be valid Unicode (no lone surrogates)", "stop")
         return stop
 
@@ -90,7 +90,7 @@ class _GenerationRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-def _is_unicode(text: str) -> bool:
+def is_unicode(text: str) -> bool:
     """Whether ``text`` has only Unicode scalar values (JSON may carry lone surrogates)."""
     try:
         text.encode("utf-8")

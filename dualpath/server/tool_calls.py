@@ -36,6 +36,8 @@ import json
 import secrets
 from dataclasses import dataclass
 
+from dualpath.server.protocol import is_unicode
+
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 
@@ -175,21 +177,13 @@ def _parse_call(body: str, index: int) -> ParsedToolCall | None:
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
     arguments_text = json.dumps(arguments, ensure_ascii=False)
-    if not (_is_unicode(name) and _is_unicode(arguments_text)):
+    if not (is_unicode(name) and is_unicode(arguments_text)):
         return None  # a "\ud800" escape: no response could carry it
     return ParsedToolCall(index, name, arguments_text)
 
 
 def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")  # Python's parser takes NaN and Infinity
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _partial_open_tag_len(text: str) -> int:
