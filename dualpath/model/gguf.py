@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from dualpath.errors import CheckpointError
+from dualpath.model.make import write_dir_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -103,21 +101,14 @@ def convert_gguf(
     reader = _open(gguf_path)
     metadata = _metadata(reader)
     config = _config(metadata, gguf_path, dtype)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp's 0700 would follow the rename
+
+    def write(tmp: Path) -> None:
         _write_weights(reader, config, tmp / "model.safetensors", DTYPES[dtype], gguf_path)
         _write_tokenizer(metadata, tmp, gguf_path)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(metadata))
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-            os.replace(out_dir, old / "ckpt")
-            shutil.rmtree(old)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_dir_atomically(out_dir, write)
     logger.info("converted %s to %s (%s)", gguf_path, out_dir, dtype)
     return out_dir
 

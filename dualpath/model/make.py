@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -93,10 +94,20 @@ def make_model(preset_name: str, out_dir: Path, *, seed: int = 0, overwrite: boo
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite to replace it)")
     preset = PRESETS[preset_name]
+    write_dir_atomically(out_dir, lambda tmp: _write_checkpoint(preset, tmp, seed))
+    logger.info("wrote preset %r (seed %d) to %s", preset_name, seed, out_dir)
+    return out_dir
+
+
+def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a fresh directory beside ``out_dir``, then rename it into place
+    (replacing ``out_dir`` if it exists). A failure leaves nothing behind; of concurrent
+    writers exactly one rename wins."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _write_checkpoint(preset, tmp, seed)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would follow the rename
+        write(tmp)
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
             os.replace(out_dir, old / "ckpt")
@@ -104,7 +115,6 @@ def make_model(preset_name: str, out_dir: Path, *, seed: int = 0, overwrite: boo
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("wrote preset %r (seed %d) to %s", preset_name, seed, out_dir)
     return out_dir
 
 
