@@ -218,6 +218,8 @@ class _EngineProcess:
         self._last_report: EngineReport | None = None  # the last one sent
         self._last_report_sent_s = 0.0
         self.busy_s = 0.0  # wall time spent in prefill batches or decode steps
+        # Messages that arrived mid-batch and wait for its end (``_between_layers``).
+        self._deferred: list[object] = []
 
     def _send(self, msg: object) -> None:
         """A control message to the scheduler: ``inference`` traffic on this engine's CNIC
@@ -265,18 +267,38 @@ class _EngineProcess:
                 is_busy = self._work()
                 if is_busy:
                     self.busy_s += time.perf_counter() - start_s
+                deferred, self._deferred = self._deferred, []
+                for msg in deferred:
+                    self._handle(msg)
                 for msg in self.client.poll(0.0 if is_busy else config.fetch_interval_s):
                     self._handle(msg)
                 now_s = time.monotonic()
                 if now_s - self.last_heard_s > config.cluster.heartbeat_timeout_s:
                     logger.error("scheduler silent for %.1f s: exiting", now_s - self.last_heard_s)
                     return 1
-                if now_s - self.last_report_s >= config.fetch_interval_s:
-                    self._report(now_s)
-                    self.last_report_s = now_s
+                self._report_if_due(now_s)
         except _Stop as stop:
             logger.info("engine %d stopping: %s", config.engine_id, stop)
             return 0
+
+    def _report_if_due(self, now_s: float) -> None:
+        if now_s - self.last_report_s >= self.config.fetch_interval_s:
+            self._report(now_s)
+            self.last_report_s = now_s
+
+    def _between_layers(self) -> None:
+        """Mid-batch on a PE: take the scheduler's messages and report on time. A prefill
+        batch lasts up to the compute quota per layer (SPEC §6) times the layers, seconds on
+        a CPU; handled only between batches, requests placed meanwhile would start their
+        PE-side reads late and the group's fetch would wait for the batch's end, leaving the
+        PE node's SNIC idle while the DE nodes' read. New requests only start reads here;
+        cancels and shutdowns, which would free this batch's buffers, wait for its end."""
+        for msg in self.client.poll(0.0):
+            if isinstance(msg, (CancelRequest, Shutdown)):
+                self._deferred.append(msg)
+            else:
+                self._handle(msg)
+        self._report_if_due(time.monotonic())
 
     def _handle(self, msg: object) -> None:
         self.last_heard_s = time.monotonic()
@@ -330,7 +352,9 @@ class _EngineProcess:
             if not batch:
                 return False
             try:
-                finished = self.prefill.run_batch(batch, self.remotes.__getitem__)
+                finished = self.prefill.run_batch(
+                    batch, self.remotes.__getitem__, self._between_layers
+                )
             except Exception as exc:  # its requests are cancelled here; the engine goes on
                 # A DE died or timed out mid-transfer: placing them again may succeed. Any
                 # other error is a bug these requests met: placing them again would repeat it.

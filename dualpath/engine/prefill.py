@@ -264,16 +264,21 @@ class PrefillEngine:
         self,
         batch: list[tuple[PrefillRequest, PrefillChunk]],
         remote_of: Callable[[int], RemoteBuffer],
+        between_layers: Callable[[], None] | None = None,
     ) -> list[PrefillDone]:
         """Compute ``batch``'s chunks and leave their KV in each request's DE buffer; one
         ``PrefillDone`` per request whose last chunk this was (its prompt KV is complete).
+
+        ``between_layers`` is called after each layer but the last: the engine's chance to
+        take new requests (``add`` starts their PE-side reads, which then overlap this batch's
+        compute) and to report its load. It must not cancel a request of this batch.
 
         Any exception mid-batch (a ``DualPathError``: a transfer timed out, a DE died; or a
         bug) cancels every request of the batch -- their PE buffer slots and chunk KV are
         freed -- and is re-raised; the caller fails them, which makes their DEs free theirs.
         """
         try:
-            return self._run_batch(batch, remote_of)
+            return self._run_batch(batch, remote_of, between_layers)
         except Exception:
             for request, _ in batch:
                 self.cancel(request.request_id)
@@ -283,6 +288,7 @@ class PrefillEngine:
         self,
         batch: list[tuple[PrefillRequest, PrefillChunk]],
         remote_of: Callable[[int], RemoteBuffer],
+        between_layers: Callable[[], None] | None,
     ) -> list[PrefillDone]:
         requests = [request for request, _ in batch]
         chunks = [chunk for _, chunk in batch]
@@ -328,6 +334,8 @@ class PrefillEngine:
                     self._send_layer(request, chunk, remotes[i], layer, k_new[rows], v_new[rows])
                     if not chunk.is_last_chunk:
                         self._keep_chunk(request, layer, k_new[rows], v_new[rows])
+                if between_layers is not None and layer + 1 < num_layers:
+                    between_layers()
         finally:
             if loading is not None:  # a failed layer: the loader reads the buffers until done
                 wait([loading])

@@ -77,6 +77,8 @@ class Pair:
         self.store = store
         self.next_id = 0
         self.batches: list[list[tuple[int, int]]] = []  # (request id, new tokens) per batch
+        self.num_between_layers = 0
+        self.late_added_in_batch = 0  # which batch (1-based) took the late requests
 
     def num_stored_blocks(self, prompt: list[int]) -> int:
         keys = block_keys(
@@ -84,7 +86,16 @@ class Pair:
         )
         return self.store.lookup(keys)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, split) -> list[dict]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        split,
+        *,
+        num_late: int = 0,
+    ) -> list[dict]:
+        """Every prompt's tokens; the last ``num_late`` prompts arrive while the first batch
+        computes (between its layers, as an engine process takes messages)."""
         assignments = []
         for prompt in prompts:
             num_hit = self.num_stored_blocks(prompt)
@@ -101,9 +112,20 @@ class Pair:
                 )
             )
             self.next_id += 1
-        for a in assignments:
-            self.decode.add(a)
-            self.prefill.add(a)
+        late = assignments[len(assignments) - num_late :]
+
+        def add(to_add: list[Assignment]) -> None:
+            for a in to_add:
+                self.decode.add(a)
+                self.prefill.add(a)
+
+        def between_layers() -> None:
+            self.num_between_layers += 1
+            if late and not self.late_added_in_batch:
+                add(late)
+                self.late_added_in_batch = sum(1 for b in self.batches if b)
+
+        add(assignments[: len(assignments) - num_late])
         results = {a.request_id: {"token_ids": [], "cached": None} for a in assignments}
         pending = set(results)
         while pending:
@@ -112,7 +134,8 @@ class Pair:
             batch = self.prefill.next_batch()
             self.batches.append([(r.request_id, c.num_new_tokens) for r, c in batch])
             if batch:
-                for done in self.prefill.run_batch(batch, lambda de: self.remote):
+                finished = self.prefill.run_batch(batch, lambda de: self.remote, between_layers)
+                for done in finished:
                     results[done.request_id]["token_ids"].append(done.first_token_id)
                     results[done.request_id]["cached"] = done.num_cached_tokens
                     self.decode.on_prefill_done(done)
@@ -204,6 +227,33 @@ def test_chunked_prefill_across_batches_gives_the_same_tokens(
         assert len(chunks) >= 2
         assert sum(chunks) == len(prompt) - got["cached"]
         assert all(n % BLOCK == 0 for n in chunks[:-1])
+
+
+def test_requests_added_between_layers_start_reading_and_give_the_same_tokens(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An engine process takes new requests between the layers of a batch, so their PE-side
+    reads overlap its compute; the running batch and the late requests keep their tokens."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    turn1 = [random_ids(n, seed=n) for n in (140, 90, 210)]
+    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+        first = llm.generate([{"prompt_token_ids": p} for p in turn1], params)
+    turn2 = [p + o.token_ids + random_ids(50, seed=7) for p, o in zip(turn1, first, strict=True)]
+    with LLM(tiny_model_dir) as llm:
+        reference = llm.generate([{"prompt_token_ids": p} for p in turn2], params)
+
+    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=True)
+    results = pair.generate(turn2, params, SPLITS["split"], num_late=2)
+    for ref, got, prompt in zip(reference, results, turn2, strict=True):
+        assert got["cached"] > 0
+        assert_same_tokens(ref, _Out(got["token_ids"]), label=f"late, prompt {len(prompt)}")
+    # The late requests were added during the first batch, and computed in a later one.
+    batches = [b for b in pair.batches if b]
+    assert pair.late_added_in_batch == 1
+    assert [r for r, _ in batches[0]] == [0]
+    assert {r for b in batches[1:] for r, _ in b} == {1, 2}
+    num_layers = pair.prefill.model.num_layers
+    assert pair.num_between_layers == len(batches) * (num_layers - 1)
 
 
 class _RecordingRemote:
