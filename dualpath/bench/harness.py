@@ -24,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dualpath.bench.agents import TurnRecord, run_agents
+from dualpath.bench.process_cpu import ProcessCpu
 from dualpath.bench.server_process import MetricsSampler, ServerProcess, metric_sum, snic_totals
 from dualpath.bench.stats import LinkSample, snic_load_balance, summarize_turns
 from dualpath.config import mode_settings
@@ -102,6 +103,7 @@ def run_mode(
             serve_args(run, store_dir, log_dir), log_path=log_dir / "serve.log"
         ).start()
         try:
+            cpu = ProcessCpu(server.pid).start()
             with MetricsSampler(server.url, period_s=0.5) as sampler:
                 records, tokens = _replay(
                     server.url,
@@ -113,13 +115,15 @@ def run_mode(
                     max_gap_s=max_gap_s,
                 )
             final = sampler.last
+            process_cpu = cpu.stop()
         finally:
             exit_code = server.stop()
     finally:
         if memory_dir is not None:
             shutil.rmtree(memory_dir, ignore_errors=True)
     result = summarize_turns(records)
-    result.update(link_figures(final, sampler.samples, result["jct_s"]))
+    result.update(link_figures(final, sampler.samples, result["jct_s"], first_turns_end_s(records)))
+    result["process_cpu"] = process_cpu
     result["store_in_memory"] = memory_dir is not None
     result["server_exit_code"] = exit_code
     result.update(completion(records, workload))
@@ -196,10 +200,16 @@ def _replay(
     return records, tokens
 
 
+def first_turns_end_s(records: list[TurnRecord]) -> float | None:
+    """When the last agent's first turn ended (client clock); None without first turns."""
+    return max((r.finish_s for r in records if r.turn == 0), default=None)
+
+
 def link_figures(
     scraped: dict[str, list[tuple[dict[str, str], float]]],
     samples: list[LinkSample],
     jct_s: float,
+    first_turns_end_s: float | None = None,
 ) -> dict:
     """Per-SNIC bytes, bytes per read side, SNIC load balance and the PE's busy fraction
     (None where the server did not report them)."""
@@ -208,6 +218,7 @@ def link_figures(
             "snic_bytes": None,
             "path_bytes": None,
             "snic_load_balance": None,
+            "snic_load_balance_after_first_turns": None,
             "snic_read_load_balance": None,
             "pe_busy_fraction": None,
             "snic_timeline": None,
@@ -225,6 +236,14 @@ def link_figures(
             "de": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="decode")),
         },
         "snic_load_balance": snic_load_balance(samples),
+        # The same from the end of the agents' first turns: those have nothing to read and
+        # only DE nodes persist their KV (SPEC §2), so while they run the PE nodes' SNICs idle
+        # whatever the scheduler does. A diagnostic beside SPEC §7's figure, not instead of it.
+        "snic_load_balance_after_first_turns": (
+            None
+            if first_turns_end_s is None
+            else snic_load_balance(samples, start_s=first_turns_end_s)
+        ),
         # The same over hit-KV reads alone: what the read-side choices balance.
         "snic_read_load_balance": snic_load_balance(samples, reads_only=True),
         "snic_timeline": snic_timeline(samples),

@@ -317,6 +317,7 @@ def run_online(
                 | {
                     "p90_ttft_s": r["second_half_p90_ttft_s"],
                     "p90_tpot_s": r["second_half_p90_tpot_s"],
+                    "cpu_cores": (r.get("process_cpu") or {}).get("total_cores"),
                 }
                 for r in probe_results
             ]

@@ -26,7 +26,7 @@ def markdown_table(report: dict) -> str:
     hit = "hit" if bound is None else f"hit (bound {bound:.1%})"
     lines = [
         f"| mode | JCT s | agent JCT p50/p90/p99 s | tok/s | TTFT p50/p90/p99 s "
-        f"| TPOT p50/p90 ms | {hit} | PE / DE read MB | SNIC max/avg (reads only) | PE busy "
+        f"| TPOT p50/p90 ms | {hit} | PE / DE read MB | SNIC max/avg (reads only; after first turns) | PE busy "
         "| failed | tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -41,12 +41,29 @@ def markdown_table(report: dict) -> str:
             f"| {r['tokens_per_s']:.0f} | {_percentiles(r['ttft_s'], '.3f')} "
             f"| {_fmt(tpot_ms[0], '.1f')} / {_fmt(tpot_ms[1], '.1f')} "
             f"| {r['hit_ratio']:.1%} | {reads} | {_fmt(r.get('snic_load_balance'), '.2f')} "
-            f"({_fmt(r.get('snic_read_load_balance'), '.2f')}) "
+            f"({_fmt(r.get('snic_read_load_balance'), '.2f')}; "
+            f"{_fmt(r.get('snic_load_balance_after_first_turns'), '.2f')}) "
             f"| {_fmt(r.get('pe_busy_fraction'), '.0%')} "
             f"| {r.get('num_failed', 0)} of {r['num_requests']} "
             f"| {'–' if mismatches is None else ('same' if mismatches == 0 else f'{mismatches} differ')} |"
         )
     return "\n".join(lines)
+
+
+def cpu_lines(run: dict) -> str:
+    """Per mode, the cores each process kept busy over the run (``process_cpu.py``): on one
+    host they share its cores, so a mode near their count is bound by CPU."""
+    lines = []
+    for mode, r in run["modes"].items():
+        cpu = r.get("process_cpu")
+        if not cpu:
+            continue
+        each = ", ".join(f"{label} {cores:.2f}" for label, cores in cpu["cores"].items())
+        lines.append(
+            f"- {mode}: {each}, client {cpu['client_cores']:.2f}; "
+            f"total {cpu['total_cores']:.2f} of {cpu['machine_cores']} cores"
+        )
+    return "CPU cores busy (mean over the run):\n" + "\n".join(lines) if lines else ""
 
 
 def write_markdown(report: dict, path: Path | None) -> str:
@@ -67,6 +84,9 @@ def write_markdown(report: dict, path: Path | None) -> str:
             )
         parts.append(head)
         parts.append(markdown_table(run))
+        cpu = cpu_lines(run)
+        if cpu:
+            parts.append(cpu)
         if run.get("slo") is not None:
             slo = run["slo"]
             parts.append(
@@ -76,6 +96,7 @@ def write_markdown(report: dict, path: Path | None) -> str:
                     f"{mode}: "
                     + ", ".join(
                         f"{p['aps']:.3g} APS {'ok' if p['slo_attained'] else 'miss'}"
+                        + ("" if p.get("cpu_cores") is None else f" ({p['cpu_cores']:.2f} cores)")
                         for p in r["probes"]
                     )
                     + (f" -> capacity {r['capacity_aps']:.3g} APS" if r["capacity_aps"] else "")

@@ -1,0 +1,92 @@
+"""CPU used by each process of a served cluster over a benchmark run: what binds on one host.
+
+On one machine the server, its scheduler loop, every engine and the benchmark's own client
+share the same cores, so a mode can be bound by CPU rather than by the links it emulates. A
+``ProcessCpu`` reads the CPU time (user + system, all threads) of the server and every
+process below it at the start and at the end of a run, and reports each one's mean cores
+busy over the run, labelled by what it is (``serve``, ``prefill-0``, ``decode-1``, ...), with
+the client's (this process) and the machine's core count beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+
+
+def process_label(process: psutil.Process) -> str:
+    """``prefill-<id>`` / ``decode-<id>`` for an engine process, ``serve`` for the server,
+    else the executable's name and pid."""
+    try:
+        argv = process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return f"pid-{process.pid}"
+    if "engine" in argv and "--role" in argv and "--engine-id" in argv:
+        return f"{_after(argv, '--role')}-{_after(argv, '--engine-id')}"
+    if "serve" in argv:
+        return "serve"
+    return f"{os.path.basename(argv[0]) if argv else 'process'}-{process.pid}"
+
+
+def _after(argv: list[str], flag: str) -> str:
+    index = argv.index(flag) + 1
+    return argv[index] if index < len(argv) else "?"
+
+
+def _cpu_s(process: psutil.Process) -> float | None:
+    try:
+        times = process.cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    return times.user + times.system
+
+
+class ProcessCpu:
+    """Cores busy per process of the tree under ``pid`` between ``start`` and ``stop``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._start: dict[int, tuple[psutil.Process, float]] = {}
+        self._start_wall_s = 0.0
+        self._start_client_s = 0.0
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def start(self) -> ProcessCpu:
+        self._start = {}
+        for process in self._tree():
+            cpu_s = _cpu_s(process)
+            if cpu_s is not None:
+                self._start[process.pid] = (process, cpu_s)
+        self._start_wall_s = time.monotonic()
+        self._start_client_s = time.process_time()
+        return self
+
+    def stop(self) -> dict:
+        """``{"cores": {label: mean cores busy}, "total_cores", "client_cores",
+        "machine_cores", "wall_s"}``. A process that started during the run counts from
+        zero; one that ended during it is left out (its time cannot be read any more)."""
+        wall_s = max(time.monotonic() - self._start_wall_s, 1e-9)
+        cores: dict[str, float] = {}
+        for process in self._tree():
+            cpu_s = _cpu_s(process)
+            if cpu_s is None:
+                continue
+            _, start_s = self._start.get(process.pid, (process, 0.0))
+            label = process_label(process)
+            cores[label] = cores.get(label, 0.0) + (cpu_s - start_s) / wall_s
+        client = (time.process_time() - self._start_client_s) / wall_s
+        return {
+            "cores": {label: round(value, 3) for label, value in sorted(cores.items())},
+            "total_cores": round(sum(cores.values()) + client, 3),
+            "client_cores": round(client, 3),
+            "machine_cores": os.cpu_count(),
+            "wall_s": round(wall_s, 3),
+        }
