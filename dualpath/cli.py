@@ -732,6 +732,34 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--trace", type=Path, default=None, help="a Mooncake-format JSONL trace")
     p.add_argument(
+        "--length-scale",
+        type=_positive_float,
+        default=None,
+        help="free-form runs on --trace: scale every prompt's lengths by this (default 1: the "
+        "trace's own), as 'dualpath bench' does",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=_positive_int,
+        default=None,
+        help="free-form runs on --trace: keep each session's first N turns (default: all), as "
+        "'dualpath bench' does",
+    )
+    p.add_argument(
+        "--gen-scale",
+        type=_positive_float,
+        default=None,
+        help="free-form runs on --trace: every turn generates max(1, round(g x this)) tokens "
+        "instead of g (default 1), as 'dualpath bench' does",
+    )
+    p.add_argument(
+        "--online",
+        action="store_true",
+        help="free-form runs: also each mode's capacity (agents per second) under SPEC §7's "
+        "SLO (TTFT <= 4 s, TPOT <= 50 ms), searched as the online-capacity experiment does; "
+        "a trace's sessions arrive as a Poisson process, round robin as copies",
+    )
+    p.add_argument(
         "--read-path",
         choices=READ_PATHS,
         default=None,
@@ -789,6 +817,10 @@ _FREE_FORM_ONLY = (
     "max_len",
     "modes",
     "trace",
+    "length_scale",
+    "max_turns",
+    "gen_scale",
+    "online",
     "read_path",
     "frontend_rps",
     "attention_quota_s",
@@ -900,11 +932,22 @@ def _run_simulate(args: argparse.Namespace) -> int:
         agents = None
         if args.trace is not None:
             from dualpath.workload import load_mooncake_trace
+            from dualpath.workload.shape import cap_turns, scale_generations
 
             workload = load_mooncake_trace(
-                args.trace, vocab_size=32_000, seed=args.seed, max_sessions=args.agents
+                args.trace,
+                vocab_size=32_000,
+                seed=args.seed,
+                max_sessions=args.agents,
+                length_scale=args.length_scale or 1.0,
             )
+            workload = scale_generations(cap_turns(workload, args.max_turns), args.gen_scale or 1.0)
             agents = workload_agents(workload, block_size_tokens=BLOCK_SIZE_TOKENS)
+        elif (args.length_scale, args.max_turns, args.gen_scale) != (None, None, None):
+            raise ValueError(
+                "--length-scale, --max-turns and --gen-scale shape a --trace; give one, or "
+                "leave them out"
+            )
         result = experiments.free_form(
             model=resolve_model(args.model),
             hardware=resolve_hardware(args.hardware),
@@ -919,6 +962,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             frontend_requests_per_s=args.frontend_rps,
             attention_quota_s=args.attention_quota_s,
             quota_per_forward=args.quota_per_forward,
+            online=args.online,
             on_run=None if args.no_progress else _print_run,
             progress=not args.no_progress,
             jobs=args.jobs,

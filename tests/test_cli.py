@@ -183,3 +183,30 @@ def test_the_store_is_bounded_by_default(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="--kv-store-capacity-gb"):
             store_config(root, bad)
     assert not root.exists()  # building the config made nothing
+
+
+def test_simulate_online_on_a_shaped_trace(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The capacity of each mode on a trace shaped as the benchmarks shape it."""
+    from dualpath.workload.mooncake import packaged_trace_path
+
+    out_json = tmp_path / "sim.json"
+    code, out, _ = run_cli(
+        capsys,
+        "simulate",
+        *("--model", "27b", "--nodes", "1P1D", "--scale-down", "8", "--agents", "6"),
+        *("--trace", str(packaged_trace_path("agentic_coding_dev")), "--max-turns", "4"),
+        *("--gen-scale", "0.2", "--modes", "basic,dualpath", "--online", "--no-progress"),
+        *("--json", str(out_json)),
+    )
+    assert code == 0, out
+    runs = json.loads(out_json.read_text())["runs"]
+    # Offline, the 6 sessions of 4 turns each (and DualPath's first 4 alone: the window).
+    offline = [r for r in runs if r.get("aps") is None and r["num_requests"] == 6 * 4]
+    assert sorted(r["mode"] for r in offline) == ["basic", "dualpath"]
+    probes = [r for r in runs if r.get("aps") is not None]
+    assert {r["mode"] for r in probes} == {"basic", "dualpath"}
+    assert "basic | " in out and "dualpath / basic capacity: " in out
+    code, _, err = run_cli(capsys, "simulate", "--max-turns", "4", "--no-progress")
+    assert code == 2 and "--max-turns and --gen-scale shape a --trace" in err

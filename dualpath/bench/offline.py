@@ -31,8 +31,9 @@ has ``"valid": false``, the ``problems`` and no ``ratios``.
 JSON (``modes.<mode>``): ``jct_s``, ``agent_jct_s`` (each agent's own JCT, percentiles),
 ``tokens_per_s``, ``ttft_s``/``ttst_s``/``tpot_s`` percentiles, ``hit_ratio``, ``snic_bytes``
 (per SNIC), ``path_bytes.{pe,de}`` (hit KV read by each side), ``snic_load_balance`` (SPEC
-§7), ``snic_read_load_balance`` (hit-KV reads alone), ``snic_load_balance_after_first_turns``
-(from the end of the last agent's first turn, which only writes), ``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
+§7), ``snic_read_load_balance`` (hit-KV reads alone), ``snic_load_balance_busy`` (over
+the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores each
+process kept busy: ``process_cpu.py``), ``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
 (turns whose tokens differ from the first mode's); top level ``valid``, ``problems``,
 ``ratios``, ``rho``, ``snic_caps_gbps``, ``prefill_tokens_per_s``, ``prompt_tokens_per_busy_s``,
 ``kv_bytes_per_token``, ``shaping`` (the workload's shaping: ``presets.WorkloadShape``) and

@@ -26,7 +26,7 @@ def markdown_table(report: dict) -> str:
     hit = "hit" if bound is None else f"hit (bound {bound:.1%})"
     lines = [
         f"| mode | JCT s | agent JCT p50/p90/p99 s | tok/s | TTFT p50/p90/p99 s "
-        f"| TPOT p50/p90 ms | {hit} | PE / DE read MB | SNIC max/avg (reads only; after first turns) | PE busy "
+        f"| TPOT p50/p90 ms | {hit} | PE / DE read MB | SNIC max/avg (reads only; busy) | PE busy "
         "| failed | tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -42,7 +42,7 @@ def markdown_table(report: dict) -> str:
             f"| {_fmt(tpot_ms[0], '.1f')} / {_fmt(tpot_ms[1], '.1f')} "
             f"| {r['hit_ratio']:.1%} | {reads} | {_fmt(r.get('snic_load_balance'), '.2f')} "
             f"({_fmt(r.get('snic_read_load_balance'), '.2f')}; "
-            f"{_fmt(r.get('snic_load_balance_after_first_turns'), '.2f')}) "
+            f"{_fmt(r.get('snic_load_balance_busy'), '.2f')}) "
             f"| {_fmt(r.get('pe_busy_fraction'), '.0%')} "
             f"| {r.get('num_failed', 0)} of {r['num_requests']} "
             f"| {'–' if mismatches is None else ('same' if mismatches == 0 else f'{mismatches} differ')} |"

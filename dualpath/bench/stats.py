@@ -79,16 +79,15 @@ def snic_load_balance(
     window_s: float = 1.0,
     fraction_of_run: float = 0.8,
     reads_only: bool = False,
-    start_s: float | None = None,
+    min_mean_bytes_per_s: float = 0.0,
 ) -> float | None:
     """SPEC §7's SNIC load balance over the samples' span; None if no window moved bytes.
 
     ``reads_only`` counts only hit-KV reads (``LinkSample.snic_read_bytes``), leaving out
-    store writes and the windows with no reads. ``start_s`` (same clock as the samples)
-    moves the first window's start there, the end staying where SPEC §7 puts it; None if
-    that leaves no window. Cumulative counters are read at each window's edges by linear
-    interpolation between the samples around it, so the sampling period need not divide
-    the window.
+    store writes and the windows with no reads. ``min_mean_bytes_per_s`` keeps only the
+    windows whose mean SNIC moved at least that (None if none did). Cumulative counters are
+    read at each window's edges by linear interpolation between the samples around it, so the
+    sampling period need not divide the window.
     """
     if len(samples) < 2:
         return None
@@ -102,13 +101,15 @@ def snic_load_balance(
     times_s = np.array([s.time_s for s in samples])
     counters = np.array([[counters_of(s).get(n, 0) for n in names] for s in samples], dtype=float)
     end_s = times_s[0] + fraction_of_run * (times_s[-1] - times_s[0])
-    first_s = times_s[0] if start_s is None else max(times_s[0], start_s)
-    if first_s >= end_s:
-        return None
-    edges_s = np.arange(first_s, end_s + 1e-9, window_s)
+    edges_s = np.arange(times_s[0], end_s + 1e-9, window_s)
     if len(edges_s) < 2:
-        edges_s = np.array([first_s, end_s])
+        edges_s = np.array([times_s[0], end_s])
     at_edges = np.stack([np.interp(edges_s, times_s, counters[:, j]) for j in range(len(names))])
     per_window = np.diff(at_edges, axis=1)  # [snic, window]
-    ratios = [column.max() / column.mean() for column in per_window.T if column.sum() > 0]
+    min_mean = np.maximum(min_mean_bytes_per_s * np.diff(edges_s), 0.0)
+    ratios = [
+        column.max() / column.mean()
+        for column, floor in zip(per_window.T, min_mean, strict=True)
+        if column.sum() > 0 and column.mean() >= floor
+    ]
     return float(np.mean(ratios)) if ratios else None

@@ -494,12 +494,16 @@ def _search(run: _Runner, base: RunSpec, mode: str) -> Search:
     from dualpath.sim import online
 
     k = base.scale_down
-    run.prefetch((replace(base, mode=mode), replace(base, num_agents=4 * k)))
-    alone = run(replace(base, num_agents=4 * k))
+    few = replace(base, num_agents=4 * k)
+    if base.agents is not None:  # given agents: the first few alone
+        few = replace(few, agents=base.agents[:4])
+    run.prefetch((replace(base, mode=mode), few))
+    alone = run(few)
     num_turns = max(r.turn_index for r in alone.records) + 1
     window_s = online.window_s(alone.jct_s, num_turns)
     spec = replace(base, mode=mode)
-    start_aps = 0.5 * (base.num_agents // k) / run(spec).jct_s
+    num_agents = base.num_agents // k if base.agents is None else len(base.agents)
+    start_aps = 0.5 * num_agents / run(spec).jct_s
     return spec, start_aps, window_s, 1
 
 
@@ -633,6 +637,7 @@ def free_form(
     frontend_requests_per_s: float | None = None,
     attention_quota_s: float | None = None,
     quota_per_forward: bool = False,
+    online: bool = False,
     on_run: Callable[[dict], None] | None = None,
     progress: bool = False,
     jobs: int = 1,
@@ -641,7 +646,9 @@ def free_form(
     ``model`` and ``hardware`` are built-in names or profiles (``profiles.resolve_*``);
     ``read_path`` forces every mode's read side (e.g. "split"), ``frontend_requests_per_s``
     the front end's admission rate, ``attention_quota_s`` the PE compute quota;
-    ``quota_per_forward``, ``on_run``, ``progress`` and ``jobs`` as in ``run_experiments``."""
+    ``online``: also each mode's capacity under SPEC §7's SLO (``online.py``, searched as in
+    the online-capacity experiment; given agents are drawn round robin); ``quota_per_forward``,
+    ``on_run``, ``progress`` and ``jobs`` as in ``run_experiments``."""
     parse_node_shape(nodes)
     result = ExperimentResult("free-form")
     run = _Runner(result, on_run, quota_per_forward=quota_per_forward, progress=progress, jobs=jobs)
@@ -677,7 +684,26 @@ def free_form(
             f"{_fmt(ttft['p50'])} / {_fmt(ttft['p90'])} | "
             f"{_fmt(tpot['p50'], 1e3)} / {_fmt(tpot['p90'], 1e3)}"
         )
+    if online:
+        _free_form_capacities(run, result, specs)
     return result
+
+
+def _free_form_capacities(run: _Runner, result: ExperimentResult, specs: list[RunSpec]) -> None:
+    """Each mode's capacity search on a free-form run's cluster and workload, and their ratio
+    to Basic's where Basic is among the modes."""
+    # As in online-capacity: the window from DualPath's unloaded agents, whatever the mode.
+    searches = [_search(run, replace(spec, mode="dualpath"), spec.mode) for spec in specs]
+    capacity = {}
+    result.table.append("mode | capacity APS | probes (aps: p90 TTFT s / TPOT ms)")
+    for spec, search, probes in zip(specs, searches, run.find_capacities(searches), strict=True):
+        capacity[spec.mode] = _record_search(run, search, probes)
+        shown = _probes_shown(probes, with_tpot=True)
+        result.table.append(f"{spec.mode} | {capacity[spec.mode]:.4g} | {shown}")
+    basic = capacity.get("basic")
+    for mode, aps in capacity.items():
+        if mode != "basic" and basic:
+            result.table.append(f"{mode} / basic capacity: {aps / basic:.2f}x")
 
 
 def _fmt(value: float | None, scale: float = 1.0) -> str:

@@ -4,7 +4,9 @@ the largest APS (agents per second) that holds it.
     dualpath simulate --experiment online-capacity
 
 A probe at ``aps`` replays ``aps x window_s`` agents whose arrivals are a Poisson process
-(``dualpath.workload.poisson_arrival_offsets_s``: exponential gaps, uncapped) and stops
+(``dualpath.workload.poisson_arrival_offsets_s``: exponential gaps, uncapped): trajectories
+of the preset, or a given workload's agents (``RunSpec.agents``, e.g. a trace's sessions)
+drawn in order and round robin (``drawn_agents``). It stops
 ``DRAIN_S`` after the window. Its steady state is the second half of the window: the SLO
 holds when the p90 TTFT and the p90 TPOT of the requests submitted in ``[window/2, window]``
 are within ``SLO_TTFT_S`` and ``SLO_TPOT_S``; a request of that half still without its first
@@ -24,12 +26,14 @@ until a pass and a failure bracket the capacity, then bisects until the bracket 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dualpath.sim.agents import copied_agents, synthetic_agents
+from dualpath.sim.agents import AgentTrace, copied_agents, synthetic_agents
 from dualpath.sim.metrics import ttfts_and_tpots
 from dualpath.sim.runner import BLOCK_SIZE_TOKENS, RunSpec, build_simulator, progress_bar
 from dualpath.workload import poisson_arrival_offsets_s
@@ -77,14 +81,17 @@ def run_probe(
     import time
 
     num_agents = max(2, round(aps / copies * window_s))
-    arrivals_s = poisson_arrival_offsets_s(num_agents, aps / copies, base.seed)
-    agents = synthetic_agents(
-        base.preset,
-        num_agents,
-        seed=base.seed,
-        block_size_tokens=BLOCK_SIZE_TOKENS,
-        arrivals_s=[float(t) for t in arrivals_s],
-    )
+    arrivals_s = [float(t) for t in poisson_arrival_offsets_s(num_agents, aps / copies, base.seed)]
+    if base.agents is None:
+        agents = synthetic_agents(
+            base.preset,
+            num_agents,
+            seed=base.seed,
+            block_size_tokens=BLOCK_SIZE_TOKENS,
+            arrivals_s=arrivals_s,
+        )
+    else:
+        agents = drawn_agents(base.agents, arrivals_s)
     copied = copied_agents(agents, copies, arrival_step_s=1 / aps)  # one copy: the agents
     # RunSpec divides num_agents by scale_down; the probe's count is already final.
     spec = replace(base, num_agents=len(copied) * base.scale_down, agents=tuple(copied))
@@ -113,6 +120,18 @@ def run_probe(
         num_events=simulator.queue.num_events,
         wall_s=wall_s,
     )
+
+
+def drawn_agents(pool: Sequence[AgentTrace], arrivals_s: Sequence[float]) -> list[AgentTrace]:
+    """One agent per arrival from a given workload's agents (a trace's sessions), in order
+    and round robin when there are more arrivals, each with a fresh id: copies are
+    cache-disjoint, which hits within an agent already are (``agents.copied_agents``)."""
+    if not pool:
+        raise ValueError("an online probe needs at least one agent to draw from")
+    return [
+        dataclasses.replace(pool[i % len(pool)], agent_id=i, arrival_s=arrival_s)
+        for i, arrival_s in enumerate(arrivals_s)
+    ]
 
 
 def _p90(values: list[float]) -> float:

@@ -83,3 +83,27 @@ def test_a_probe_of_copies_replays_the_smaller_probe_copies_times(monkeypatch):
         assert agent.arrival_s == pytest.approx(original[of].arrival_s + copy / 0.2)
         assert agent.prompt_tokens == original[of].prompt_tokens
         assert agent.output_tokens == original[of].output_tokens
+
+
+def test_a_probe_draws_a_given_workloads_agents_in_order_and_round_robin(monkeypatch):
+    # A trace's sessions (RunSpec.agents): the probe's agents are them in order, then copies
+    # from the first again, each with a fresh id and the probe's Poisson arrival.
+    from dualpath.sim.agents import AgentTrace
+
+    pool = tuple(
+        AgentTrace(i, 0.0, (100 * (i + 1), 300 * (i + 1)), (0, 64), (4, 4)) for i in range(3)
+    )
+    built = []
+    real_build = online.build_simulator
+    monkeypatch.setattr(
+        online, "build_simulator", lambda spec: built.append(spec) or real_build(spec)
+    )
+    probe = online.run_probe(small_spec(agents=pool), aps=0.1, window_s=70.0)
+    agents = built[0].agents
+    assert probe.num_agents == len(agents) == 7
+    assert [a.agent_id for a in agents] == list(range(7))
+    assert [a.prompt_tokens for a in agents] == [pool[i % 3].prompt_tokens for i in range(7)]
+    arrivals = [a.arrival_s for a in agents]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > arrivals[0] == 0.0
+    with pytest.raises(ValueError, match="at least one agent"):
+        online.drawn_agents((), [0.0])
