@@ -25,9 +25,5 @@ def gb_to_bytes(size_gb: float) -> int:
     return int(size_gb * GB)
 
 
-def gib_to_bytes(size_gib: float) -> int:
-    return int(size_gib * GIB)
-
-
 def bytes_to_gb(size_bytes: float) -> float:
     return size_bytes / GB

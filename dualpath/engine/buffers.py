@@ -67,10 +67,6 @@ class KVBuffer:
         self._pool = BlockPool(num_slots)
 
     @property
-    def num_free_slots(self) -> int:
-        return self._pool.num_free_blocks
-
-    @property
     def num_used_bytes(self) -> int:
         return self._pool.num_used_blocks * self.layout.full_block_bytes
 

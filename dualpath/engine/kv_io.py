@@ -140,14 +140,10 @@ class KVStoreIO:
             self._pop_oldest()
 
     @property
-    def num_pending_writes(self) -> int:
-        return len(self._pending)
-
-    @property
     def num_unfinished_writes(self) -> int:
-        """Full Blocks queued or being written (finished ones excluded, unlike
-        ``num_pending_writes``, which counts them until they are reaped): the node's SNIC still
-        has to move them, so they count in its storage queue (the scheduler's ``write_q``)."""
+        """Full Blocks queued or being written (a finished write stops counting at once, before
+        it is reaped from the write queue): the node's SNIC still has to move them, so they
+        count in its storage queue (the scheduler's ``write_q``)."""
         return self._num_unfinished_writes
 
     def flush(self, timeout_s: float | None = None) -> int:

@@ -303,8 +303,9 @@ def _logprobs_of(choice: Choice, event: RequestEvent) -> list[TokenLogprob]:
     if choice.params.logprobs is None or not event.token_ids:
         return []
     if event.logprobs is None or len(event.logprobs) != len(event.token_ids):
-        # TODO(#5): decode engines do not put log-probabilities in TokenUpdate yet; only the
-        # first token (from the prefill engine) has them. Refuse rather than return a gap.
+        # Both engines report them when the request asks: the prefill engine for the first
+        # token (PrefillDone), the decode engine for the rest (TokenUpdate). A missing or
+        # short list is an engine bug; refuse rather than return a gap.
         raise APIError(
             500,
             f"the engine returned no log-probabilities for {len(event.token_ids)} generated "

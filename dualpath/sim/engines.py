@@ -379,10 +379,6 @@ class SimDecodeEngine(SimEngine):
         self._version = 0
         self.num_steps = 0  # decode steps run, for reports
 
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
     def join(self, request: SimRequest) -> None:
         """Start decoding ``request`` at the next step boundary; it needs output - 1 steps
         (the prefill produced the first token)."""

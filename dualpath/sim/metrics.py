@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from dualpath.sim.cluster import RequestRecord
 from dualpath.sim.links import SimLink
@@ -62,13 +61,3 @@ def attention_balance(
 
 
 ATTENTION_BALANCE_SHARE = 0.05  # SPEC §7: "the first 5% of the task"
-
-
-@dataclass(frozen=True, slots=True)
-class LatencySummary:
-    """Means over the requests of a steady-state window (seconds)."""
-
-    num_requests: int
-    mean_ttft_s: float  # submit -> first token (the PE's prefill end)
-    mean_ttst_s: float  # submit -> second token (first decode step end)
-    mean_tpot_s: float  # decode time per output token after the first
