@@ -63,6 +63,7 @@ from dualpath.bench.presets import (
 from dualpath.bench.report import write_outputs
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig
+from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import bytes_per_s_to_gbps
 from dualpath.workload import Misfit, Workload, first_misfit, workload_stats
 
@@ -378,7 +379,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", default=None, help="bearer key for --url")
     parser.add_argument("--served-model-name", default=None, help="model id to request from --url")
-    parser.add_argument("--transport", choices=("nixl", "shm"), default="nixl")
+    parser.add_argument("--transport", choices=TRANSPORT_KINDS, default="nixl")
     parser.add_argument(
         "--read-path",
         choices=READ_PATHS,

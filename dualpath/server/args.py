@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.server.config import GENERATION_CONFIG_MODES
+from dualpath.transfer.transport import TRANSPORT_KINDS
 
 # Flags that exclude each other: the command line giving one drops the file's other.
 _EXCLUSIVE_DESTS = (("kv_store", "no_kv_store"),)
@@ -182,7 +183,7 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
     )
     group.add_argument(
         "--transport",
-        choices=("nixl", "shm"),
+        choices=TRANSPORT_KINDS,
         default="nixl",
         help="PE<->DE KV transport (default nixl)",
     )
