@@ -6,6 +6,8 @@
 * ``StorageService`` -- the store's aggregate read throughput, shared by the nodes reading.
 * ``SimPrefillEngine`` / ``SimDecodeEngine`` -- one GPU each, with the load figures the group
   leader reports (``seq_e``, ``tok_e``, free KV blocks).
+* ``PrefillGroup`` / ``DecodeGroup`` -- the engines and nodes of one scheduler group, which
+  fetch together; an engine or node tells its group when its load changes.
 
 Decode is modelled as a sequence of equal steps between membership changes (a *segment*): with
 b sequences the step takes ``decode_step_s(b, context)``, so the next request to finish is
@@ -23,15 +25,18 @@ import math
 from collections import deque
 from collections.abc import Callable
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Generic, TypeVar
 
-from dualpath.scheduler import EngineSnapshot, LoadPlan, NodeSnapshot, PrefillBatcher
+from dualpath.scheduler import (
+    EngineSnapshot,
+    GroupSnapshot,
+    LoadPlan,
+    NodeSnapshot,
+    PrefillBatcher,
+)
 from dualpath.sim.cost import CostModel
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import SimLink, TrafficClass
-
-if TYPE_CHECKING:
-    from dualpath.sim.cluster import EngineGroup
 
 # An Enum member looked up on its class costs ~0.2 us; a module constant a few ns (Final: the
 # compiled build keeps it in a C static instead of looking it up in the module's dict).
@@ -426,3 +431,77 @@ class SimDecodeEngine(SimEngine):
         self._reschedule()
         for request in finished:
             self._on_finish(request)
+
+
+# The engine type of a group: typed lists let the compiled build (mypyc) read the engines'
+# attributes and call their methods natively instead of through generic Python look-ups.
+EngineT = TypeVar("EngineT", bound=SimEngine)
+
+
+class EngineGroup(Generic[EngineT]):
+    """The engines of one scheduler group (all PEs or all DEs): they fetch together.
+
+    The group owns its engines (``engine.group``, ``engine.position``) and nodes
+    (``node.group``) and keeps its last report (``simulator._group_snapshot``): a fetch
+    rebuilds only the snapshots of the engines in ``changed_engines`` (``SimEngine.change_load``
+    adds an engine there once per report), not all 16 of a full-size group, and reuses the
+    whole report when neither an engine nor a node's ``read_q`` changed (``snapshot`` None)."""
+
+    __slots__ = (
+        "group_id",
+        "engines",
+        "nodes",
+        "is_fetch_pending",
+        "engine_snapshots",
+        "changed_engines",
+        "snapshot",
+        "fetch_phase_s",
+        "num_tokens",
+    )
+
+    def __init__(self, group_id: int, engines: list[EngineT], nodes: list[SimNode]):
+        self.group_id = group_id
+        self.engines = engines
+        self.nodes = nodes
+        self.is_fetch_pending = False
+        for position, engine in enumerate(engines):
+            engine.group = self
+            engine.position = position
+        for node in nodes:
+            node.group = self
+        # Per position, the engine's snapshot as the next report will send it, except for the
+        # engines in changed_engines (their load changed since: rebuilt at the next report).
+        self.engine_snapshots: list[EngineSnapshot] = [engine.snapshot() for engine in engines]
+        self.changed_engines: list[EngineT] = []
+        # The last report; None once a node's read_q changed.
+        self.snapshot: GroupSnapshot | None = None
+        self.fetch_phase_s = 0.0  # its leader fetches at fetch_phase_s + k * fetch_interval_s
+        # Σ tok_e over its engines, kept by SimEngine.change_load (what a report would sum).
+        self.num_tokens = sum(engine.num_tokens for engine in engines)
+
+    def is_idle(self) -> bool:
+        """No engine of the group holds a request."""
+        return all(engine.num_seqs == 0 for engine in self.engines)
+
+
+class PrefillGroup(EngineGroup[SimPrefillEngine]):
+    """The PEs of one scheduler group: they also step in lockstep."""
+
+    __slots__ = ("is_busy", "is_full", "num_awaiting_decode")
+
+    def __init__(self, group_id: int, engines: list[SimPrefillEngine], nodes: list[SimNode]):
+        super().__init__(group_id, engines, nodes)
+        self.is_busy = False
+        # Its last fetch placed nothing from a non-empty FIFO (Algorithm 1: every PE over β).
+        self.is_full = False
+        self.num_awaiting_decode = 0  # requests placed on its PEs, not yet on a DE
+
+    def is_idle(self) -> bool:
+        """No PE holds a request and no step runs."""
+        return not self.is_busy and super().is_idle()
+
+
+class DecodeGroup(EngineGroup[SimDecodeEngine]):
+    """The DEs of one scheduler group."""
+
+    __slots__ = ()

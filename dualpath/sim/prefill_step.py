@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from dualpath.scheduler import AttentionTimePredictor, PrefillBatch, PrefillChunk
-from dualpath.sim.engines import SimPrefillEngine, SimRequest
+from dualpath.sim.engines import EngineGroup, PrefillGroup, SimPrefillEngine, SimRequest
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import TrafficClass
 
@@ -28,7 +28,7 @@ _INFERENCE: Final = TrafficClass.INFERENCE
 
 if TYPE_CHECKING:
     from dualpath.config import ModeSettings
-    from dualpath.sim.cluster import ClusterModel, EngineGroup, PrefillGroup
+    from dualpath.sim.cluster import ClusterModel
     from dualpath.sim.cost import CostModel
 
 

@@ -44,15 +44,12 @@ from dualpath.scheduler import (
     make_scheduler,
 )
 from dualpath.sim.agents import AgentTrace
-from dualpath.sim.cluster import (
-    ClusterModel,
+from dualpath.sim.cluster import ClusterModel, RequestRecord
+from dualpath.sim.cost import CostModel
+from dualpath.sim.engines import (
     DecodeGroup,
     EngineGroup,
     PrefillGroup,
-    RequestRecord,
-)
-from dualpath.sim.cost import CostModel
-from dualpath.sim.engines import (
     SimDecodeEngine,
     SimEngine,
     SimNode,

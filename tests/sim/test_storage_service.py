@@ -6,8 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from dualpath.sim.cluster import EngineGroup
-from dualpath.sim.engines import SimNode, StorageService
+from dualpath.sim.engines import EngineGroup, SimNode, StorageService
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import SimLink
 from dualpath.sim.profiles import HARDWARE
