@@ -1,4 +1,4 @@
-"""The frozen efficiency factors (``FROZEN_FACTORS``) and the one fit that produced them.
+"""The one fit behind the frozen efficiency factors (``efficiency.py``) and its record.
 
     dualpath simulate --calibrate          # re-runs the fit below and prints the factor
 
@@ -34,38 +34,20 @@ import logging
 from dataclasses import replace
 
 from dualpath.sim.cost import EfficiencyFactors
+from dualpath.sim.efficiency import frozen_factors
+from dualpath.sim.runner import RunSpec, run_simulation
 
 logger = logging.getLogger(__name__)
-
-FROZEN_FACTORS = EfficiencyFactors(
-    prefill_efficiency=0.4048,  # fitted: see CALIBRATION_TARGET_JCT_S, fit_prefill_efficiency
-    decode_efficiency=0.5,  # assumed
-    storage_efficiency=0.86,  # 3FS: 40 GiB/s per client node / 50 GB/s
-)
-
-# The same fit with SPEC §6's 300 ms quota read as a whole forward (``RunSpec.quota_per_forward``,
-# an alternative reading, not the default: docs/simulator-analysis.md, "ping-pong"). Its runs:
-# 0.3770 -> 2,687.6 s, 0.3199 -> 2,999.4 s, 0.3115 -> 3,060.3 s, 0.3080 -> 3,082.9 s,
-# 0.3059 -> 3,101.4 s, 0.3047 -> 3,110.0 s; the line through them meets 3,167 s at 0.2967,
-# frozen as 0.2970 (a hand estimate from the same runs; every per-forward figure in the docs
-# was taken with it, and 0.2970 gives 3,172.1 s).
-FROZEN_FACTORS_PER_FORWARD = replace(FROZEN_FACTORS, prefill_efficiency=0.2970)
-
-
-def frozen_factors(*, quota_per_forward: bool = False) -> EfficiencyFactors:
-    """The frozen factors fitted under the given reading of SPEC §6's quota."""
-    return FROZEN_FACTORS_PER_FORWARD if quota_per_forward else FROZEN_FACTORS
-
 
 # Table 3 (SPEC §7): 2P4D JCT, seconds. The run it is compared with: ``calibration_spec()``.
 CALIBRATION_TARGET_JCT_S = 3167.0
 
 
-def calibration_spec(factors: EfficiencyFactors | None = None, *, quota_per_forward: bool = False):
-    """The one configuration the fit uses (a ``RunSpec``; ``factors`` None: the frozen ones
-    of the quota reading)."""
-    from dualpath.sim.runner import RunSpec
-
+def calibration_spec(
+    factors: EfficiencyFactors | None = None, *, quota_per_forward: bool = False
+) -> RunSpec:
+    """The one configuration the fit uses (``factors`` None: the frozen ones of the quota
+    reading)."""
     return RunSpec(
         model="deepseek-v3.2-660b",
         nodes="2P4D",
@@ -94,8 +76,6 @@ def fit_prefill_efficiency(
     next run tries the efficiency at which the least-squares line through all of them meets
     the target, and the answer is that efficiency after ``runs`` runs: the noise averages out
     instead of steering."""
-    from dualpath.sim.runner import run_simulation
-
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     frozen = frozen_factors(quota_per_forward=quota_per_forward)

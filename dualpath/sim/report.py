@@ -19,7 +19,7 @@ def result_json(results: list[ExperimentResult], wall_s: float) -> dict:
         # Speeds depend on it: the mypyc build (``make compiled``) or the Python sources.
         "compiled": compiled.is_active(),
         "cost_model": "roofline (dualpath.sim.cost.RooflineCostModel), factors in "
-        "dualpath/sim/calibration.py",
+        "dualpath/sim/efficiency.py",
         "runs": [run for r in results for run in r.runs],
         "checks": [check.as_dict() for r in results for check in r.checks],
     }

@@ -23,7 +23,6 @@ from typing import TypeVar
 from dualpath.config import READ_PATHS, SchedulerConfig, mode_settings, parse_node_shape
 from dualpath.scheduler import make_cluster_topology
 from dualpath.sim.agents import AgentTrace, synthetic_agents
-from dualpath.sim.calibration import frozen_factors
 from dualpath.sim.cluster import ClusterModel, RequestRecord
 from dualpath.sim.cost import (
     ConstantCostModel,
@@ -34,6 +33,7 @@ from dualpath.sim.cost import (
     kv_capacity_bytes,
     weight_shard_bytes,
 )
+from dualpath.sim.efficiency import frozen_factors
 from dualpath.sim.local import LocalProfile
 from dualpath.sim.metrics import ATTENTION_BALANCE_SHARE, attention_balance, snic_load_balance
 from dualpath.sim.profiles import (
@@ -66,7 +66,7 @@ class RunSpec:
     seed: int = 0
     scale_down: int = 1
     # None: the frozen factors fitted under this spec's reading of the quota
-    # (``calibration.frozen_factors``), set on construction.
+    # (``efficiency.frozen_factors``), set on construction.
     factors: EfficiencyFactors | None = None
     # None = the roofline model; a ConstantCostModel for hand-computable tests.
     constant_cost: ConstantCostModel | None = None

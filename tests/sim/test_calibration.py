@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.sim import calibration, experiments, runner
-from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, FROZEN_FACTORS, calibration_spec
+from dualpath.sim import calibration, experiments
+from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, calibration_spec
+from dualpath.sim.efficiency import FROZEN_FACTORS
 from dualpath.sim.runner import RunSpec
 
 
@@ -49,7 +50,7 @@ def test_the_fit_averages_noisy_runs_instead_of_chasing_them(monkeypatch, fixed_
         jct_s = fixed_s + k / spec.factors.prefill_efficiency
         return SimpleNamespace(jct_s=jct_s * next(noise))
 
-    monkeypatch.setattr(runner, "run_simulation", fake_run)
+    monkeypatch.setattr(calibration, "run_simulation", fake_run)
     answer, tried = calibration.fit_prefill_efficiency(start=0.5, runs=6)
     assert len(tried) == len(tried_specs) == 6
     assert tried[0][0] == 0.5

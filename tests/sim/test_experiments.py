@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from dualpath.sim import experiments, online
 from dualpath.sim.agents import scaled_append_agents, synthetic_agents
-from dualpath.sim.calibration import FROZEN_FACTORS, FROZEN_FACTORS_PER_FORWARD
+from dualpath.sim.efficiency import FROZEN_FACTORS, FROZEN_FACTORS_PER_FORWARD
 from dualpath.sim.experiments import ExperimentResult, _Runner
 from dualpath.sim.runner import RunSpec, build_simulator
 from tests.sim.test_simulator import small_spec

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from dualpath.sim import plan
-from dualpath.sim.calibration import FROZEN_FACTORS, FROZEN_FACTORS_PER_FORWARD
+from dualpath.sim.efficiency import FROZEN_FACTORS, FROZEN_FACTORS_PER_FORWARD
 
 # Simulated JCTs by shape: with the same requests, 2P2D finishes first per GPU.
 JCT_S = {"1P3D": 400.0, "2P2D": 250.0, "3P1D": 300.0}
