@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dualpath.cluster.launcher import LocalCluster
 from dualpath.model.generation_config import (
@@ -26,9 +26,6 @@ from dualpath.server.chat import ChatRenderer
 from dualpath.server.config import ServerConfig
 from dualpath.server.metrics import ServerMetrics, link_capacity_lookup
 
-if TYPE_CHECKING:
-    from dualpath.server.generation import Generation
-
 logger = logging.getLogger(__name__)
 
 
@@ -37,6 +34,12 @@ class ServerState(enum.Enum):
     READY = "ready"
     FAILED = "failed"  # the cluster did not start; the server is exiting
     STOPPING = "stopping"  # SIGINT/SIGTERM: in-flight requests cancelled, nothing new taken
+
+
+class Abortable(Protocol):
+    """What ``stop_serving`` needs of a request in flight (``generation.Generation``)."""
+
+    def abort(self, reason: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,7 @@ class ServingContext:
         )
         self.state = ServerState.STARTING
         self.created_unix_s = int(time.time())
-        self.generations: set[Generation] = set()  # in flight, for shutdown
+        self.generations: set[Abortable] = set()  # in flight, for shutdown
         self.num_waiting = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
 
