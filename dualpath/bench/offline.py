@@ -61,6 +61,7 @@ from dualpath.bench.presets import (
     workload_shape,
 )
 from dualpath.bench.report import write_outputs
+from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig
 from dualpath.transfer.transport import TRANSPORT_KINDS
@@ -69,12 +70,6 @@ from dualpath.workload import Misfit, Workload, first_misfit, workload_stats
 
 # The servers' KV block (serve --block-size's default): hits are whole blocks of it.
 BLOCK_SIZE_TOKENS = EngineConfig().block_size_tokens
-
-
-def ideal_speedup(rho: float, num_snics: int = 3) -> float:
-    """DualPath over Basic when only SNICs limit: Basic's one SNIC carries rho, DualPath's
-    ``num_snics`` carry rho / num_snics each (SPEC §5; 1P2D has three)."""
-    return max(1.0, rho) / max(1.0, rho / num_snics)
 
 
 def load_workload(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dualpath.bench.stats import ideal_speedup
+
 
 def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
@@ -193,8 +195,6 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
         written.append(path)
     swept = [r for r in runs if r.get("rho") is not None and "dualpath_vs_basic_jct" in r["ratios"]]
     if len(swept) > 1:
-        from dualpath.bench.offline import ideal_speedup
-
         rhos = [r["rho"] for r in swept]
         figure, axis = plt.subplots(figsize=(6, 3.5))
         axis.plot(rhos, [r["ratios"]["dualpath_vs_basic_jct"] for r in swept], "o-", label="ours")

@@ -7,6 +7,8 @@
 * SNIC load balance: the mean, over 1 s windows in the first 80% of the run, of the busiest
   SNIC's bytes in the window over the mean of all SNICs' bytes (1.0 is perfect). Windows in
   which no SNIC moved a byte are skipped: they have no balance to speak of.
+* ideal speedup: DualPath over Basic when only SNICs limit, from rho alone (SPEC §5), the
+  yardstick of a rho sweep.
 """
 
 from __future__ import annotations
@@ -113,3 +115,9 @@ def snic_load_balance(
         if column.sum() > 0 and column.mean() >= floor
     ]
     return float(np.mean(ratios)) if ratios else None
+
+
+def ideal_speedup(rho: float, num_snics: int = 3) -> float:
+    """DualPath over Basic when only SNICs limit: Basic's one SNIC carries rho, DualPath's
+    ``num_snics`` carry rho / num_snics each (SPEC §5; 1P2D has three)."""
+    return max(1.0, rho) / max(1.0, rho / num_snics)

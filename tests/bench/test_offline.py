@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.bench.offline import ideal_speedup, run_offline
+from dualpath.bench.offline import run_offline
 from dualpath.cli import main
 
 pytest.importorskip("nixl_cu12")
@@ -75,9 +75,3 @@ def test_forcing_the_de_path_puts_every_hit_read_on_decode_nodes(
     assert (out.parent / "forced_jct.png").stat().st_size > 0
     assert (out.parent / "forced_snic.png").stat().st_size > 0
     assert result["snic_timeline"]["time_s"]
-
-
-def test_ideal_speedup_follows_the_snic_count() -> None:
-    assert ideal_speedup(0.5) == 1.0
-    assert ideal_speedup(2.0) == 2.0
-    assert ideal_speedup(6.0) == 3.0

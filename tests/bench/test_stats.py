@@ -7,6 +7,7 @@ import pytest
 from dualpath.bench.agents import TurnRecord
 from dualpath.bench.stats import (
     LinkSample,
+    ideal_speedup,
     percentiles,
     snic_load_balance,
     summarize_turns,
@@ -103,3 +104,9 @@ def test_snic_timeline_gives_each_snics_rate_per_interval() -> None:
     timeline = snic_timeline(samples)
     assert timeline["time_s"] == [1.0, 2.0]
     assert timeline["gbps"] == {"a": [1.0, 0.0], "b": [0.0, 2.0]}
+
+
+def test_ideal_speedup_follows_the_snic_count() -> None:
+    assert ideal_speedup(0.5) == 1.0
+    assert ideal_speedup(2.0) == 2.0
+    assert ideal_speedup(6.0) == 3.0
