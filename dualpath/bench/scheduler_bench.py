@@ -32,7 +32,15 @@ import random
 import time
 from pathlib import Path
 
+from dualpath.bench import scheduler_wire
 from dualpath.bench.hardware import hardware_info
+from dualpath.bench.paper_cluster import (
+    DECODE_KV_CAPACITY_BLOCKS,
+    KV_BYTES_PER_TOKEN,
+    PAPER_REQUESTS_PER_S,
+    PREFILL_NODE_SHARE,
+    SNIC_BANDWIDTH_GBPS,
+)
 from dualpath.scheduler import (
     READ_PATHS,
     SCHEDULER_NAMES,
@@ -52,16 +60,9 @@ from dualpath.scheduler.topology import ClusterTopology, EngineGroupSpec
 
 logger = logging.getLogger(__name__)
 
-PREFILL_NODE_SHARE = 3  # one node in three is a prefill node: 1P:2D, as 48P96D
-# DeepSeek-V3.2's KV, ~656 bytes per token per layer x 61 layers (SPEC §7).
-KV_BYTES_PER_TOKEN = 656 * 61
-SNIC_BANDWIDTH_GBPS = 400.0  # one 400 Gbps storage NIC per node (SPEC §1)
 # ~2,350 requests/s x ~32.7K prompt tokens over 384 PE GPUs (SPEC §7): ~200K prompt tokens/s.
 PREFILL_TOKENS_PER_S = 200_000.0
-# A DE's KV memory: ~60 GB of an H200 at ~40 KB/token is ~1.5M tokens, in 64-token blocks.
-DECODE_KV_CAPACITY_BLOCKS = 1_500_000 // 64
 NUM_SNAPSHOTS_PER_GROUP = 16  # each group cycles through these reports
-PAPER_REQUESTS_PER_S = 2350.0  # what 48P96D served in the paper (issue #3)
 
 
 def run_scheduler_bench(
@@ -323,16 +324,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of the same queue; best")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
-    # Imported here, not at the top: scheduler_wire imports this module's constants.
-    from dualpath.bench import scheduler_wire
-
     scheduler_wire.add_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     if args.wire:
-        from dualpath.bench import scheduler_wire
-
         num_nodes = args.engines // args.engines_per_node
         if args.engines % args.engines_per_node or num_nodes % PREFILL_NODE_SHARE:
             raise ValueError(

@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 
 from dualpath.bench.hardware import hardware_info
-from dualpath.bench.scheduler_bench import (
+from dualpath.bench.paper_cluster import (
     KV_BYTES_PER_TOKEN,
     PAPER_REQUESTS_PER_S,
     SNIC_BANDWIDTH_GBPS,

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dualpath.bench.scheduler_bench import DECODE_KV_CAPACITY_BLOCKS, KV_BYTES_PER_TOKEN
+from dualpath.bench.paper_cluster import DECODE_KV_CAPACITY_BLOCKS, KV_BYTES_PER_TOKEN
 from dualpath.cluster.messages import PREFILL, Assignment, EngineInfo, GroupInfo, GroupReport
 from dualpath.control.channel import ControlClient
 from dualpath.control.codec import encode
