@@ -25,6 +25,7 @@ from pathlib import Path
 from dualpath import __version__
 from dualpath.errors import DualPathError
 from dualpath.server.args import positive_float
+from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import gb_to_bytes
 
 DEFAULT_PRESET = "tiny"  # the random-weight preset of make-model and the benchmarks
@@ -438,20 +439,29 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         help="run one prefill or decode engine process that joins a scheduler",
         description="One engine of a PD-disaggregated cluster (one engine = one GPU). It joins "
         "the scheduler at --scheduler with the cluster token from $DUALPATH_CLUSTER_TOKEN and "
-        "exits when the scheduler stops or goes silent.",
+        "exits when the scheduler stops or goes silent. Either --config gives its whole "
+        "configuration (what 'dualpath serve' sends its engines), or the flags below build it "
+        "(--role, --scheduler, --engine-id and --node-id required).",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the engine's whole configuration as JSON (an EngineProcessConfig: every field "
+        "of its store, engine, cluster and scheduler configs), from this file or '-' for "
+        "stdin; no other engine flag may be given with it",
     )
     _add_engine_args(p)
-    p.add_argument("--role", choices=("prefill", "decode"), required=True, help="PE or DE")
+    p.add_argument("--role", choices=("prefill", "decode"), default=None, help="PE or DE")
     p.add_argument(
-        "--scheduler", required=True, help="the scheduler's control endpoint, tcp://HOST:PORT"
+        "--scheduler", default=None, help="the scheduler's control endpoint, tcp://HOST:PORT"
     )
-    p.add_argument("--engine-id", type=int, required=True, help="this engine's id in the topology")
-    p.add_argument("--node-id", type=int, required=True, help="the node it belongs to")
+    p.add_argument("--engine-id", type=int, default=None, help="this engine's id in the topology")
+    p.add_argument("--node-id", type=int, default=None, help="the node it belongs to")
     p.add_argument(
         "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
     )
     p.add_argument(
-        "--transport", choices=("nixl", "shm"), default="nixl", help="PE<->DE KV transport"
+        "--transport", choices=TRANSPORT_KINDS, default="nixl", help="PE<->DE KV transport"
     )
     p.add_argument("--snic-gbps", type=float, default=0.0, help="node SNIC cap, Gbps (0 = none)")
     p.add_argument("--cnic-gbps", type=float, default=0.0, help="engine CNIC cap, Gbps (0 = none)")
@@ -473,24 +483,68 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         help="PE: predicted seconds of one layer per prefill batch, the compute quota "
         "(default 0.3); longer prompts are prefilled in chunks across batches",
     )
-    p.set_defaults(func=_run_engine)
+    # Every flag but --config at its default: what --config may be given with.
+    defaults = vars(p.parse_args([]))
+    del defaults["config"]
+    p.set_defaults(func=_run_engine, engine_flag_defaults=defaults)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from dualpath.cluster.engine_process import EngineProcessConfig, run_engine
+    from dualpath.cluster.engine_process import run_engine
     from dualpath.cluster.launcher import TOKEN_ENV
-    from dualpath.config import ClusterConfig, EngineConfig, TrafficConfig
 
     token = os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"set ${TOKEN_ENV} to the cluster token the scheduler was started with")
+    return run_engine(engine_process_config(args), token)
+
+
+def engine_process_config(args: argparse.Namespace):
+    """``dualpath engine``'s configuration: ``--config``'s JSON, or built from the flags."""
+    import json
+
+    from dualpath.config import EngineProcessConfig, config_from_dict
+
+    given = [
+        dest
+        for dest, default in args.engine_flag_defaults.items()
+        if getattr(args, dest) != default
+    ]
+    if args.config is not None:
+        if given:
+            flags = ", ".join("--" + dest.replace("_", "-") for dest in given)
+            raise ValueError(f"--config gives the whole configuration; leave out {flags}")
+        text = sys.stdin.read() if args.config == "-" else Path(args.config).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--config {args.config}: not JSON: {exc}") from exc
+        return config_from_dict(EngineProcessConfig, data)
+    missing = [
+        "--" + dest.replace("_", "-")
+        for dest in ("role", "scheduler", "engine_id", "node_id")
+        if getattr(args, dest) is None
+    ]
+    if missing:
+        raise ValueError(f"give --config, or {', '.join(missing)}")
+    return _engine_config_from_flags(args)
+
+
+def _engine_config_from_flags(args: argparse.Namespace):
+    from dualpath.config import (
+        ClusterConfig,
+        EngineConfig,
+        EngineProcessConfig,
+        SchedulerConfig,
+        TrafficConfig,
+    )
+
     buffer_bytes = gb_to_bytes(args.buffer_gb)
-    config = EngineProcessConfig(
+    return EngineProcessConfig(
         role=args.role,
         engine_id=args.engine_id,
         node_id=args.node_id,
         scheduler_endpoint=args.scheduler,
-        token=token,
         model_dir=_resolve_model(args.model),
         store=store_config(
             None if args.no_kv_store else (args.kv_store or default_kv_store_dir()),
@@ -514,10 +568,13 @@ def _run_engine(args: argparse.Namespace) -> int:
             decode_buffer_bytes=buffer_bytes,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
         ),
+        scheduler=SchedulerConfig(
+            block_size_tokens=args.block_size,
+            attention_quota_s=args.attention_quota_s,
+            min_prefill_chunk_tokens=args.block_size,
+        ),
         transport=args.transport,
-        attention_quota_s=args.attention_quota_s,
     )
-    return run_engine(config)
 
 
 # --- serve -----------------------------------------------------------------------------------

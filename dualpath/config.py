@@ -3,13 +3,21 @@
 Constructing a config does no I/O, reads no environment and sets up no logging; ``cli.py``
 builds configs from flags, and runners write the resolved config next to their results.
 Derived values come from functions that return new objects (``dataclasses.replace``).
+
+A config tree travels between processes as plain data: ``config_to_dict`` and
+``config_from_dict`` carry every field of every nested config (a process that builds itself
+from the result gets exactly the sender's config), and a field the receiver does not know is
+refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -170,7 +178,8 @@ class TrafficConfig:
     snic_bandwidth_gbps: float = 0.0
     # Each engine's compute NIC: PE<->DE KV and host<->device copies; the paper: 400 Gbps.
     cnic_bandwidth_gbps: float = 0.0
-    # Host memory per engine process; 0 = no cap. (SPEC §5's M is per node.)
+    # Host memory per node (SPEC §5's M), for the start-up check of the P/D ratio alone
+    # (``check_pd_ratio``); 0 = no check. Not a cap: no movement is charged to host memory.
     host_memory_bandwidth_gbps: float = 0.0
     # SPEC §4: the high class gets ~99% under contention; the low class is never starved.
     inference_weight: int = 99
@@ -316,3 +325,90 @@ class ClusterConfig:
         if self.read_path is None:
             return settings
         return dataclasses.replace(settings, read_path=self.read_path)
+
+
+# --- one engine process -----------------------------------------------------------------------
+
+ENGINE_ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProcessConfig:
+    """Everything one engine process builds itself from (``dualpath engine``); the launcher
+    sends it whole (``config_to_dict``). The cluster token is not part of it: it travels in
+    the environment, like any secret."""
+
+    role: str  # "prefill" or "decode"
+    engine_id: int
+    node_id: int
+    scheduler_endpoint: str
+    model_dir: Path
+    store: KVStoreConfig = KVStoreConfig()
+    engine: EngineConfig = EngineConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    # The PE's batcher takes its compute quota and minimum chunk from here, and the engine its
+    # report interval (SPEC §6's fetch interval), as the scheduler and the simulator do.
+    scheduler: SchedulerConfig = SchedulerConfig()
+    transport: str = "nixl"  # dualpath.transfer.transport.TRANSPORT_KINDS
+    # An idle engine whose report would not change sends it only this often (a keep-alive,
+    # well inside the heartbeat timeout); the scheduler fetches for idle groups itself. At
+    # 10 ms, three idle engines and their scheduler burned half a core between them.
+    report_keepalive_s: float = 0.25
+    # Upper bound of one wait on a peer (a transfer, the scheduler's first answer).
+    peer_timeout_s: float = 30.0
+    # On exit, how long pending store writes may take to finish. Past it they are abandoned
+    # and the process exits anyway: a store that hangs (a cut-off network mount) must not
+    # keep a stopped engine alive. The blocks are recomputed when next needed.
+    store_flush_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {ENGINE_ROLES}, got {self.role!r}")
+        for name in ("report_keepalive_s", "peer_timeout_s", "store_flush_timeout_s"):
+            _require_positive(name, getattr(self, name))
+
+
+# --- configs as plain data --------------------------------------------------------------------
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A config and the configs inside it as JSON-ready values (paths as strings)."""
+    return {field.name: _plain(getattr(config, field.name)) for field in dataclasses.fields(config)}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return config_to_dict(value)
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """The ``cls`` config ``data`` describes (``config_to_dict``'s output or a hand-written
+    subset: missing fields take their defaults). ``ValueError`` names a field ``cls`` does
+    not have, or a value that is not what the field holds."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__} must be given as an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}")
+    return cls(**{name: _typed(cls, name, hints[name], value) for name, value in data.items()})
+
+
+def _typed(cls: type, name: str, hint: Any, value: Any) -> Any:
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if dataclasses.is_dataclass(option) and isinstance(value, dict):
+            return config_from_dict(option, value)
+        if option is Path and isinstance(value, str):
+            return Path(value)
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if option in (int, str, bool) and type(value) is option:
+            return value
+    raise ValueError(f"{cls.__name__}.{name} cannot be {value!r} ({hint})")

@@ -3,9 +3,10 @@
     python scripts/gpu_check.py [--device cuda] [--json results/gpu_check.json]
 
 1. transformers parity on the device: logits of the generated tiny model vs the reference;
-2. the disaggregated engines on the device: a prefill engine (layer-wise, hit KV staged in
-   pinned host buffers) and a decode engine joined through NIXL agents, tokens compared with
-   the single-node engine on the CPU for the PE, DE and split read paths;
+2. the disaggregated engines on the device as `dualpath serve` runs them: a one-host cluster
+   whose prefill and decode engine processes (layer-wise, hit KV staged in pinned host
+   buffers) are joined through NIXL, tokens compared with the single-node engine on the CPU
+   for the PE, DE and split read paths;
 3. NIXL registration of device memory: a VRAM -> VRAM write between two agents;
 4. a throughput figure: single-node prefill and decode tokens/s of the `small` preset.
 
@@ -48,20 +49,12 @@ def step_parity(device: str, model_dir: Path) -> dict:
 
 
 def step_disaggregated(device: str, model_dir: Path, work: Path) -> dict:
+    """What ``dualpath serve --device DEVICE`` runs: a ``LocalCluster`` whose prefill and
+    decode engines are their own processes (built from the configs it sends them), KV over
+    NIXL, each read path forced in turn; tokens against the CPU single-node engine."""
     from dualpath import LLM, SamplingParams
-    from dualpath.cluster.messages import Assignment
-    from dualpath.config import EngineConfig, KVStoreConfig
-    from dualpath.engine.buffers import KVBuffer
-    from dualpath.engine.decode import DecodeEngine
-    from dualpath.engine.llm import LLMEngine
-    from dualpath.engine.prefill import PrefillEngine
-    from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
-    from dualpath.kv.hashing import block_keys
-    from dualpath.kv.store import FileKVStore
-    from dualpath.model.identity import kv_identity
-    from dualpath.model.loader import load_model
-    from dualpath.transfer.transport import create_transport
-    from dualpath.types import sampling_params_to_dict
+    from dualpath.cluster.launcher import LocalCluster
+    from dualpath.config import ClusterConfig, EngineConfig, KVStoreConfig
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
@@ -74,75 +67,28 @@ def step_disaggregated(device: str, model_dir: Path, work: Path) -> dict:
         reference = [
             o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         ]
-
-    loaded = load_model(model_dir, device=device)
-    identity = kv_identity(loaded.config, loaded.weights_digest, "float32", 64)
-    store = FileKVStore(store_dir, identity.layout, identity.fingerprint)
     results = {}
-    for side, split in (("pe", lambda n: n), ("de", lambda n: 0), ("split", lambda n: n // 2)):
-        pe_transport = create_transport("nixl", f"pe-{side}")
-        de_transport = create_transport("nixl", f"de-{side}")
-        prefill = PrefillEngine(
-            loaded.model,
-            identity,
-            store,
-            KVBuffer(identity.layout, 64 << 20, pin_memory=device == "cuda"),
-            dtype=loaded.dtype,
-            device=loaded.device,
-            is_layerwise=True,
-        )
-        decode_engine = LLMEngine(
-            loaded, EngineConfig(device=device), KVStoreConfig(root_dir=store_dir)
-        )
-        decode = DecodeEngine(
-            decode_engine, KVBuffer(identity.layout, 64 << 20, pin_memory=device == "cuda")
-        )
-        descriptor = de_transport.register("de-buffer", decode.buffer.array)
-        pe_transport.connect(f"de-{side}", de_transport.metadata())
-        staging = TransportStaging(
-            pe_transport, identity.layout, max_read_blocks=64, ring_blocks=64
-        )
-        remote = TransportRemoteBuffer(staging, f"de-{side}", descriptor, timeout_s=30.0)
-        tokens = {}
+    for side in ("pe", "de", "split"):
         start = time.perf_counter()
-        for request_id, prompt in enumerate(prompts):
-            keys = block_keys(prompt[: (len(prompt) - 1) // 64 * 64], 64, identity.fingerprint)
-            num_hit = store.lookup(keys)
-            assignment = Assignment(
-                request_id,
-                tuple(prompt),
-                sampling_params_to_dict(params),
-                split(num_hit),
-                num_hit - split(num_hit),
-                0,
-                1,
-            )
-            decode.add(assignment)
-            prefill.add(assignment)
-            tokens[request_id] = []
-        pending = set(tokens)
-        while pending:
-            for ready in decode.poll_ready():
-                prefill.on_decode_ready(ready)
-            for done in prefill.step(lambda _, remote=remote: remote):
-                tokens[done.request_id].append(done.first_token_id)
-                decode.on_prefill_done(done)
-            for update in decode.step():
-                tokens[update.request_id] += update.token_ids
-                if update.finish_reason is not None:
-                    pending.discard(update.request_id)
+        with LocalCluster(
+            ClusterConfig(num_prefill_nodes=1, num_decode_nodes=1, read_path=side),
+            model_dir=model_dir,
+            store=KVStoreConfig(root_dir=store_dir),
+            engine=EngineConfig(device=device, num_threads=1),
+            log_dir=work / f"logs-{side}",
+        ) as cluster:
+            outs = cluster.generate(prompts, params)
         results[side] = {
             "identical_to_cpu_single_node": [
-                tokens[i] == reference[i] for i in range(len(prompts))
+                out.token_ids == ref for out, ref in zip(outs, reference, strict=True)
             ],
+            "num_cached_tokens": [out.num_cached_tokens for out in outs],
             "wall_s": time.perf_counter() - start,
         }
-        decode_engine.close()
-        prefill.close()
-        decode.close()
-        pe_transport.close()
-        de_transport.close()
-    ok = all(all(r["identical_to_cpu_single_node"]) for r in results.values())
+    ok = all(
+        all(r["identical_to_cpu_single_node"]) and all(r["num_cached_tokens"])
+        for r in results.values()
+    )
     return {"ok": ok, "paths": results}
 
 

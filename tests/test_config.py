@@ -68,3 +68,140 @@ def test_configs_are_frozen() -> None:
     assert config.node_shape == "1P2D" and config.settings.mode == "dualpath"
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.mode = "basic"  # type: ignore[misc]
+
+
+# Every field of every config an engine process is built from, each at a value other than its
+# default. A field added to a config and left out here fails
+# ``test_the_table_covers_every_field``: add it, and the round trip below proves it arrives.
+def _non_default_configs() -> dict[type, dict]:
+    from pathlib import Path
+
+    from dualpath.config import (
+        ClusterConfig,
+        EngineConfig,
+        EngineProcessConfig,
+        KVStoreConfig,
+        SchedulerConfig,
+        TrafficConfig,
+    )
+
+    traffic = dict(
+        snic_bandwidth_gbps=1.5,
+        cnic_bandwidth_gbps=2.5,
+        host_memory_bandwidth_gbps=3.5,
+        inference_weight=90,
+        kv_weight=10,
+        utilisation_window_s=2.0,
+        gap_fill_s=0.002,
+    )
+    cluster = dict(
+        num_prefill_nodes=2,
+        num_decode_nodes=4,
+        engines_per_node=2,
+        nodes_per_group=2,
+        mode="layerwise",
+        read_path="split",
+        traffic=TrafficConfig(**traffic),
+        prefill_buffer_bytes=3 << 20,
+        decode_buffer_bytes=5 << 20,
+        control_endpoint="tcp://10.0.0.1:5555",
+        heartbeat_timeout_s=7.0,
+        persist_wait_s=1.5,
+    )
+    store = dict(
+        root_dir=Path("/mnt/kv"),
+        capacity_bytes=123 << 20,
+        verify_checksums=False,
+        fsync_writes=True,
+    )
+    engine = dict(
+        block_size_tokens=32,
+        device="cuda:1",
+        dtype="bfloat16",
+        num_device_blocks=77,
+        kv_cache_bytes=1 << 20,
+        num_io_threads=3,
+        max_pending_write_bytes=1 << 21,
+        num_threads=2,
+        max_num_seqs=9,
+        max_num_batched_tokens=1000,
+        max_model_len=4096,
+    )
+    scheduler = dict(
+        scheduler="round_robin",
+        read_path="pe",
+        block_size_tokens=32,
+        alpha_window_s=2.0,
+        beta_window_s=4.0,
+        alpha_tokens=1000,
+        beta_tokens=2000,
+        prefill_tokens_per_s=1234.5,
+        z_factor=1.1,
+        fetch_interval_s=0.02,
+        attention_quota_s=0.45,
+        min_prefill_chunk_tokens=32,
+    )
+    process = dict(
+        role="decode",
+        engine_id=5,
+        node_id=3,
+        scheduler_endpoint="tcp://10.0.0.1:5555",
+        model_dir=Path("/models/m"),
+        store=KVStoreConfig(**store),
+        engine=EngineConfig(**engine),
+        cluster=ClusterConfig(**cluster),
+        scheduler=SchedulerConfig(**scheduler),
+        transport="shm",
+        report_keepalive_s=0.5,
+        peer_timeout_s=12.0,
+        store_flush_timeout_s=3.0,
+    )
+    return {
+        TrafficConfig: traffic,
+        ClusterConfig: cluster,
+        KVStoreConfig: store,
+        EngineConfig: engine,
+        SchedulerConfig: scheduler,
+        EngineProcessConfig: process,
+    }
+
+
+def test_the_table_covers_every_field() -> None:
+    for cls, values in _non_default_configs().items():
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        assert set(values) == set(fields), f"{cls.__name__}: fields not in the table"
+        for name, value in values.items():
+            default = fields[name].default
+            assert value != default, f"{cls.__name__}.{name} is at its default"
+
+
+def test_an_engine_gets_every_field_of_its_config(tmp_path, monkeypatch) -> None:
+    """What the launcher sends (JSON on the engine's stdin) is what ``dualpath engine
+    --config`` builds, every field of every nested config included."""
+    import io
+    import json
+
+    from dualpath.cli import build_parser, engine_process_config
+    from dualpath.config import EngineProcessConfig, config_to_dict
+
+    config = EngineProcessConfig(**_non_default_configs()[EngineProcessConfig])
+    text = json.dumps(config_to_dict(config))
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert engine_process_config(build_parser().parse_args(["engine", "--config", "-"])) == config
+    path = tmp_path / "engine.json"
+    path.write_text(text)
+    assert engine_process_config(build_parser().parse_args(["engine", "--config", str(path)])) == (
+        config
+    )
+
+
+def test_config_from_dict_refuses_what_it_does_not_know() -> None:
+    from dualpath.config import EngineConfig, KVStoreConfig, config_from_dict
+
+    assert config_from_dict(EngineConfig, {"max_num_seqs": 3}) == EngineConfig(max_num_seqs=3)
+    with pytest.raises(ValueError, match="EngineConfig has no field 'max_num_seq'"):
+        config_from_dict(EngineConfig, {"max_num_seq": 3})
+    with pytest.raises(ValueError, match="EngineConfig.max_num_seqs cannot be '3'"):
+        config_from_dict(EngineConfig, {"max_num_seqs": "3"})
+    with pytest.raises(ValueError, match="KVStoreConfig.fsync_writes cannot be 1"):
+        config_from_dict(KVStoreConfig, {"fsync_writes": 1})

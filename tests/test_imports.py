@@ -39,3 +39,52 @@ def test_help_lists_every_command() -> None:
     assert result.returncode == 0
     for command in ("make-model", "generate", "demo", "bench"):
         assert command in result.stdout
+
+
+# Layers, lowest first: a package may import from its own layer and those before it, never
+# from a later one (the engines speak the protocol; they do not know the scheduler process or
+# the HTTP server).
+LAYERS = {
+    "dualpath.engine": ("dualpath.cluster", "dualpath.server", "dualpath.bench", "dualpath.sim"),
+    "dualpath.protocol": (
+        "dualpath.engine",
+        "dualpath.cluster",
+        "dualpath.server",
+        "dualpath.bench",
+        "dualpath.sim",
+    ),
+    "dualpath.scheduler": ("dualpath.engine", "dualpath.cluster", "dualpath.server"),
+}
+
+
+def _imports_of(path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_imports_point_down_the_layers(package: str) -> None:
+    from pathlib import Path
+
+    import dualpath
+
+    root = Path(dualpath.__file__).parent
+    relative = Path(*package.split(".")[1:])
+    files = sorted((root / relative).rglob("*.py")) if (root / relative).is_dir() else []
+    files = files or [(root / relative).with_suffix(".py")]
+    forbidden = LAYERS[package]
+    wrong = [
+        f"{path.relative_to(root)} imports {name}"
+        for path in files
+        for name in sorted(_imports_of(path))
+        if any(name == above or name.startswith(above + ".") for above in forbidden)
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -86,12 +86,12 @@ from dualpath.bench.wire_leaders import (
     run_driver,
 )
 from dualpath.cluster.coordinator import Coordinator
-from dualpath.cluster.messages import DECODE, PREFILL
 from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import new_cluster_token
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore, StoreStats
 from dualpath.model.identity import KVIdentity
+from dualpath.protocol import DECODE, PREFILL
 from dualpath.scheduler import EngineRole, storage_read_tokens_per_s
 from dualpath.types import SamplingParams
 

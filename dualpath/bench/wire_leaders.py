@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dualpath.bench.paper_cluster import DECODE_KV_CAPACITY_BLOCKS, KV_BYTES_PER_TOKEN
-from dualpath.cluster.messages import PREFILL, Assignment, EngineInfo, GroupInfo, GroupReport
 from dualpath.control.channel import ControlClient
 from dualpath.control.codec import encode
+from dualpath.protocol import PREFILL, Assignment, EngineInfo, GroupInfo, GroupReport
 
 BLOCK_SIZE_TOKENS = 64
 # Simulated speeds. A PE prefills 1.25x what 2,350 requests/s of 32.7K tokens need from 384 PEs

@@ -6,7 +6,7 @@ that group's fetch (SPEC §6), answered with ``Assignment``s once a request's pa
 are fixed. Engines that speak for themselves report individually and the group snapshot is
 assembled from their latest reports; a leader that speaks for its group (``GroupInfo``, then
 ``GroupReport``s) sends them all at once, and receives everything meant for its engines
-(``dualpath.cluster.messages`` has the protocol).
+(``dualpath.protocol`` has the protocol).
 
     coordinator = Coordinator(cluster_config, scheduler_config, identity, store_root, token)
     request_id = coordinator.submit(prompt_token_ids, params)   # thread-safe
@@ -44,7 +44,15 @@ from typing import Any
 import msgpack
 
 from dualpath.cluster.group_load import GroupLoad
-from dualpath.cluster.messages import (
+from dualpath.cluster.persisting import PersistingBlocks
+from dualpath.config import ClusterConfig, SchedulerConfig
+from dualpath.control.channel import ControlServer
+from dualpath.control.codec import encode
+from dualpath.errors import KVStoreError, PeerUnavailable
+from dualpath.kv.hashing import BlockKey, block_keys
+from dualpath.kv.store import FileKVStore, KVStore
+from dualpath.model.identity import KVIdentity
+from dualpath.protocol import (
     DECODE,
     PREFILL,
     Assignment,
@@ -58,19 +66,12 @@ from dualpath.cluster.messages import (
     KVPersisted,
     PeerTable,
     PrefillDone,
+    RequestEvent,
     RequestFailed,
     Shutdown,
     TokenUpdate,
     pack_token_ids,
 )
-from dualpath.cluster.persisting import PersistingBlocks
-from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.control.channel import ControlServer
-from dualpath.control.codec import encode
-from dualpath.errors import KVStoreError, PeerUnavailable
-from dualpath.kv.hashing import BlockKey, block_keys
-from dualpath.kv.store import FileKVStore, KVStore
-from dualpath.model.identity import KVIdentity
 from dualpath.scheduler import (
     EngineRole,
     SchedulerRequest,
@@ -84,22 +85,6 @@ logger = logging.getLogger(__name__)
 # How many times one request may be placed: the first placement and re-placements after the
 # loss of an engine (a request that keeps landing on dying engines fails in the end).
 MAX_PLACEMENTS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class RequestEvent:
-    """What the serving side sees of a request: new tokens, then one final event."""
-
-    request_id: int
-    token_ids: tuple[int, ...]
-    finish_reason: str | None  # set on the last event; "error" with ``error`` on failure
-    num_cached_tokens: int
-    error: str | None = None
-    logprobs: tuple | None = None
-    time_s: float = 0.0
-    # The error is the cluster's state, not the request's: no engine of a role it needs is
-    # alive (the server answers 503, not 500).
-    is_unavailable: bool = False
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dualpath.cluster.messages import EngineReport, GroupReport
+from dualpath.protocol import EngineReport, GroupReport
 from dualpath.scheduler import (
     EngineGroupSpec,
     EngineRole,

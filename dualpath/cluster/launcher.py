@@ -21,6 +21,8 @@ threads, so nothing outside it touches the coordinator's state or its control so
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import queue
@@ -32,15 +34,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dualpath.cluster.coordinator import Coordinator, RequestEvent, open_store_for_lookups
-from dualpath.cluster.messages import DECODE, PREFILL
-from dualpath.config import ClusterConfig, EngineConfig, KVStoreConfig, SchedulerConfig
+from dualpath.cluster.coordinator import Coordinator, open_store_for_lookups
+from dualpath.config import (
+    ClusterConfig,
+    EngineConfig,
+    EngineProcessConfig,
+    KVStoreConfig,
+    SchedulerConfig,
+    config_to_dict,
+)
 from dualpath.control.channel import new_cluster_token
 from dualpath.errors import ClusterUnavailable
 from dualpath.model.identity import checkpoint_kv_identity
+from dualpath.protocol import DECODE, PREFILL, RequestEvent
 from dualpath.transfer.links import check_pd_ratio
 from dualpath.types import SamplingParams
-from dualpath.units import bytes_to_gb, gbps_to_bytes_per_s
+from dualpath.units import gbps_to_bytes_per_s
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +144,8 @@ class LocalCluster:
             read_path=settings.read_path,
             block_size_tokens=self.engine_config.block_size_tokens,
             prefill_tokens_per_s=prefill_tokens_per_s,
+            # The PEs cut prompts at Full Blocks, one block at least.
+            min_prefill_chunk_tokens=self.engine_config.block_size_tokens,
         )
         bytes_per_token = (
             self.identity.layout.full_block_bytes / self.identity.layout.block_size_tokens
@@ -228,46 +239,39 @@ class LocalCluster:
             time.sleep(0.05)
         return self
 
+    def engine_process_config(self, role: str, engine_id: int, node_id: int) -> EngineProcessConfig:
+        """What engine ``engine_id`` builds itself from: this cluster's configs, whole."""
+        return EngineProcessConfig(
+            role=role,
+            engine_id=engine_id,
+            node_id=node_id,
+            scheduler_endpoint=self.coordinator.endpoint,
+            model_dir=self.model_dir,
+            store=self.store_config,
+            engine=self.engine_config,
+            cluster=self.cluster,
+            scheduler=self.scheduler_config,
+            transport=self.transport,
+        )
+
     def _spawn(self, role: str, engine_id: int, node_id: int) -> subprocess.Popen:
-        cluster, engine, store = self.cluster, self.engine_config, self.store_config
-        argv = [
-            sys.executable, "-m", "dualpath.cli", "engine",
-            "--role", role,
-            "--scheduler", self.coordinator.endpoint,
-            "--engine-id", str(engine_id),
-            "--node-id", str(node_id),
-            "--model", str(self.model_dir),
-            "--mode", cluster.mode,
-            "--transport", self.transport,
-            "--device", engine.device,
-            "--dtype", engine.dtype,
-            "--block-size", str(engine.block_size_tokens),
-            "--snic-gbps", str(cluster.traffic.snic_bandwidth_gbps),
-            "--cnic-gbps", str(cluster.traffic.cnic_bandwidth_gbps),
-            "--buffer-gb", str(bytes_to_gb(
-                cluster.prefill_buffer_bytes if role == PREFILL else cluster.decode_buffer_bytes
-            )),
-            "--kv-cache-gb", str(bytes_to_gb(engine.kv_cache_bytes)),
-            "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-            "--heartbeat-timeout-s", str(cluster.heartbeat_timeout_s),
-        ]  # fmt: skip
-        if engine.num_threads is not None:
-            argv += ["--threads", str(engine.num_threads)]
-        if engine.max_model_len is not None:
-            argv += ["--max-model-len", str(engine.max_model_len)]
-        if store.root_dir is None:
-            argv.append("--no-kv-store")
-        else:
-            argv += ["--kv-store", str(store.root_dir)]
-            if store.capacity_bytes is not None:
-                argv += ["--kv-store-capacity-gb", repr(bytes_to_gb(store.capacity_bytes))]
+        """``dualpath engine --config -``, its config on stdin as JSON (every field of every
+        config, not a flag per field: none can be left behind on the way)."""
+        config = self.engine_process_config(role, engine_id, node_id)
+        argv = [sys.executable, "-m", "dualpath.cli", "engine", "--config", "-"]
         env = dict(os.environ, **{TOKEN_ENV: self.token})
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
         output = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             output = open(self.log_dir / f"engine-{engine_id}.log", "ab")  # noqa: SIM115
-        return subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            argv, env=env, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT
+        )
+        # An engine that dies before reading it is reported by start() with its exit code.
+        with contextlib.suppress(BrokenPipeError), process.stdin:
+            process.stdin.write(json.dumps(config_to_dict(config)).encode())
+        return process
 
     def _watch(self, process: subprocess.Popen, engine_id: int) -> None:
         """Reap the engine's process when it exits and tell the scheduler at once (its

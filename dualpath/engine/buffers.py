@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -27,6 +29,8 @@ from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 # (link name, number of bytes, the movement) -> what the movement returns (see kv_io.Mover).
 _Mover = Callable[[str, int, Callable[[], object]], object]
@@ -96,6 +100,44 @@ class KVBuffer:
 
     def layer_offset_bytes(self, slot: int, layer: int) -> int:
         return (slot * self.layout.num_layers + layer) * self.layout.layer_block_bytes
+
+
+class SlotQueue(Generic[R]):
+    """Requests waiting, in arrival order, for slots of one buffer (its back-pressure, SPEC
+    §3): each gets its slots as soon as they are free, and never before one ahead of it, then
+    ``start(slots)`` (its reads) runs. Both engines queue their requests here."""
+
+    def __init__(self, buffer: KVBuffer) -> None:
+        self.buffer = buffer
+        self._waiting: deque[tuple[R, int, Callable[[list[int]], None]]] = deque()
+
+    def add(self, request: R, num_slots: int, start: Callable[[list[int]], None]) -> None:
+        """Queue ``request`` for ``num_slots`` slots (``check_fits`` first: a request larger
+        than the buffer would wait forever) and start every request that fits now."""
+        self._waiting.append((request, num_slots, start))
+        self.start_waiting()
+
+    def start_waiting(self) -> None:
+        """Start the requests at the head of the queue whose slots are free (after a free)."""
+        while self._waiting:
+            request, num_slots, start = self._waiting[0]
+            slots = self.buffer.allocate(num_slots)
+            if slots is None:
+                return
+            self._waiting.popleft()
+            start(slots)
+
+    def remove(self, request: R) -> bool:
+        """Take a waiting request out (a cancel); False if it is not waiting."""
+        for index, (waiting, _, _) in enumerate(self._waiting):
+            if waiting is request:
+                del self._waiting[index]
+                return True
+        return False
+
+    @property
+    def num_waiting_slots(self) -> int:
+        return sum(num_slots for _, num_slots, _ in self._waiting)
 
 
 class StoreReader:

@@ -21,20 +21,21 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from dualpath.cluster.messages import (
+from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.kv_io import Mover, direct_move
+from dualpath.engine.llm import LLMEngine
+from dualpath.kv.hashing import BlockKey, block_keys
+from dualpath.protocol import (
     Assignment,
     DecodeReady,
     KVPersisted,
     PrefillDone,
     TokenUpdate,
 )
-from dualpath.engine.buffers import KVBuffer, StoreReader
-from dualpath.engine.kv_io import Mover, direct_move
-from dualpath.engine.llm import LLMEngine
-from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.types import SamplingParams, TokenLogprob, sampling_params_from_dict
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class DecodeEngine:
             on_done=on_read_done,
         )
         self.requests: dict[int, DecodeRequest] = {}
-        self._waiting_for_buffer: list[DecodeRequest] = []
+        # Requests waiting for DE buffer slots for their whole prompt, then reading.
+        self._slot_queue: SlotQueue[DecodeRequest] = SlotQueue(buffer)
         self._num_cached_tokens: dict[int, int] = {}
         # Finished requests whose blocks are still being written: request id -> their keys.
         self._persisting: dict[int, tuple[BlockKey, ...]] = {}
@@ -99,24 +101,15 @@ class DecodeEngine:
         keys = block_keys(prompt[:hit_tokens], self.block_size, self.engine.fingerprint)
         request = DecodeRequest(assignment, params, keys)
         self.requests[request.request_id] = request
-        self._waiting_for_buffer.append(request)
-        self._start_reads()
+        num_slots = -(-request.num_prompt_tokens // self.block_size)
+        self._slot_queue.add(request, num_slots, partial(self._start_reads, request))
 
-    def _start_reads(self) -> None:
-        while self._waiting_for_buffer:
-            request = self._waiting_for_buffer[0]
-            slots = self.buffer.allocate(-(-request.num_prompt_tokens // self.block_size))
-            if slots is None:
-                return  # back-pressure: wait for a finishing request to free slots
-            self._waiting_for_buffer.pop(0)
-            request.slots = slots
-            first, end = (
-                request.assignment.num_prefill_side_blocks,
-                request.assignment.num_hit_blocks,
-            )
-            request.reads = self.reader.submit(
-                request.keys[first:end], slots[first:end], f"request {request.request_id} DE side"
-            )
+    def _start_reads(self, request: DecodeRequest, slots: list[int]) -> None:
+        request.slots = slots
+        first, end = request.assignment.num_prefill_side_blocks, request.assignment.num_hit_blocks
+        request.reads = self.reader.submit(
+            request.keys[first:end], slots[first:end], f"request {request.request_id} DE side"
+        )
 
     def poll_ready(self) -> list[DecodeReady]:
         """DecodeReady for every request whose slots and DE-side reads are done."""
@@ -146,7 +139,7 @@ class DecodeEngine:
                 value, top = done.first_token_logprob
                 logprob = TokenLogprob(done.first_token_id, value, tuple(map(tuple, top)))
             is_adopted = self.engine.add_prefilled(
-                str(request.request_id),
+                request.request_id,
                 list(request.assignment.prompt_token_ids),
                 request.params,
                 first_token_id=done.first_token_id,
@@ -159,7 +152,7 @@ class DecodeEngine:
             self._num_cached_tokens[request.request_id] = done.num_cached_tokens
             del self.requests[request.request_id]
             self.buffer.free(request.slots)
-            self._start_reads()
+            self._slot_queue.start_waiting()
 
     def _fill(self, request: DecodeRequest, block_table: list[int]) -> None:
         cache = self.engine.cache
@@ -170,13 +163,12 @@ class DecodeEngine:
     def step(self) -> list[TokenUpdate]:
         """Adopt prefilled prompts, run one decode step, and return the token updates."""
         self._adopt_prefilled()
-        finished = {int(out.request_id): out for out in self.engine.step()}
+        finished = {out.request_id: out for out in self.engine.step()}
         logprobs = self.engine.pop_new_logprobs()
         updates = []
-        for request_key, token_ids in self.engine.pop_new_tokens().items():
-            request_id = int(request_key)
+        for request_id, token_ids in self.engine.pop_new_tokens().items():
             out = finished.pop(request_id, None)
-            updates.append(self._update(request_id, token_ids, out, logprobs.get(request_key)))
+            updates.append(self._update(request_id, token_ids, out, logprobs.get(request_id)))
         for request_id, out in finished.items():  # finished without a new token this step
             updates.append(self._update(request_id, [], out, None))
         return updates
@@ -220,15 +212,13 @@ class DecodeEngine:
 
     def cancel(self, request_id: int) -> None:
         request = self.requests.pop(request_id, None)
-        if request is not None:
-            if request in self._waiting_for_buffer:
-                self._waiting_for_buffer.remove(request)
-            else:
-                if request.reads is not None:
-                    request.reads.result()
-                self.buffer.free(request.slots)
-                self._start_reads()
-        if self.engine.abort_request(str(request_id)):
+        # A request still waiting for slots holds none; one past it may be reading into them.
+        if request is not None and not self._slot_queue.remove(request):
+            if request.reads is not None:
+                request.reads.result()  # the read thread owns the slots until it returns
+            self.buffer.free(request.slots)
+            self._slot_queue.start_waiting()
+        if self.engine.abort_request(request_id):
             self._num_cached_tokens.pop(request_id, None)
 
     @property
@@ -259,7 +249,7 @@ class DecodeEngine:
     @property
     def request_ids(self) -> list[int]:
         """Every request this engine holds: waiting for its prompt KV, or in the paged cache."""
-        in_cache = [int(s.request_id) for s in (*self.engine.running, *self.engine.waiting)]
+        in_cache = [s.request_id for s in (*self.engine.running, *self.engine.waiting)]
         return [*self.requests, *in_cache]
 
     @property

@@ -50,7 +50,7 @@ class RequestOutput:
     """A finished request: generated tokens, how much of the prompt came from the store, and
     timings in seconds on the engine's clock."""
 
-    request_id: str
+    request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
@@ -136,8 +136,8 @@ class LLMEngine:
             )
         self.eos_token_ids = model_config.eos_token_ids
         self.waiting: deque[Sequence] = deque()
-        self._new_tokens: dict[str, list[int]] = {}
-        self._new_logprobs: dict[str, list[TokenLogprob]] = {}
+        self._new_tokens: dict[int, list[int]] = {}
+        self._new_logprobs: dict[int, list[TokenLogprob]] = {}
         self._finished_outside_step: list[RequestOutput] = []
         self.running: list[Sequence] = []
         self._request_ids = itertools.count()
@@ -145,12 +145,15 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None
-    ) -> str:
-        """Queue a request; raises ``ValueError`` naming the problem for bad input."""
+        self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: int | None = None
+    ) -> int:
+        """Queue a request and return its id: ``request_id`` (the caller's to keep unique, as a
+        cluster's scheduler does), or the next of this engine's own count. ``ValueError``
+        names the problem for bad input."""
         prompt = list(prompt_token_ids)
         self.validate_request(prompt, params)
-        request_id = request_id or f"req-{next(self._request_ids)}"
+        if request_id is None:
+            request_id = next(self._request_ids)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -191,7 +194,7 @@ class LLMEngine:
                 f"{self.pool.num_blocks}; raise the KV cache size"
             )
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: int) -> bool:
         """Drop a waiting or running request and free its blocks; False if unknown."""
         for queue in (self.waiting, self.running):
             for seq in queue:
@@ -331,12 +334,12 @@ class LLMEngine:
         seq.finish_s = now_s
         return self._output(seq)
 
-    def pop_new_tokens(self) -> dict[str, list[int]]:
+    def pop_new_tokens(self) -> dict[int, list[int]]:
         """Tokens sampled since the last call, by request (for streaming)."""
         new_tokens, self._new_tokens = self._new_tokens, {}
         return new_tokens
 
-    def pop_new_logprobs(self) -> dict[str, list[TokenLogprob]]:
+    def pop_new_logprobs(self) -> dict[int, list[TokenLogprob]]:
         """Log-probabilities of the tokens sampled since the last call, by request, aligned
         with ``pop_new_tokens`` (only requests that asked for them)."""
         new_logprobs, self._new_logprobs = self._new_logprobs, {}
@@ -344,7 +347,7 @@ class LLMEngine:
 
     def add_prefilled(
         self,
-        request_id: str,
+        request_id: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
@@ -539,7 +542,7 @@ class LLM:
             self.engine.add_request(tokens, p)
             for tokens, p in zip(token_prompts, params_list, strict=True)
         ]
-        outputs: dict[str, RequestOutput] = {}
+        outputs: dict[int, RequestOutput] = {}
         progress = None
         if use_tqdm:
             from tqdm import tqdm

@@ -37,14 +37,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dualpath.cluster.messages import Assignment, DecodeReady, PrefillDone
-from dualpath.engine.buffers import KVBuffer, StoreReader
+from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
 from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.sampling import banned_token_ids, make_generator, sample
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.model.llama import DecoderModel, PackedBatch
+from dualpath.protocol import Assignment, DecodeReady, PrefillDone
 from dualpath.scheduler.attention_predictor import ConstantAttentionTimePredictor
 from dualpath.scheduler.batching import PrefillBatcher, PrefillChunk, PrefillWork
 from dualpath.types import SamplingParams, sampling_params_from_dict
@@ -156,7 +156,8 @@ class PrefillEngine:
         # Loads the next layer's hit KV while the current layer computes.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="pe-layer-load")
         self.requests: dict[int, PrefillRequest] = {}
-        self._waiting_for_buffer: list[PrefillRequest] = []
+        # Requests waiting for PE buffer slots (back-pressure), then reading.
+        self._slot_queue: SlotQueue[PrefillRequest] = SlotQueue(buffer)
         self.batcher = batcher or PrefillBatcher(
             ConstantAttentionTimePredictor(0.0),
             quota_s=float("inf"),
@@ -184,21 +185,13 @@ class PrefillEngine:
             ),
         )
         self.requests[request.request_id] = request
-        self._waiting_for_buffer.append(request)
-        self._start_reads()
+        self._slot_queue.add(request, num_pe_blocks, partial(self._start_reads, request))
 
-    def _start_reads(self) -> None:
-        """FIFO: requests wait for PE buffer slots (back-pressure), then read."""
-        while self._waiting_for_buffer:
-            request = self._waiting_for_buffer[0]
-            slots = self.buffer.allocate(request.assignment.num_prefill_side_blocks)
-            if slots is None:
-                return
-            self._waiting_for_buffer.pop(0)
-            request.pe_slots = slots
-            request.reads = self.reader.submit(
-                request.keys[: len(slots)], slots, f"request {request.request_id} PE side"
-            )
+    def _start_reads(self, request: PrefillRequest, slots: list[int]) -> None:
+        request.pe_slots = slots
+        request.reads = self.reader.submit(
+            request.keys[: len(slots)], slots, f"request {request.request_id} PE side"
+        )
 
     def on_decode_ready(self, msg: DecodeReady) -> None:
         request = self.requests.get(msg.request_id)
@@ -209,8 +202,7 @@ class PrefillEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        if request in self._waiting_for_buffer:
-            self._waiting_for_buffer.remove(request)
+        if self._slot_queue.remove(request):
             return
         if request.reads is not None:
             request.reads.result()  # the read thread owns the slots until it returns
@@ -221,7 +213,7 @@ class PrefillEngine:
         self.buffer.free(request.pe_slots)
         request.pe_slots = []
         request.computed = []
-        self._start_reads()
+        self._slot_queue.start_waiting()
 
     def next_batch(
         self, can_send: Callable[[PrefillRequest], bool] = lambda request: True
@@ -239,18 +231,13 @@ class PrefillEngine:
                 )
         return [(self.requests[c.request_id], c) for c in self.batcher.next_batch().chunks]
 
-    def step(self, remote_of: Callable[[int], RemoteBuffer]) -> list[PrefillDone]:
-        """One batch, if any request is ready: ``next_batch`` then ``run_batch``."""
-        batch = self.next_batch()
-        return self.run_batch(batch, remote_of) if batch else []
-
     @property
     def num_queued_read_tokens(self) -> int:
         """Tokens queued for storage reads on this engine (its share of its node's read_q):
         reads submitted and not done, and the PE-side blocks of requests still waiting for
         buffer slots (left out, a node whose buffer is full would look idle to the scheduler
         and draw the next reads)."""
-        num_waiting = sum(r.assignment.num_prefill_side_blocks for r in self._waiting_for_buffer)
+        num_waiting = self._slot_queue.num_waiting_slots  # one slot per PE-side block
         return (self.reader.num_queued_blocks + num_waiting) * self.block_size
 
     @property

@@ -32,7 +32,7 @@ class SequenceStatus(IntEnum):
 
 @dataclass(eq=False)
 class Sequence:
-    request_id: str
+    request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_s: float

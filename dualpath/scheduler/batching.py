@@ -217,6 +217,11 @@ class PrefillBatcher:
         )
 
     @property
+    def quota_s(self) -> float:
+        """Predicted seconds of one layer a batch may hold (SPEC §6's compute quota)."""
+        return self._quota_s
+
+    @property
     def num_waiting(self) -> int:
         """Requests with prefill work left, a cut one included."""
         return len(self._waiting)

@@ -161,7 +161,9 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
         "--host-memory-gbps",
         type=non_negative_float,
         default=0.0,
-        help="host memory bandwidth cap per engine, Gbps (default 0 = no cap)",
+        help="host memory bandwidth per node, Gbps: SPEC §5's M in the start-up check of the "
+        "P/D ratio (default 0 = no check); no cap is applied, KV crossing host memory is "
+        "already charged to the NIC it crosses",
     )
     group.add_argument(
         "--buffer-gb",

@@ -79,9 +79,7 @@ class ServingContext:
             cluster.snapshot,
             engine_id_to_role=cluster.engine_id_to_role,
             link_capacity_bytes_per_s=link_capacity_lookup(
-                traffic.snic_bandwidth_gbps,
-                traffic.cnic_bandwidth_gbps,
-                traffic.host_memory_bandwidth_gbps,
+                traffic.snic_bandwidth_gbps, traffic.cnic_bandwidth_gbps
             ),
             store_stats=None if store is None else store.stats,
             window_s=config.metrics_window_s,

@@ -22,8 +22,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from dualpath.cluster.coordinator import RequestEvent
 from dualpath.errors import ClusterUnavailable
+from dualpath.protocol import RequestEvent
 from dualpath.server.context import ServingContext
 from dualpath.server.detokenizer import IncrementalDetokenizer
 from dualpath.server.errors import APIError
@@ -308,8 +308,8 @@ def _logprobs_of(choice: Choice, event: RequestEvent) -> list[TokenLogprob]:
         # short list is an engine bug; refuse rather than return a gap.
         raise APIError(
             500,
-            f"the engine returned no log-probabilities for {len(event.token_ids)} generated "
-            "token(s): decode engines do not report them yet",
+            f"the engine returned {len(event.logprobs or ())} log-probabilities for "
+            f"{len(event.token_ids)} generated token(s): an engine bug, please report it",
         )
     return [
         TokenLogprob(token_id, float(value), tuple((int(t), float(v)) for t, v in top))

@@ -18,8 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dualpath.cluster.launcher import ClusterSnapshot
-from dualpath.cluster.messages import DECODE, PREFILL
 from dualpath.kv.store import StoreStats
+from dualpath.protocol import DECODE, PREFILL
 from dualpath.units import gbps_to_bytes_per_s
 
 _LATENCY_BUCKETS_S = (
@@ -382,14 +382,13 @@ def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
 
 
 def link_capacity_lookup(
-    snic_bandwidth_gbps: float, cnic_bandwidth_gbps: float, host_memory_bandwidth_gbps: float
+    snic_bandwidth_gbps: float, cnic_bandwidth_gbps: float
 ) -> Callable[[str], float]:
     """Bandwidth cap in bytes/s of a link by name ("node0.snic", "engine2.cnic", ...); 0 =
     uncapped. Names as ``dualpath.transfer.links.engine_link_specs`` gives them."""
     by_kind = {
         "snic": gbps_to_bytes_per_s(snic_bandwidth_gbps),
         "cnic": gbps_to_bytes_per_s(cnic_bandwidth_gbps),
-        "host_memory": gbps_to_bytes_per_s(host_memory_bandwidth_gbps),
     }
 
     def capacity(link: str) -> float:

@@ -37,7 +37,6 @@ class TrafficClass(IntEnum):
 class LinkKind(IntEnum):
     SNIC = 0  # one per node, shared by its engine processes: storage reads and writes
     CNIC = 1  # one per engine: PE<->DE transfers and host<->device copies
-    HOST_MEMORY = 2  # DRAM bandwidth (M in SPEC §5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,14 +173,15 @@ class LinkCounter:
 
 @dataclass(frozen=True, slots=True)
 class EngineLinks:
-    """The links one engine's traffic manager moves bytes over."""
+    """The links one engine's traffic manager moves bytes over. Host memory (SPEC §5's M) is
+    not one of them: every byte of KV crosses it on its way to or from a NIC, so no movement
+    of its own can be charged to it; its bandwidth enters only ``check_pd_ratio``."""
 
     snic: LinkSpec  # the node's, shared with the node's other engines
     cnic: LinkSpec
-    host_memory: LinkSpec
 
     def all(self) -> tuple[LinkSpec, ...]:
-        return (self.snic, self.cnic, self.host_memory)
+        return (self.snic, self.cnic)
 
 
 def engine_link_specs(config: TrafficConfig, *, node_id: int, engine_id: int) -> EngineLinks:
@@ -189,11 +189,6 @@ def engine_link_specs(config: TrafficConfig, *, node_id: int, engine_id: int) ->
     return EngineLinks(
         snic=LinkSpec(f"node{node_id}.snic", LinkKind.SNIC, config.snic_bandwidth_gbps),
         cnic=LinkSpec(f"engine{engine_id}.cnic", LinkKind.CNIC, config.cnic_bandwidth_gbps),
-        host_memory=LinkSpec(
-            f"engine{engine_id}.host_memory",
-            LinkKind.HOST_MEMORY,
-            config.host_memory_bandwidth_gbps,
-        ),
     )
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from dualpath.cluster.coordinator import Coordinator
-from dualpath.cluster.messages import (
+from dualpath.config import ClusterConfig, SchedulerConfig
+from dualpath.control.channel import ControlClient
+from dualpath.kv.hashing import block_keys
+from dualpath.kv.layout import KVLayout
+from dualpath.kv.store import MemoryKVStore
+from dualpath.model.identity import KVIdentity
+from dualpath.protocol import (
     DECODE,
     PREFILL,
     Assignment,
@@ -20,12 +26,6 @@ from dualpath.cluster.messages import (
     RequestFailed,
     TokenUpdate,
 )
-from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.control.channel import ControlClient
-from dualpath.kv.hashing import block_keys
-from dualpath.kv.layout import KVLayout
-from dualpath.kv.store import MemoryKVStore
-from dualpath.model.identity import KVIdentity
 from dualpath.types import SamplingParams
 from tests.cluster.scripted import Inbox, pump, spin
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 
 from dualpath.cluster.coordinator import Coordinator
-from dualpath.cluster.messages import (
+from dualpath.config import ClusterConfig, SchedulerConfig
+from dualpath.control.channel import ControlClient
+from dualpath.control.codec import decode, encode
+from dualpath.kv.hashing import block_keys
+from dualpath.kv.layout import KVLayout
+from dualpath.kv.store import MemoryKVStore
+from dualpath.model.identity import KVIdentity
+from dualpath.protocol import (
     DECODE,
     PREFILL,
     Assignment,
@@ -25,13 +32,6 @@ from dualpath.cluster.messages import (
     PeerTable,
     Shutdown,
 )
-from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.control.channel import ControlClient
-from dualpath.control.codec import decode, encode
-from dualpath.kv.hashing import block_keys
-from dualpath.kv.layout import KVLayout
-from dualpath.kv.store import MemoryKVStore
-from dualpath.model.identity import KVIdentity
 from dualpath.types import SamplingParams
 from tests.cluster.scripted import Inbox, pump, spin
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from dualpath.cluster.group_load import GroupLoad
-from dualpath.cluster.messages import Assignment, EngineReport, GroupReport
 from dualpath.control.codec import decode, encode
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import MemoryKVStore
+from dualpath.protocol import Assignment, EngineReport, GroupReport
 from dualpath.scheduler import NodeSnapshot, make_cluster_topology
 from dualpath.types import SamplingParams
 from tests.cluster.scripted import spin

@@ -73,3 +73,25 @@ def test_store_reader_counts_queued_blocks_until_read_or_given_up() -> None:
     assert reader.num_read_bytes == 3 * LAYOUT.full_block_bytes
     assert np.all(buffer.full_block(2) == 7)
     reader.close()
+
+
+def test_requests_get_their_slots_in_arrival_order_and_none_overtakes() -> None:
+    from dualpath.engine.buffers import SlotQueue
+
+    buffer = KVBuffer(LAYOUT, capacity_bytes=5 * LAYOUT.full_block_bytes)
+    queue: SlotQueue[str] = SlotQueue(buffer)
+    started: dict[str, list[int]] = {}
+
+    def add(name: str, num_slots: int) -> None:
+        queue.add(name, num_slots, lambda slots: started.__setitem__(name, slots))
+
+    add("a", 3)
+    add("b", 3)  # does not fit: waits
+    add("c", 1)  # would fit, but must not overtake b
+    assert set(started) == {"a"} and queue.num_waiting_slots == 4
+    assert queue.remove("c") and not queue.remove("c") and queue.num_waiting_slots == 3
+    add("d", 2)
+    buffer.free(started["a"])
+    queue.start_waiting()  # b, then d, in order
+    assert list(started) == ["a", "b", "d"] and len(started["b"]) == 3 and len(started["d"]) == 2
+    assert queue.num_waiting_slots == 0

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dualpath import LLM, SamplingParams
-from dualpath.cluster.messages import Assignment
 from dualpath.config import EngineConfig, KVStoreConfig
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.decode import DecodeEngine
@@ -22,6 +21,7 @@ from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
+from dualpath.protocol import Assignment
 from dualpath.scheduler.attention_predictor import ConstantAttentionTimePredictor
 from dualpath.scheduler.batching import PrefillBatcher
 from dualpath.transfer.transport import FakeNetwork, FakeTransport

@@ -30,7 +30,7 @@ def make_metrics(snapshots: list[ClusterSnapshot]) -> ServerMetrics:
     return ServerMetrics(
         lambda: snapshots[-1],
         engine_id_to_role={0: "prefill", 1: "decode"},
-        link_capacity_bytes_per_s=link_capacity_lookup(8.0, 0.0, 0.0),  # SNIC 1 GB/s
+        link_capacity_bytes_per_s=link_capacity_lookup(8.0, 0.0),  # SNIC 1 GB/s
         store_stats=lambda: StoreStats(hit_blocks=5, miss_blocks=2, corrupt_blocks=1),
         window_s=10.0,
     )

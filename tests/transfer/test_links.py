@@ -60,13 +60,8 @@ def test_traffic_config_validates_and_names_links() -> None:
     config = TrafficConfig(snic_bandwidth_gbps=100.0, cnic_bandwidth_gbps=200.0)
     assert config.class_weights == {TrafficClass.INFERENCE: 99, TrafficClass.KV: 1}
     links = engine_link_specs(config, node_id=3, engine_id=12)
-    assert [spec.name for spec in links.all()] == [
-        "node3.snic",
-        "engine12.cnic",
-        "engine12.host_memory",
-    ]
+    assert [spec.name for spec in links.all()] == ["node3.snic", "engine12.cnic"]
     assert (links.snic.bandwidth_gbps, links.cnic.bandwidth_gbps) == (100.0, 200.0)
-    assert not links.host_memory.is_capped
     with pytest.raises(ValueError, match="kv 0"):
         TrafficConfig(kv_weight=0)
     with pytest.raises(ValueError, match="cnic_bandwidth_gbps"):

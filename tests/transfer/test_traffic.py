@@ -20,7 +20,7 @@ from dualpath.transfer.traffic import MoveTicket, TrafficManager, WeightedArbite
 INFERENCE, KV = TrafficClass.INFERENCE, TrafficClass.KV
 MB = 1_000_000
 CNIC_1GBPS = LinkSpec("engine0.cnic", LinkKind.CNIC, bandwidth_gbps=1.0)  # 125 MB/s
-HOST_4GBPS = LinkSpec("engine0.host_memory", LinkKind.HOST_MEMORY, bandwidth_gbps=4.0)
+SNIC_4GBPS = LinkSpec("node0.snic", LinkKind.SNIC, bandwidth_gbps=4.0)
 UNCAPPED = LinkSpec("engine0.uncapped", LinkKind.CNIC)
 SNIC_1GBPS = LinkSpec("node0.snic", LinkKind.SNIC, bandwidth_gbps=1.0)
 
@@ -113,7 +113,7 @@ def keep_backlogged(
 
 def test_both_classes_backlogged_inference_gets_99_percent_in_every_window() -> None:
     # SPEC §4, the "Must show": a 20 s run, checked in each 1 s window of each link.
-    links = (CNIC_1GBPS, HOST_4GBPS)
+    links = (CNIC_1GBPS, SNIC_4GBPS)
     manager, clock = make_manager(*links)
     class_to_size_bytes = {INFERENCE: 8 * MB, KV: 2 * MB}
     link_to_tickets: dict[str, list[MoveTicket]] = {link.name: [] for link in links}
@@ -258,7 +258,7 @@ def test_unknown_links_and_bad_sizes_are_rejected() -> None:
 @given(
     moves=st.lists(
         st.tuples(
-            st.sampled_from([CNIC_1GBPS, HOST_4GBPS, UNCAPPED]),
+            st.sampled_from([CNIC_1GBPS, SNIC_4GBPS, UNCAPPED]),
             st.sampled_from(list(TrafficClass)),
             st.integers(min_value=0, max_value=50 * MB),
             st.booleans(),  # True: start it and leave it queued while later moves run
@@ -269,9 +269,9 @@ def test_unknown_links_and_bad_sizes_are_rejected() -> None:
 def test_accounting_equals_the_moved_bytes_exactly(
     moves: list[tuple[LinkSpec, TrafficClass, int, bool]],
 ) -> None:
-    manager, _ = make_manager(CNIC_1GBPS, HOST_4GBPS, UNCAPPED)
+    manager, _ = make_manager(CNIC_1GBPS, SNIC_4GBPS, UNCAPPED)
     expected = {
-        (link.name, c): 0 for link in (CNIC_1GBPS, HOST_4GBPS, UNCAPPED) for c in TrafficClass
+        (link.name, c): 0 for link in (CNIC_1GBPS, SNIC_4GBPS, UNCAPPED) for c in TrafficClass
     }
     in_flight = []
     for link, traffic_class, num_bytes, is_left_queued in moves:

@@ -1,4 +1,8 @@
-"""Messages between the scheduler process and the engines (SPEC §2, §6).
+"""The cluster's protocol: messages between the scheduler and the engines (SPEC §2, §6), and
+the ``RequestEvent``s the scheduler hands the serving side.
+
+It sits below every part that speaks it: ``engine``, ``cluster`` and ``server`` import it, and
+it imports only the codec (``tests/test_imports.py`` checks the direction).
 
 A request's life on the wire::
 
@@ -301,3 +305,22 @@ class Heartbeat:
 @dataclass(frozen=True, slots=True)
 class Shutdown:
     reason: str
+
+
+# --- in process: what the cluster hands the serving side -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """What the serving side sees of a request: new tokens, then one final event."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # set on the last event; "error" with ``error`` on failure
+    num_cached_tokens: int
+    error: str | None = None
+    logprobs: tuple | None = None
+    time_s: float = 0.0
+    # The error is the cluster's state, not the request's: no engine of a role it needs is
+    # alive (the server answers 503, not 500).
+    is_unavailable: bool = False
