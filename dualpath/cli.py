@@ -448,7 +448,8 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the engine's whole configuration as JSON (an EngineProcessConfig: every field "
         "of its store, engine, cluster and scheduler configs), from this file or '-' for "
-        "stdin; no other engine flag may be given with it",
+        "stdin; no other engine flag may be given with it but --role, --engine-id and "
+        "--node-id, which must then agree with it",
     )
     _add_engine_args(p)
     p.add_argument("--role", choices=("prefill", "decode"), default=None, help="PE or DE")
@@ -499,6 +500,11 @@ def _run_engine(args: argparse.Namespace) -> int:
     return run_engine(engine_process_config(args), token)
 
 
+# Flags that may come with --config, where they must agree with it: they name the engine in a
+# process list (`dualpath serve` passes them for that).
+_ENGINE_IDENTITY = ("role", "engine_id", "node_id")
+
+
 def engine_process_config(args: argparse.Namespace):
     """``dualpath engine``'s configuration: ``--config``'s JSON, or built from the flags."""
     import json
@@ -511,15 +517,23 @@ def engine_process_config(args: argparse.Namespace):
         if getattr(args, dest) != default
     ]
     if args.config is not None:
-        if given:
-            flags = ", ".join("--" + dest.replace("_", "-") for dest in given)
+        others = [dest for dest in given if dest not in _ENGINE_IDENTITY]
+        if others:
+            flags = ", ".join("--" + dest.replace("_", "-") for dest in others)
             raise ValueError(f"--config gives the whole configuration; leave out {flags}")
         text = sys.stdin.read() if args.config == "-" else Path(args.config).read_text()
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--config {args.config}: not JSON: {exc}") from exc
-        return config_from_dict(EngineProcessConfig, data)
+        config = config_from_dict(EngineProcessConfig, data)
+        for dest in _ENGINE_IDENTITY:  # given with --config: they name the same engine
+            flag, configured = getattr(args, dest), getattr(config, dest)
+            if flag is not None and flag != configured:
+                raise ValueError(
+                    f"--{dest.replace('_', '-')} {flag} differs from the --config's {configured}"
+                )
+        return config
     missing = [
         "--" + dest.replace("_", "-")
         for dest in ("role", "scheduler", "engine_id", "node_id")

@@ -188,6 +188,18 @@ def test_an_engine_gets_every_field_of_its_config(tmp_path, monkeypatch) -> None
     text = json.dumps(config_to_dict(config))
     monkeypatch.setattr("sys.stdin", io.StringIO(text))
     assert engine_process_config(build_parser().parse_args(["engine", "--config", "-"])) == config
+    # Its identity may come along (a process list shows it), agreeing with the config.
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    identity = ["--role", "decode", "--engine-id", "5", "--node-id", "3"]
+    args = build_parser().parse_args(["engine", "--config", "-", *identity])
+    assert engine_process_config(args) == config
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    args = build_parser().parse_args(["engine", "--config", "-", "--engine-id", "6"])
+    with pytest.raises(ValueError, match="--engine-id 6 differs from the --config's 5"):
+        engine_process_config(args)
+    args = build_parser().parse_args(["engine", "--config", "-", "--snic-gbps", "1"])
+    with pytest.raises(ValueError, match="leave out --snic-gbps"):
+        engine_process_config(args)
     path = tmp_path / "engine.json"
     path.write_text(text)
     assert engine_process_config(build_parser().parse_args(["engine", "--config", str(path)])) == (

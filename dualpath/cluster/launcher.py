@@ -258,7 +258,11 @@ class LocalCluster:
         """``dualpath engine --config -``, its config on stdin as JSON (every field of every
         config, not a flag per field: none can be left behind on the way)."""
         config = self.engine_process_config(role, engine_id, node_id)
-        argv = [sys.executable, "-m", "dualpath.cli", "engine", "--config", "-"]
+        # Its identity on the command line too, for process lists (the CLI checks it agrees).
+        argv = [
+            sys.executable, "-m", "dualpath.cli", "engine", "--config", "-",
+            "--role", role, "--engine-id", str(engine_id), "--node-id", str(node_id),
+        ]  # fmt: skip
         env = dict(os.environ, **{TOKEN_ENV: self.token})
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
         output = subprocess.DEVNULL
