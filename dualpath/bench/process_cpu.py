@@ -35,7 +35,14 @@ def _after(argv: list[str], flag: str) -> str:
     return argv[index] if index < len(argv) else "?"
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads, not its children)."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
 def _cpu_s(process: psutil.Process) -> float | None:
+    """``process_cpu_s``, or None for a process that has gone or cannot be read."""
     try:
         times = process.cpu_times()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -48,7 +55,7 @@ class ProcessCpu:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._start: dict[int, tuple[psutil.Process, float]] = {}
+        self._start_cpu_s: dict[int, float] = {}  # pid -> CPU seconds at start
         self._start_wall_s = 0.0
         self._start_client_s = 0.0
 
@@ -60,11 +67,11 @@ class ProcessCpu:
             return []
 
     def start(self) -> ProcessCpu:
-        self._start = {}
+        self._start_cpu_s = {}
         for process in self._tree():
             cpu_s = _cpu_s(process)
             if cpu_s is not None:
-                self._start[process.pid] = (process, cpu_s)
+                self._start_cpu_s[process.pid] = cpu_s
         self._start_wall_s = time.monotonic()
         self._start_client_s = time.process_time()
         return self
@@ -79,8 +86,8 @@ class ProcessCpu:
             cpu_s = _cpu_s(process)
             if cpu_s is None:
                 continue
-            _, start_s = self._start.get(process.pid, (process, 0.0))
             label = process_label(process)
+            start_s = self._start_cpu_s.get(process.pid, 0.0)
             cores[label] = cores.get(label, 0.0) + (cpu_s - start_s) / wall_s
         client = (time.process_time() - self._start_client_s) / wall_s
         return {

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -42,6 +41,7 @@ import httpx
 import numpy as np
 import torch
 
+from dualpath.bench.process_cpu import process_cpu_s
 from dualpath.model.llama import DecoderModel, PackedBatch
 from dualpath.sim.local import nonnegative_fit
 
@@ -124,12 +124,6 @@ def _copy_bytes_per_s(num_bytes: int = 64 << 20, num_repeats: int = 5) -> float:
     return num_bytes / statistics.median(times_s[1:])
 
 
-def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (all its threads, not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _serving_probes(url: str, vocab_size: int, server_pid: int) -> dict:
     from dualpath.bench.agents import complete_turn
     from dualpath.bench.harness import SERVED_MODEL_NAME
@@ -176,7 +170,7 @@ async def _serving_probes(url: str, vocab_size: int, server_pid: int) -> dict:
                 break
             busy_s = settled_s
         for num_new, num_hit, num_output in SERVING_GRID:
-            server_cpu_s, client_cpu_s = _process_cpu_s(server_pid), time.process_time()
+            server_cpu_s, client_cpu_s = process_cpu_s(server_pid), time.process_time()
             for _ in range(NUM_SERVING_REPEATS):
                 prompt = fresh(num_new)
                 if num_hit:  # an earlier turn stores the hit; this one extends it
@@ -202,7 +196,7 @@ async def _serving_probes(url: str, vocab_size: int, server_pid: int) -> dict:
                     num_new,
                     num_hit,
                     num_output,
-                    round((_process_cpu_s(server_pid) - server_cpu_s) / NUM_SERVING_REPEATS, 6),
+                    round((process_cpu_s(server_pid) - server_cpu_s) / NUM_SERVING_REPEATS, 6),
                     round((time.process_time() - client_cpu_s) / NUM_SERVING_REPEATS, 6),
                 ]
             )

@@ -108,10 +108,10 @@ def snic_load_balance(
         edges_s = np.array([times_s[0], end_s])
     at_edges = np.stack([np.interp(edges_s, times_s, counters[:, j]) for j in range(len(names))])
     per_window = np.diff(at_edges, axis=1)  # [snic, window]
-    min_mean = np.maximum(min_mean_bytes_per_s * np.diff(edges_s), 0.0)
+    floors = min_mean_bytes_per_s * np.diff(edges_s)  # bytes per window
     ratios = [
         column.max() / column.mean()
-        for column, floor in zip(per_window.T, min_mean, strict=True)
+        for column, floor in zip(per_window.T, floors, strict=True)
         if column.sum() > 0 and column.mean() >= floor
     ]
     return float(np.mean(ratios)) if ratios else None

@@ -46,3 +46,15 @@ def test_each_process_under_the_server_reports_its_cores() -> None:
     assert cores["prefill-0"] < 0.1 and cores["serve"] < 0.1
     assert figures["total_cores"] >= cores["decode-3"]
     assert figures["machine_cores"] >= 1 and figures["wall_s"] >= 1.5
+
+
+def test_one_process_cpu_seconds_grow_with_its_work() -> None:
+    import os
+
+    from dualpath.bench.process_cpu import process_cpu_s
+
+    before = process_cpu_s(os.getpid())
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert process_cpu_s(os.getpid()) >= before + 0.1
