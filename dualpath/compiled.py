@@ -39,6 +39,7 @@ COMPILED_MODULES = (
     "dualpath.scheduler.batching",
     "dualpath.scheduler.cluster_view",
     "dualpath.scheduler.dualpath_policy",
+    "dualpath.scheduler.fetching",
     "dualpath.scheduler.load_planner",
     "dualpath.scheduler.message",
     "dualpath.scheduler.round_robin",

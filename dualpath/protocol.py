@@ -15,26 +15,17 @@ A request's life on the wire::
 
 A request is sent in full once (``Assignment``); everything after carries only its id.
 
-Two ways to join. An engine may speak for itself: its control client is ``engine-<id>``, it
-sends one ``EngineInfo`` and an ``EngineReport`` every fetch interval, and the report of a
-group's first engine (its leader) is the group's fetch. Or a group's leader speaks for the
-whole group (SPEC §6: "only the group's leader talks to the scheduler"), which is what keeps a
-1,152-engine cluster at 144 clients::
-
-    leader  --GroupInfo-->   scheduler  (once: every engine of the group, in topology order)
-    leader  --GroupReport--> scheduler  (every fetch interval: the whole group's state; a fetch)
-    scheduler --Assignment, DecodeReady, PrefillDone, CancelRequest--> leader
-                                        (the leader hands each to the engine it names)
-
-The leader's client is ``engine-<leader id>``. Everything the scheduler sends to one of the
-group's engines goes to the leader's client, and ``PeerTable``, ``Heartbeat`` and
-``Shutdown`` reach each client once.
+An engine speaks for itself: its control client is ``engine-<id>``, it sends one
+``EngineInfo`` and an ``EngineReport`` every fetch interval, and the report of a group's first
+engine (its leader) is the group's fetch. (SPEC §6 has a leader speak for its whole group; the
+scheduler benchmark's simulated leaders do, with the messages of
+``dualpath.bench.leader_protocol``.)
 """
 
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,100 +77,6 @@ class EngineReport:
     # Tokens this engine has queued for storage writes (a DE persisting KV, SPEC §2); a node's
     # write_q sums its engines' (``dualpath.scheduler.message.NodeSnapshot``).
     write_queue_tokens: int = 0
-
-
-@message("group-info")
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """Sent once by a group's leader after the hello: every engine of its group, in the
-    topology's order (the leader first). Joins them all, as one ``EngineInfo`` each would."""
-
-    engines: tuple[EngineInfo, ...]
-
-
-@message("group-report")
-@dataclass(frozen=True, slots=True)
-class GroupReport:
-    """A group leader's report at a fetch: every engine's ``EngineReport``, as columns.
-
-    Entry i of each tuple belongs to engine ``engine_ids[i]``; the engines are the group's, in
-    the topology's order. ``engines`` gives the per-engine view. Columns, not a tuple of
-    nested ``EngineReport``s, because the codec decodes each nested message as a msgpack
-    object and a constructor call of its own: 3-4x the cost, and at 144 leaders x 100
-    reports/s that alone is most of a core (``dualpath bench scheduler --wire``).
-
-    ``link_bytes`` may be empty: the counters are cumulative metrics, not scheduling state,
-    so a leader may send them at its own, slower pace (decoding 8 dicts of 7 named counters
-    is about half the cost of a report).
-    """
-
-    group_id: int
-    engine_ids: tuple[int, ...]
-    num_seqs: tuple[int, ...]
-    num_tokens: tuple[int, ...]
-    num_free_kv_blocks: tuple[int, ...]
-    read_queue_tokens: tuple[int, ...]
-    link_bytes: tuple[dict[str, int], ...]  # per engine, or () when left out
-    num_buffer_slots_used: tuple[int, ...]
-    write_queue_tokens: tuple[int, ...] = ()  # per engine, or () when none has writes queued
-
-    def __post_init__(self) -> None:
-        # One chained comparison, not a loop: this runs for every report the scheduler decodes.
-        num_engines = len(self.engine_ids)
-        if not (
-            num_engines
-            == len(self.num_seqs)
-            == len(self.num_tokens)
-            == len(self.num_free_kv_blocks)
-            == len(self.read_queue_tokens)
-            == len(self.num_buffer_slots_used)
-        ) or not (
-            len(self.link_bytes) in (0, num_engines)
-            and len(self.write_queue_tokens) in (0, num_engines)
-        ):
-            raise ValueError(
-                f"group {self.group_id}: every column needs {num_engines} entries (link_bytes "
-                f"and write_queue_tokens may be empty), got {self.num_seqs}, "
-                f"{self.num_tokens}, {self.num_free_kv_blocks}, {self.read_queue_tokens}, "
-                f"{self.num_buffer_slots_used}, {self.write_queue_tokens} and "
-                f"{len(self.link_bytes)} link counter sets"
-            )
-
-    @classmethod
-    def of(cls, group_id: int, reports: Sequence[EngineReport]) -> GroupReport:
-        """The group report made of its engines' reports (in the group's order)."""
-        return cls(
-            group_id,
-            tuple(r.engine_id for r in reports),
-            tuple(r.num_seqs for r in reports),
-            tuple(r.num_tokens for r in reports),
-            tuple(r.num_free_kv_blocks for r in reports),
-            tuple(r.read_queue_tokens for r in reports),
-            tuple(r.link_bytes for r in reports),
-            tuple(r.num_buffer_slots_used for r in reports),
-            tuple(r.write_queue_tokens for r in reports),
-        )
-
-    @property
-    def engines(self) -> tuple[EngineReport, ...]:
-        """One ``EngineReport`` per engine (with empty ``link_bytes`` if they were left out, and
-        no queued writes if ``write_queue_tokens`` was)."""
-        link_bytes = self.link_bytes or tuple({} for _ in self.engine_ids)
-        write_queue_tokens = self.write_queue_tokens or (0,) * len(self.engine_ids)
-        return tuple(
-            EngineReport(*entry)
-            for entry in zip(
-                self.engine_ids,
-                self.num_seqs,
-                self.num_tokens,
-                self.num_free_kv_blocks,
-                self.read_queue_tokens,
-                link_bytes,
-                self.num_buffer_slots_used,
-                write_queue_tokens,
-                strict=True,
-            )
-        )
 
 
 @message("assign")

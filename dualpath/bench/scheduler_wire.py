@@ -73,6 +73,7 @@ from typing import Any
 import numpy as np
 
 from dualpath.bench.hardware import hardware_info
+from dualpath.bench.leader_protocol import LeaderCoordinator
 from dualpath.bench.paper_cluster import (
     KV_BYTES_PER_TOKEN,
     PAPER_REQUESTS_PER_S,
@@ -390,13 +391,14 @@ def run_wire_bench(
 def _make_cluster(
     cluster: ClusterConfig, scheduler_config: SchedulerConfig, link_bytes_interval_s: float
 ) -> tuple[Coordinator, _DrawnHitStore, DriverConfig]:
-    """The scheduler process's Coordinator, its store and what the driver needs to join it."""
+    """The scheduler process's Coordinator (taking groups through their leaders:
+    ``leader_protocol``), its store and what the driver needs to join it."""
     layout = KVLayout(61, BLOCK_SIZE_TOKENS, KV_BYTES_PER_TOKEN // 61)  # DeepSeek-V3.2 (SPEC §7)
     identity = KVIdentity("0" * 32, layout, "float8")
     store = _DrawnHitStore(layout, identity.fingerprint)
     read_tokens_per_s = storage_read_tokens_per_s(SNIC_BANDWIDTH_GBPS, KV_BYTES_PER_TOKEN)
     token = new_cluster_token()
-    coordinator = Coordinator(
+    coordinator = LeaderCoordinator(
         cluster,
         scheduler_config,
         identity,

@@ -19,10 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dualpath.bench.leader_protocol import GroupInfo, GroupReport
 from dualpath.bench.paper_cluster import DECODE_KV_CAPACITY_BLOCKS, KV_BYTES_PER_TOKEN
 from dualpath.control.channel import ControlClient
 from dualpath.control.codec import encode
-from dualpath.protocol import PREFILL, Assignment, EngineInfo, GroupInfo, GroupReport
+from dualpath.protocol import PREFILL, Assignment, EngineInfo
 
 BLOCK_SIZE_TOKENS = 64
 # Simulated speeds. A PE prefills 1.25x what 2,350 requests/s of 32.7K tokens need from 384 PEs

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dualpath.protocol import EngineReport, GroupReport
+from dualpath.protocol import EngineReport
 from dualpath.scheduler import (
     EngineGroupSpec,
     EngineRole,
@@ -24,8 +24,10 @@ DEAD_ENGINE_TOKENS = 1 << 62
 class GroupLoad:
     """A group's latest reported load (SPEC §6), one entry per engine in topology order.
 
-    Both report kinds write here: an ``EngineReport`` one entry, a ``GroupReport`` all of
-    them. An engine that has not reported since it joined, or is dead, is not usable.
+    Each ``EngineReport`` writes its engine's entry (a group leader's report, all of them:
+    ``dualpath.bench.leader_protocol``). An engine that has not reported since it joined, or
+    is dead, is not usable. The fetch driver (``dualpath.scheduler.fetching``) reads
+    ``is_idle`` and keeps ``is_fetch_pending``.
     """
 
     spec: EngineGroupSpec
@@ -42,14 +44,13 @@ class GroupLoad:
     is_usable: list[bool]
     link_bytes: list[dict[str, int]]  # cumulative counters, for metrics and benchmarks
     # Per engine: its entry may be out of date because it was given work, or a fetch it did
-    # not send used it, since it last reported (``is_idle_and_current``).
+    # not send used it, since it last reported (``is_idle``).
     is_stale: list[bool]
     # The last snapshot's engines and the (seq_e, tok_e, free blocks) columns they were made
     # of: an engine whose load did not change since is not built again (``_engine_snapshots``).
     engine_snapshots: tuple[EngineSnapshot, ...]
     snapshot_columns: tuple[list[int], list[int], list[int]] | None = None
-    # The leader's client when the group joined through one (GroupInfo); only it may report.
-    leader_client_id: str | None = None
+    is_fetch_pending: bool = False  # woken, not fetched since (the fetch driver's)
 
     @classmethod
     def of(cls, spec: EngineGroupSpec, engine_id_to_node: Mapping[int, int]) -> GroupLoad:
@@ -88,17 +89,6 @@ class GroupLoad:
         self.is_usable[position] = True
         self.is_stale[position] = False
 
-    def record_group(self, report: GroupReport) -> None:
-        """A leader's report for every engine of the group (usability is the caller's)."""
-        self.num_seqs[:] = report.num_seqs
-        self.num_tokens[:] = report.num_tokens
-        self.num_free_kv_blocks[:] = report.num_free_kv_blocks
-        self.read_queue_tokens[:] = report.read_queue_tokens
-        self.write_queue_tokens[:] = report.write_queue_tokens or [0] * len(self.is_stale)
-        if report.link_bytes:  # the leader may send its counters less often
-            self.link_bytes[:] = report.link_bytes
-        self.is_stale[:] = [False] * len(self.is_stale)
-
     def mark_stale(self, position: int | None = None) -> None:
         """The engine at ``position`` (every engine if None) may have changed since it last
         reported: it was given work, or its entry was used by a fetch it did not send."""
@@ -107,12 +97,11 @@ class GroupLoad:
         else:
             self.is_stale[position] = True
 
-    def is_idle_and_current(self) -> bool:
+    def is_idle(self) -> bool:
         """Every engine reported, has no work (no requests, tokens, queued reads or queued
         writes) and has been given none since. Such a group's entries are exact until it is
-        given work, so
-        the scheduler may fetch on its behalf (an idle engine reports only now and then:
-        ``EngineProcessConfig.report_keepalive_s``)."""
+        given work, so the scheduler may fetch on its behalf (an idle engine reports only now
+        and then: ``EngineProcessConfig.report_keepalive_s``)."""
         return (
             all(self.is_usable)
             and not any(self.is_stale)

@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dualpath.cluster.coordinator import Coordinator, open_store_for_lookups
+from dualpath.cluster.coordinator import Coordinator
+from dualpath.cluster.hits import open_store_for_lookups
 from dualpath.config import (
     ClusterConfig,
     EngineConfig,

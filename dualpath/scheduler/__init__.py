@@ -34,6 +34,7 @@ from dualpath.scheduler.batching import (
 )
 from dualpath.scheduler.dualpath_policy import DualPathScheduler
 from dualpath.scheduler.factory import Scheduler, make_scheduler
+from dualpath.scheduler.fetching import FetchDriver, FetchingGroup
 from dualpath.scheduler.load_planner import (
     FixedSideLoadPlanner,
     LoadPlan,
@@ -77,6 +78,8 @@ __all__ = [
     "EngineGroupSpec",
     "EngineRole",
     "EngineSnapshot",
+    "FetchDriver",
+    "FetchingGroup",
     "FittedAttentionTimePredictor",
     "GroupSnapshot",
     "LoadPlan",

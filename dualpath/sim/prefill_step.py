@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from dualpath.scheduler import AttentionTimePredictor, PrefillBatch, PrefillChunk
+from dualpath.scheduler import AttentionTimePredictor, FetchDriver, PrefillBatch, PrefillChunk
 from dualpath.sim.engines import EngineGroup, PrefillGroup, SimPrefillEngine, SimRequest
 from dualpath.sim.events import EventPriority, EventQueue
 from dualpath.sim.links import TrafficClass
@@ -97,6 +97,7 @@ class PrefillSteps:
     _kv_bytes_per_token: int
     _block_size: int
     _num_waiting_prefill: int
+    _fetch_driver: FetchDriver[EngineGroup]
     # Per lockstep step of a group of several PEs: its start, its slowest PE's attention time
     # (one layer) and the mean over the group's PEs, idle ones at 0 (SPEC §7's attention
     # balance in an EP group, ``metrics.attention_balance``).
@@ -105,9 +106,6 @@ class PrefillSteps:
     step_attention_mean_s: list[float]
 
     def _on_kv_arrived(self, request: SimRequest) -> None:
-        raise NotImplementedError
-
-    def _request_fetch(self, group: EngineGroup, handler: Callable[[Any], None]) -> None:
         raise NotImplementedError
 
     def _fetch_prefill(self, group: PrefillGroup) -> None:
@@ -232,7 +230,7 @@ class PrefillSteps:
                     if self.settings.is_layerwise:
                         self._on_kv_arrived(request)  # the prefill's own "+1"
         if fetch and self._num_waiting_prefill:
-            self._request_fetch(step.group, self._fetch_prefill)
+            self._fetch_driver.request_fetch(step.group)
         self.queue.push(now_s, _STEP_DONE, self._start_step, step.group)
 
     # basic: load -> compute -> send, one after another

@@ -31,12 +31,13 @@ import gc
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, cast
+from typing import Final, cast
 
 from dualpath.config import mode_settings
 from dualpath.scheduler import (
     AttentionTimePredictor,
     EngineRole,
+    FetchDriver,
     GroupSnapshot,
     PrefillBatcher,
     PrefillWork,
@@ -129,14 +130,18 @@ class Simulator(PrefillSteps):
         self._skips_full_prefill_groups = cluster.scheduler.scheduler == "dualpath"
         # DE fetches that could place nothing send only the load they report: _fetch_decode.
         self._skips_idle_decode_fetches = True
-        # True once every PE (DE) group has a fetch pending, until one of them fetches: a
-        # submit (a PE placement) then has no group to wake, and skips the loop over them.
-        self._every_prefill_fetch_pending = False
-        self._every_decode_fetch_pending = False
-        # Pending DE fetches by tick: see _request_decode_fetch.
+        # Pending DE fetches by tick: see _fetch_at_tick.
         self._batches_decode_ticks = True
         self._decode_ticks: dict[float, deque[tuple[int, DecodeGroup]]] = {}
         self._build(attention_predictor, num_prefill_layers, decode_cost)
+        # When each group fetches: the runtime's driver and idle rule (scheduler/fetching.py).
+        self._fetch_driver: FetchDriver[EngineGroup] = FetchDriver(
+            self.prefill_groups,
+            self.decode_groups,
+            fetch_when_idle=cluster.fetch_when_idle,
+            fetch_now=self._fetch_now,
+            fetch_at_tick=self._fetch_at_tick,
+        )
 
     # --- construction ------------------------------------------------------------------------
 
@@ -325,24 +330,41 @@ class Simulator(PrefillSteps):
             )
         )
         self._num_waiting_prefill += 1
-        if not self._every_prefill_fetch_pending:
-            for group in self.prefill_groups:
-                if not group.is_fetch_pending:  # (the check _request_fetch makes, without a call)
-                    self._request_fetch(group, self._fetch_prefill)
-            self._every_prefill_fetch_pending = True
+        self._fetch_driver.wake_prefill()
 
     # --- fetches -----------------------------------------------------------------------------
 
-    def _request_fetch(self, group: EngineGroup, handler: Callable[[Any], None]) -> None:
-        """A fetch at the group's next tick (``fetch_phase_s`` + k x ``fetch_interval_s``,
-        after now), unless one is pending."""
-        if group.is_fetch_pending:
+    def _fetch_now(self, group: EngineGroup) -> None:
+        """The driver's fetch at once (an idle group): an event now."""
+        handler = self._fetch_prefill if isinstance(group, PrefillGroup) else self._fetch_decode
+        self.queue.push(self.queue.now_s, EventPriority.FETCH, handler, group)
+
+    def _fetch_at_tick(self, group: EngineGroup) -> None:
+        """The driver's fetch at the group's next tick (``fetch_phase_s`` + k x
+        ``fetch_interval_s``, after now).
+
+        NOTE(sim): the DE groups share one grid, so a tick holds a run of DE fetches (48 at
+        48P96D) that nothing else comes between most of the time. They wait in
+        ``_decode_ticks[due_s]`` (seq_no, group), FIFO, and only the first is in the event
+        heap, with the seq_no it would have had as its own event: ``_run_decode_tick`` runs
+        each next one at once while it is the queue's next event, so the order of events (and
+        their count), and the results, are the same bit for bit, with a heap push and pop less
+        for most DE fetches (a third of 48P96D's events)."""
+        if isinstance(group, PrefillGroup):
+            self.queue.push(self._next_tick_s(group), _FETCH, self._fetch_prefill, group)
             return
-        group.is_fetch_pending = True
-        if self.cluster.fetch_when_idle and group.is_idle():
-            self.queue.push(self.queue.now_s, EventPriority.FETCH, handler, group)
+        if not self._batches_decode_ticks:
+            self.queue.push(self._next_tick_s(group), _FETCH, self._fetch_decode, group)
             return
-        self.queue.push(self._next_tick_s(group), _FETCH, handler, group)
+        queue = self.queue
+        due_s = self._next_tick_s(group)
+        seq_no = queue.reserve_seq_no()
+        tick = self._decode_ticks.get(due_s)
+        if tick is None:
+            self._decode_ticks[due_s] = deque(((seq_no, cast("DecodeGroup", group)),))
+            queue.push_reserved(due_s, _FETCH, seq_no, self._run_decode_tick, due_s)
+        else:
+            tick.append((seq_no, cast("DecodeGroup", group)))  # (a later seq_no: in order)
 
     def _next_tick_s(self, group: EngineGroup) -> float:
         """The group's first grid tick after now."""
@@ -352,8 +374,7 @@ class Simulator(PrefillSteps):
         return phase_s + (math.floor((self.queue.now_s - phase_s) / interval_s) + 1) * interval_s
 
     def _fetch_prefill(self, group: PrefillGroup) -> None:
-        group.is_fetch_pending = False
-        self._every_prefill_fetch_pending = False
+        self._fetch_driver.start_fetch(group, True)
         if not self._num_waiting_prefill:
             return  # nothing to place: the leader's fetch would return empty
         if group.is_full and not group.changed_engines and not group.num_awaiting_decode:
@@ -384,35 +405,7 @@ class Simulator(PrefillSteps):
             engine = engines[prefill_engine_ids[index]]
             request.prefill_engine = engine
             engine.change_load(1, request.num_prompt_tokens)
-        if not self._every_decode_fetch_pending:
-            for decode_group in self.decode_groups:
-                if not decode_group.is_fetch_pending:
-                    self._request_decode_fetch(decode_group)
-            self._every_decode_fetch_pending = True
-
-    def _request_decode_fetch(self, group: DecodeGroup) -> None:
-        """``_request_fetch`` for a DE group. NOTE(sim): the DE groups share one grid, so a
-        tick holds a run of DE fetches (48 at 48P96D) that nothing else comes between most of
-        the time. They wait in ``_decode_ticks[due_s]`` (seq_no, group), FIFO, and only the
-        first is in the event heap, with the seq_no it would have had as its own event:
-        ``_run_decode_tick`` runs each next one at once while it is the queue's next event,
-        so the order of events (and their count), and the results, are the same bit for bit,
-        with a heap push and pop less for most DE fetches (a third of 48P96D's events)."""
-        if group.is_fetch_pending:
-            return
-        if not self._batches_decode_ticks or (self.cluster.fetch_when_idle and group.is_idle()):
-            self._request_fetch(group, self._fetch_decode)  # its own event (at once if idle)
-            return
-        group.is_fetch_pending = True
-        queue = self.queue
-        due_s = self._next_tick_s(group)
-        seq_no = queue.reserve_seq_no()
-        tick = self._decode_ticks.get(due_s)
-        if tick is None:
-            self._decode_ticks[due_s] = deque(((seq_no, group),))
-            queue.push_reserved(due_s, _FETCH, seq_no, self._run_decode_tick, due_s)
-        else:
-            tick.append((seq_no, group))  # (a later seq_no: the deque stays in order)
+        self._fetch_driver.wake_decode()
 
     def _run_decode_tick(self, due_s: float) -> None:
         """The DE fetches of one tick, in order, as long as each is the queue's next event;
@@ -431,8 +424,7 @@ class Simulator(PrefillSteps):
             queue.num_events += 1  # counted as the event it would have been
 
     def _fetch_decode(self, group: DecodeGroup) -> None:
-        group.is_fetch_pending = False
-        self._every_decode_fetch_pending = False
+        self._fetch_driver.start_fetch(group, False)
         if not self._num_waiting_decode:
             return
         scheduler = self.scheduler
@@ -590,7 +582,7 @@ class Simulator(PrefillSteps):
         if self._num_waiting_decode:
             decode_group = engine.group
             assert isinstance(decode_group, DecodeGroup)  # (for the type checker)
-            self._request_decode_fetch(decode_group)
+            self._fetch_driver.request_fetch(decode_group)
         next_turn = request.turn_index + 1
         if next_turn < len(self._agent_turns[request.agent_index][0]):  # (a prompt per turn)
             if self._sends_reach_scheduler_later:

@@ -1,26 +1,27 @@
 """Engines report the store writes they have queued (write_q) and the scheduler's read-side
 choice counts them: a DE node busy persisting KV (SPEC §2) draws no reads from an idle PE
-node. The cluster is ``test_group_report``'s: one PE node, two DE nodes, two engines each."""
+node. The cluster is ``tests/bench/test_leader_protocol``'s: one PE node, two DE nodes, two engines each."""
 
 from __future__ import annotations
 
 import pytest
 
+from dualpath.bench.leader_protocol import GroupReport, record_group
 from dualpath.cluster.group_load import GroupLoad
 from dualpath.control.codec import decode, encode
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import MemoryKVStore
-from dualpath.protocol import Assignment, EngineReport, GroupReport
+from dualpath.protocol import Assignment, EngineReport
 from dualpath.scheduler import NodeSnapshot, make_cluster_topology
 from dualpath.types import SamplingParams
-from tests.cluster.scripted import spin
-from tests.cluster.test_group_report import (
+from tests.bench.test_leader_protocol import (
     IDENTITY,
     LAYOUT,
     FakeClock,
     ScriptedLeader,
     _coordinator,
 )
+from tests.cluster.scripted import spin
 
 
 def test_reports_carry_write_q_and_a_report_without_it_has_none_queued() -> None:
@@ -52,9 +53,9 @@ def test_a_nodes_write_q_sums_its_engines_and_queued_writes_are_work() -> None:
     # No requests, tokens or reads, but writes still moving: the group's entries will
     # change without any new work, so the scheduler may not fetch on its behalf.
     load.record_engine(1, EngineReport(3, 0, 0, 64, 0, {}, 0, 64))
-    assert not load.is_idle_and_current()
-    load.record_group(GroupReport(1, (2, 3), (0, 0), (0, 0), (64, 64), (0, 0), (), (0, 0)))
-    assert load.is_idle_and_current()
+    assert not load.is_idle()
+    record_group(load, GroupReport(1, (2, 3), (0, 0), (0, 0), (64, 64), (0, 0), (), (0, 0)))
+    assert load.is_idle()
     assert load.snapshot().nodes == (NodeSnapshot(1, 0, 0),)
 
 

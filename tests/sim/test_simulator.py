@@ -549,7 +549,7 @@ def test_the_append_is_persisted_at_decode_start_and_the_output_as_it_fills():
 @pytest.mark.parametrize("mode", ["basic", "dualpath"])
 def test_a_ticks_decode_fetches_run_as_their_own_events_would(mode):
     # The DE fetches of one tick wait outside the event heap and run back to back while each
-    # is the queue's next event (Simulator._request_decode_fetch): the same records and the
+    # is the queue's next event (Simulator._fetch_at_tick): the same records and the
     # same number of events as with one heap event per fetch.
     spec = small_spec(mode=mode, nodes="4P8D", num_agents=64, constant_cost=SLOW_PREFILL)
 

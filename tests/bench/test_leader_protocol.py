@@ -1,4 +1,5 @@
-"""Group leaders speaking for their whole group (GroupInfo, GroupReport) on loopback.
+"""Group leaders speaking for their whole group (GroupInfo, GroupReport) on loopback, as the
+scheduler benchmark runs them (``dualpath.bench.leader_protocol``).
 
 The cluster: one prefill node and two decode nodes of two engines each, one node per group::
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath.cluster.coordinator import Coordinator
+from dualpath.bench.leader_protocol import GroupInfo, GroupReport, LeaderCoordinator
 from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import ControlClient
 from dualpath.control.codec import decode, encode
@@ -26,8 +27,6 @@ from dualpath.protocol import (
     DecodeReady,
     EngineInfo,
     EngineReport,
-    GroupInfo,
-    GroupReport,
     Heartbeat,
     PeerTable,
     Shutdown,
@@ -56,7 +55,9 @@ def _info(engine_id: int, role: str, node_id: int) -> EngineInfo:
 class ScriptedLeader(Inbox):
     """A real control client that plays a group leader by hand."""
 
-    def __init__(self, coordinator: Coordinator, group_id: int, client_engine_id=None) -> None:
+    def __init__(
+        self, coordinator: LeaderCoordinator, group_id: int, client_engine_id=None
+    ) -> None:
         super().__init__()
         role, node_id, engine_ids = GROUPS[group_id]
         self.group_id = group_id
@@ -81,8 +82,8 @@ class ScriptedLeader(Inbox):
         )
 
 
-def _coordinator(clock: FakeClock, store: MemoryKVStore | None = None) -> Coordinator:
-    return Coordinator(
+def _coordinator(clock: FakeClock, store: MemoryKVStore | None = None) -> LeaderCoordinator:
+    return LeaderCoordinator(
         ClusterConfig(
             num_prefill_nodes=1, num_decode_nodes=2, engines_per_node=2, heartbeat_timeout_s=5.0
         ),

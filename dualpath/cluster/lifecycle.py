@@ -1,0 +1,427 @@
+"""A request's life in the scheduler: submitted, placed, relayed between its engines, streamed,
+finished, failed or placed again (SPEC §2, §6, §8).
+
+    lifecycle.submit(prompt_token_ids, params)   # any thread; the loop takes it in take_submitted
+    lifecycle.assign(request_id, pe, de, plan)   # a final placement: Assignment to both engines
+    lifecycle.on_prefill_done(msg, now_s)        # the first token; relayed to the DE
+    lifecycle.on_tokens(msg, now_s)              # the DE's tokens; the last one finishes it
+
+Every event for the caller (tokens, a finish, a failure) is a ``RequestEvent`` under the
+caller's id (``drain_events``).
+
+**Re-placement.** A request that has not produced a token yet when one of its engines dies is
+placed again, at most ``MAX_PLACEMENTS`` times in all, under a fresh internal id so that a late
+message about the lost attempt finds nothing; the caller keeps its id. So are those a PE gave
+up on because their DE failed mid-transfer (``RequestFailed.is_retryable``), which a PE may
+notice before the heartbeat does: they wait one heartbeat timeout, so that a dead peer is known
+by then. Those already streaming fail with a message that names the engine (their output so far
+cannot be taken back).
+
+**Persist waits.** A request whose hit prefix stops at a block a DE is still writing (an agent's
+next turn, sent the moment the last one finished) waits for that write rather than being placed
+with a short hit (``dualpath.cluster.persisting``).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import itertools
+import logging
+import queue
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from dualpath.cluster.hits import PromptHits
+from dualpath.cluster.membership import Membership
+from dualpath.cluster.persisting import PersistingBlocks
+from dualpath.control.codec import encode
+from dualpath.errors import PeerUnavailable
+from dualpath.kv.hashing import BlockKey
+from dualpath.protocol import (
+    DECODE,
+    Assignment,
+    CancelRequest,
+    KVPersisted,
+    PrefillDone,
+    RequestEvent,
+    RequestFailed,
+    TokenUpdate,
+    pack_token_ids,
+)
+from dualpath.scheduler import LoadPlan, SchedulerRequest
+from dualpath.types import SamplingParams, sampling_params_to_dict
+
+logger = logging.getLogger(__name__)
+
+# How many times one request may be placed: the first placement and re-placements after the
+# loss of an engine (a request that keeps landing on dying engines fails in the end).
+MAX_PLACEMENTS = 3
+
+
+@dataclass
+class RequestState:
+    request_id: int  # this placement's (see ``client_request_id``)
+    # The id the caller knows; it differs from ``request_id`` after a re-placement, so that
+    # messages about an abandoned placement match nothing.
+    client_request_id: int
+    prompt_token_ids: array.array  # packed once at submit; the Assignment carries it as is
+    params: SamplingParams
+    sampling: dict[str, Any]  # sampling_params_to_dict(params), made on the submitting thread
+    num_cached_tokens: int
+    # Keys of the prompt's full blocks (all but its last token), hashed at submit; kept only
+    # until the request is queued for placement (see ``_enqueue``).
+    block_keys: list[BlockKey] | None = None
+    prefill_engine_id: int | None = None
+    decode_engine_id: int | None = None
+    is_prefill_done: bool = False  # the first token was sent out: no re-placement from here
+    num_placements: int = 1
+
+
+class RequestLifecycle:
+    def __init__(
+        self,
+        membership: Membership,
+        hits: PromptHits,
+        persisting: PersistingBlocks[RequestState],
+        *,
+        place: Callable[[SchedulerRequest], None],
+        given_work: Callable[[int], None],
+        retry_after_s: float,
+    ) -> None:
+        self.membership = membership
+        self.hits = hits
+        self.persisting = persisting
+        self._place = place  # into the policy's FIFO
+        self._given_work = given_work  # a PE was sent a request
+        self.retry_after_s = retry_after_s
+        self.clock = membership.clock
+        self._requests: dict[int, RequestState] = {}
+        # Caller's id -> current placement's id, for re-placed requests only.
+        self._client_id_to_request_id: dict[int, int] = {}
+        # (when, request): re-placements that wait for a lost peer to be declared dead.
+        self._delayed_placements: list[tuple[float, RequestState]] = []
+        self._submissions: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[RequestEvent] = queue.SimpleQueue()
+        self._request_ids = itertools.count()
+        self.num_assigned = 0
+        self.num_replaced = 0  # placements abandoned with a lost engine and made again
+
+    # --- the serving side (any thread) --------------------------------------------------------
+
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Queue a request (token ids already validated); returns its id. The prompt is packed
+        and its store keys hashed here, on the caller's thread, not in the loop."""
+        token_ids = pack_token_ids(prompt_token_ids)
+        if not token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        sampling = sampling_params_to_dict(params)
+        _check_encodable(sampling)
+        request_id = next(self._request_ids)
+        keys = self.hits.block_keys(token_ids)
+        self._submissions.put(
+            RequestState(
+                request_id,
+                request_id,
+                token_ids,
+                params,
+                sampling,
+                self.hits.num_cached_tokens(keys),
+                keys if self.persisting.is_enabled else None,
+            )
+        )
+        return request_id
+
+    def placement(self, request_id: int) -> tuple[int | None, int | None] | None:
+        """(PE, DE) engine ids of a request (the caller's id) that is in flight, None for an
+        engine not chosen yet; None once it is done. A snapshot, for tools."""
+        state = self._requests.get(self._client_id_to_request_id.get(request_id, request_id))
+        return None if state is None else (state.prefill_engine_id, state.decode_engine_id)
+
+    def drain_events(self) -> list[RequestEvent]:
+        events = []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                return events
+
+    # --- placement (the loop) -----------------------------------------------------------------
+
+    def take_submitted(self) -> None:
+        """Queue the submitted requests for placement (each fails at once while no engine of
+        a role is alive)."""
+        while True:
+            try:
+                state = self._submissions.get_nowait()
+            except queue.Empty:
+                return
+            self._requests[state.request_id] = state
+            reason = self.membership.unavailable_reason
+            if reason is not None:
+                self._fail(state.request_id, reason, is_unavailable=True)
+            else:
+                self._enqueue(state)
+
+    def _enqueue(self, state: RequestState) -> None:
+        """Queue the request for placement, unless its hit prefix stops at a block a DE is
+        still writing: then it waits for that write (at most ``persist_wait_s``)."""
+        if self._is_waiting_for_writes(state):
+            return
+        state.block_keys = None  # placement needs only the hit length
+        self._place(
+            SchedulerRequest(
+                state.request_id,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_cached_tokens=state.num_cached_tokens,
+                max_num_output_tokens=state.params.max_tokens,
+            )
+        )
+
+    def _is_waiting_for_writes(self, state: RequestState) -> bool:
+        keys = state.block_keys
+        if keys is None:
+            return False
+        block_size = self.hits.block_size
+        num_hit = state.num_cached_tokens // block_size
+        while num_hit < len(keys):
+            writer_id = self.persisting.writer_of(keys[num_hit])
+            if writer_id is not None:
+                self.persisting.wait(writer_id, state)
+                return True
+            # Not being written: absent, or written since the submit's lookup.
+            num_more = self.hits.num_more_blocks(keys[num_hit:])
+            if not num_more:
+                break
+            num_hit += num_more
+            state.num_cached_tokens = num_hit * block_size
+        return False
+
+    def _enqueue_all(self, states: list[RequestState]) -> None:
+        """Queue requests released from waiting (those not cancelled meanwhile)."""
+        for state in states:
+            if state.request_id in self._requests:
+                self._enqueue(state)
+
+    def release_due(self) -> None:
+        """Re-placements whose delay is over, and requests whose persist wait expired."""
+        if self._delayed_placements:
+            now_s = self.clock()
+            due = [state for at_s, state in self._delayed_placements if at_s <= now_s]
+            if due:
+                self._delayed_placements = [
+                    (t, st) for t, st in self._delayed_placements if t > now_s
+                ]
+                for state in due:
+                    self._enqueue_again(state)
+        if self.persisting:
+            self._enqueue_all(self.persisting.expire(self.clock()))
+
+    def assign(self, request_id: int, pe: int, de: int, plan: LoadPlan) -> None:
+        """The request's pair and read plan are final: one Assignment to both engines."""
+        state = self._requests.get(request_id)
+        if state is None:  # cancelled while queued
+            return
+        state.prefill_engine_id, state.decode_engine_id = pe, de
+        assignment = Assignment(
+            request_id=request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            sampling=state.sampling,
+            num_prefill_side_blocks=plan.num_prefill_side_blocks,
+            num_decode_side_blocks=plan.num_decode_side_blocks,
+            prefill_engine_id=pe,
+            decode_engine_id=de,
+        )
+        try:
+            data = encode(assignment)  # once: both engines get the same bytes
+        except (TypeError, ValueError, OverflowError) as exc:  # submit checked; never here
+            logger.exception("request %d cannot be sent", state.client_request_id)
+            self._fail(request_id, f"the request cannot be sent to its engines: {exc}")
+            return
+        try:
+            self.membership.send_encoded_to_engine(de, data)
+            self.membership.send_encoded_to_engine(pe, data)
+        except PeerUnavailable as exc:
+            self._fail(request_id, f"engine unavailable at assignment: {exc}")
+            return
+        self._given_work(pe)
+        self.num_assigned += 1
+
+    # --- the engines' messages (the loop) -----------------------------------------------------
+
+    def relay(self, request_id: int, msg: object, *, to_prefill: bool) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        target = state.prefill_engine_id if to_prefill else state.decode_engine_id
+        try:
+            self.membership.send_to_engine(target, msg)
+        except PeerUnavailable as exc:
+            self._fail(request_id, str(exc))
+
+    def on_prefill_done(self, msg: PrefillDone, now_s: float) -> None:
+        """The first token streams out; the DE learns its KV is complete."""
+        state = self._requests.get(msg.request_id)
+        if state is None:
+            return
+        state.is_prefill_done = True
+        logprobs = None if msg.first_token_logprob is None else (msg.first_token_logprob,)
+        self._events.put(
+            RequestEvent(
+                state.client_request_id,
+                (msg.first_token_id,),
+                None,
+                msg.num_cached_tokens,
+                logprobs=logprobs,
+                time_s=now_s,
+            )
+        )
+        self.relay(msg.request_id, msg, to_prefill=False)
+
+    def on_tokens(self, msg: TokenUpdate, now_s: float) -> None:
+        state = self._requests.get(msg.request_id)
+        if state is None:
+            return
+        self._events.put(
+            RequestEvent(
+                state.client_request_id,
+                msg.token_ids,
+                msg.finish_reason,
+                msg.num_cached_tokens,
+                logprobs=msg.logprobs,
+                time_s=now_s,
+            )
+        )
+        if msg.finish_reason is not None:
+            self._pop(msg.request_id)
+            if msg.persisting_keys and state.decode_engine_id is not None:
+                self.persisting.add(
+                    msg.request_id, state.decode_engine_id, msg.persisting_keys, now_s
+                )
+
+    def on_persisted(self, msg: KVPersisted) -> None:
+        self._enqueue_all(self.persisting.written(msg.request_ids))
+
+    def on_failed(self, msg: RequestFailed, now_s: float) -> None:
+        state = self._requests.get(msg.request_id)
+        if msg.is_retryable and state is not None and _may_place_again(state):
+            # Later: by then a peer that died has been declared dead (not placed on again).
+            self._place_again(state, msg.reason, at_s=now_s + self.retry_after_s)
+        else:
+            self._fail(msg.request_id, msg.reason)
+
+    # --- endings ------------------------------------------------------------------------------
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (the caller's id) wherever it is; its engines free its buffers and
+        KV."""
+        state = self._pop(self._client_id_to_request_id.get(request_id, request_id))
+        if state is None:
+            return
+        for engine_id in (state.prefill_engine_id, state.decode_engine_id):
+            if engine_id is not None:
+                with contextlib.suppress(PeerUnavailable):  # a dead engine frees nothing
+                    self.membership.send_to_engine(engine_id, CancelRequest(state.request_id))
+
+    def _pop(self, request_id: int) -> RequestState | None:
+        """Forget a placement's request (finished, failed or cancelled)."""
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.client_request_id != request_id:
+            del self._client_id_to_request_id[state.client_request_id]
+        return state
+
+    def _fail(self, request_id: int, reason: str, *, is_unavailable: bool = False) -> None:
+        state = self._pop(request_id)
+        if state is None:
+            return
+        logger.warning("request %d failed: %s", state.client_request_id, reason)
+        self._events.put(
+            RequestEvent(
+                state.client_request_id,
+                (),
+                "error",
+                state.num_cached_tokens,
+                error=reason,
+                is_unavailable=is_unavailable,
+            )
+        )
+        self._cancel_on_live_engines(state)
+
+    def _cancel_on_live_engines(self, state: RequestState) -> None:
+        for engine_id in (state.prefill_engine_id, state.decode_engine_id):
+            if engine_id is not None and self.membership.is_alive(engine_id):
+                self.membership.send_to_engine(engine_id, CancelRequest(state.request_id))
+
+    # --- lost engines -------------------------------------------------------------------------
+
+    def engine_lost(self, engine_id: int, why: str) -> None:
+        """Every request placed on the dead engine is placed again or fails (see the module
+        docstring); so do those waiting for its writes, and, with no engine of a role left,
+        every request that needs one."""
+        for request_id, request in list(self._requests.items()):
+            if engine_id in (request.prefill_engine_id, request.decode_engine_id):
+                if _may_place_again(request):
+                    self._place_again(request, why)
+                else:
+                    self._fail(request_id, why)
+        self._enqueue_all(self.persisting.engine_lost(engine_id))
+        self._fail_unplaceable()
+
+    def _fail_unplaceable(self) -> None:
+        """With no live engine of a role left, every request that still needs one fails now
+        (nothing could place it): all of them without a DE, those not prefilled without a PE."""
+        reason = self.membership.unavailable_reason
+        if reason is None:
+            return
+        needs_decode = not self.membership.num_live_engines_of(DECODE)
+        for request_id, request in list(self._requests.items()):
+            if needs_decode or not request.is_prefill_done:
+                self._fail(request_id, reason, is_unavailable=True)
+        self._delayed_placements.clear()
+
+    def _place_again(self, state: RequestState, why: str, *, at_s: float = 0.0) -> None:
+        """Abandon this placement (its live engines free it) and queue the request again under
+        a fresh id, now or at ``at_s``, its hit looked up anew; see the module docstring."""
+        self._cancel_on_live_engines(state)
+        del self._requests[state.request_id]
+        state.request_id = next(self._request_ids)
+        self._requests[state.request_id] = state
+        self._client_id_to_request_id[state.client_request_id] = state.request_id
+        state.prefill_engine_id = state.decode_engine_id = None
+        state.num_placements += 1
+        logger.warning(
+            "request %d placed again (placement %d): %s",
+            state.client_request_id,
+            state.num_placements,
+            why,
+        )
+        self.num_replaced += 1
+        if at_s > self.clock():
+            self._delayed_placements.append((at_s, state))
+        else:
+            self._enqueue_again(state)
+
+    def _enqueue_again(self, state: RequestState) -> None:
+        if state.request_id not in self._requests:
+            return  # cancelled meanwhile
+        keys = self.hits.block_keys(state.prompt_token_ids)
+        state.num_cached_tokens = self.hits.num_cached_tokens(keys)
+        state.block_keys = keys if self.persisting.is_enabled else None
+        self._enqueue(state)
+
+
+def _may_place_again(state: RequestState) -> bool:
+    return not state.is_prefill_done and state.num_placements < MAX_PLACEMENTS
+
+
+def _check_encodable(sampling: dict[str, Any]) -> None:
+    """``ValueError`` unless the sampling fields can cross the control channel (msgpack holds
+    64-bit integers at most): a value that cannot must fail its request at the door, not the
+    scheduler loop that sends it."""
+    try:
+        msgpack.packb(sampling)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"sampling parameters cannot be sent to the engines: {exc}") from exc

@@ -1,0 +1,242 @@
+"""Who is in the cluster and alive: engines joining, liveness, and the way to reach them.
+
+An engine joins with an ``EngineInfo`` over its control client (``engine-<id>``) and must fit
+the topology (its node and role). A control client may speak for several engines (a group
+leader, ``dualpath.bench.leader_protocol``): hearing from it keeps all of them alive. An engine
+whose client stays silent for ``heartbeat_timeout_s`` is due to be declared dead (checked once
+per heartbeat period, ``heartbeat_timeout_s / 4``), and so is one whose process this host saw
+exit (``on_engine_exited``); the coordinator declares it dead, then re-places its requests.
+
+    membership.register(client_id, info, now_s)     # EngineInfo
+    engine = membership.sender(client_id, now_s)    # any other message: its live engine
+    membership.check_liveness(declare_dead)        # once per heartbeat period
+    membership.send_to_engine(engine_id, msg)       # PeerUnavailable if no client speaks for it
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dualpath.control.channel import ControlServer
+from dualpath.control.codec import encode
+from dualpath.errors import PeerUnavailable
+from dualpath.protocol import DECODE, PREFILL, EngineInfo, Heartbeat, PeerTable, Shutdown
+from dualpath.scheduler import ClusterTopology, EngineRole
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Client:
+    """A control client that speaks for engines: itself, or its group (a leader)."""
+
+    client_id: str
+    last_seen_s: float
+
+
+@dataclass
+class EngineState:
+    info: EngineInfo
+    client: Client
+    is_alive: bool = True
+
+
+class Membership:
+    def __init__(
+        self,
+        topology: ClusterTopology,
+        server: ControlServer,
+        *,
+        heartbeat_timeout_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.server = server
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self.engine_id_to_node = {e: n.node_id for n in topology.nodes for e in n.engine_ids}
+        self._engine_id_to_role = {
+            e: PREFILL if g.role == EngineRole.PREFILL else DECODE
+            for g in topology.groups
+            for e in g.engine_ids
+        }
+        self.engines: dict[int, EngineState] = {}
+        self._client_id_to_engine_id: dict[str, int] = {}
+        self.is_peer_table_stale = False  # membership changed: announce once this loop turn
+        self._last_heartbeat_s = 0.0
+        self.has_been_ready = False  # every engine has joined once (see unavailable_reason)
+        self._dead_engine_id_to_why: dict[int, str] = {}
+        # Live engines by role, kept by join and declare_dead: read on every submission, so
+        # not counted by walking every engine (1,152 at 48P96D).
+        self._role_to_num_live = dict.fromkeys((PREFILL, DECODE), 0)
+        # Engine processes this host saw exit, with their exit code (the launcher's watch).
+        self._exited: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+
+    # --- counts (any thread: they read counters only) ----------------------------------------
+
+    @property
+    def num_expected_engines(self) -> int:
+        return len(self.engine_id_to_node)
+
+    @property
+    def num_live_engines(self) -> int:
+        return sum(self._role_to_num_live.values())
+
+    def num_live_engines_of(self, role: str) -> int:
+        return self._role_to_num_live[role]
+
+    def is_ready(self) -> bool:
+        """Every engine of the topology has registered and is alive."""
+        return self.num_live_engines == self.num_expected_engines
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why no request can be served now (no live engine of a role), or None. Before every
+        engine has joined once, engines are still coming and nothing is unavailable."""
+        if not self.has_been_ready:
+            return None
+        missing = [role for role in (PREFILL, DECODE) if not self._role_to_num_live[role]]
+        if not missing:
+            return None
+        return f"no {' and no '.join(missing)} engine is alive"
+
+    def dead_engines(self) -> dict[int, str]:
+        """Engines declared dead: id -> why."""
+        return dict(self._dead_engine_id_to_why)
+
+    def is_alive(self, engine_id: int) -> bool:
+        state = self.engines.get(engine_id)
+        return state is not None and state.is_alive
+
+    # --- joining ------------------------------------------------------------------------------
+
+    def register(self, client_id: str, info: EngineInfo, now_s: float) -> bool:
+        """An engine joins, speaking for itself; one that does not fit the topology is told
+        to shut down (False)."""
+        problem = self.topology_problem(info)
+        if problem is not None:
+            logger.error("engine %s does not fit the topology: %s", info, problem)
+            self.server.send(client_id, Shutdown(problem))
+            return False
+        self.join(info, Client(client_id, now_s))
+        logger.info("engine %d (%s, node %d) joined", info.engine_id, info.role, info.node_id)
+        return True
+
+    def topology_problem(self, info: EngineInfo) -> str | None:
+        """Why the engine does not fit the topology, or None if it does."""
+        if self.engine_id_to_node.get(info.engine_id) != info.node_id:
+            return f"engine {info.engine_id} not in the topology (as node {info.node_id})"
+        expected_role = self._engine_id_to_role[info.engine_id]
+        if info.role != expected_role:
+            return f"engine {info.engine_id} must be {expected_role}"
+        return None
+
+    def join(self, info: EngineInfo, client: Client) -> None:
+        """``info`` (fitting the topology) joins through ``client``; one that joins again
+        replaces its earlier self, counted once."""
+        previous = self.engines.get(info.engine_id)
+        if previous is not None and previous.is_alive:
+            self._role_to_num_live[previous.info.role] -= 1
+        self.engines[info.engine_id] = EngineState(info, client)
+        self._role_to_num_live[info.role] += 1
+        self._dead_engine_id_to_why.pop(info.engine_id, None)
+        self.is_peer_table_stale = True
+
+    def sender(self, client_id: str, now_s: float) -> EngineState | None:
+        """The live engine a message from ``client_id`` comes from (its client is heard from
+        now), or None for one that has not joined or was declared dead."""
+        engine_id = self._client_id_to_engine_id.get(client_id)
+        if engine_id is None:  # parsed once per client: this runs for every report
+            engine_id = self._client_id_to_engine_id[client_id] = engine_id_of(client_id)
+        engine = self.engines.get(engine_id)
+        if engine is None or not engine.is_alive:
+            return None
+        engine.client.last_seen_s = now_s
+        return engine
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    def on_engine_exited(self, engine_id: int, exit_code: int) -> None:
+        """An engine process of this host exited (any thread): it is due to be declared dead
+        at the loop's next turn, without waiting for the heartbeat timeout."""
+        self._exited.put((engine_id, exit_code))
+
+    def exited_engines(self) -> list[tuple[int, str]]:
+        """Live engines whose process exited, with why: to declare dead now."""
+        due = []
+        while True:
+            try:
+                engine_id, exit_code = self._exited.get_nowait()
+            except queue.Empty:
+                return due
+            if self.is_alive(engine_id):
+                due.append((engine_id, f"its process exited with code {exit_code}"))
+
+    def check_liveness(self, declare_dead: Callable[[int, str], None]) -> None:
+        """``declare_dead(engine_id, why)`` for each live engine silent for
+        ``heartbeat_timeout_s``, then the heartbeat to every client. Once per heartbeat period,
+        not per loop turn: a turn takes about a millisecond at scale, and this walks every
+        engine (1,152 at 48P96D)."""
+        now_s = self.clock()
+        timeout_s = self.heartbeat_timeout_s
+        if now_s - self._last_heartbeat_s < timeout_s / 4:
+            return
+        self._last_heartbeat_s = now_s
+        for engine_id, state in list(self.engines.items()):
+            silent_s = now_s - state.client.last_seen_s
+            if state.is_alive and silent_s > timeout_s:
+                declare_dead(engine_id, f"no report for {silent_s:.1f} s")
+        self.broadcast(Heartbeat(self.num_live_engines))
+
+    def declare_dead(self, engine_id: int, why: str) -> EngineState:
+        state = self.engines[engine_id]
+        assert state.is_alive, f"engine {engine_id} declared dead twice"
+        state.is_alive = False
+        self._role_to_num_live[state.info.role] -= 1
+        self._dead_engine_id_to_why[engine_id] = why
+        if not any(e.is_alive and e.client is state.client for e in self.engines.values()):
+            self.server.forget(state.client.client_id)  # it speaks for no live engine any more
+        logger.error("engine %d declared dead: %s", engine_id, why)
+        self.is_peer_table_stale = True
+        return state
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def send_to_engine(self, engine_id: int, msg: object) -> None:
+        """Send to the client that speaks for the engine; ``PeerUnavailable`` if none does."""
+        self.send_encoded_to_engine(engine_id, encode(msg))
+
+    def send_encoded_to_engine(self, engine_id: int, data: bytes) -> None:
+        state = self.engines.get(engine_id)
+        if state is None:
+            raise PeerUnavailable(f"engine {engine_id} has not joined")
+        self.server.send_encoded(state.client.client_id, data)
+
+    def broadcast(self, msg: object) -> None:
+        """Send to every client that speaks for a live engine, once each; encoded once (a
+        PeerTable at 48P96D lists 1,152 engines)."""
+        client_ids = dict.fromkeys(s.client.client_id for s in self.engines.values() if s.is_alive)
+        data = encode(msg)
+        for client_id in client_ids:
+            with contextlib.suppress(PeerUnavailable):  # not welcomed yet
+                self.server.send_encoded(client_id, data)
+
+    def announce_peers(self) -> None:
+        """The live engines to every client, once a loop turn at most, if they changed."""
+        if self.is_peer_table_stale:
+            self.is_peer_table_stale = False
+            self.broadcast(PeerTable(tuple(e.info for e in self.engines.values() if e.is_alive)))
+
+
+def client_id_of(engine_id: int) -> str:
+    return f"engine-{engine_id}"
+
+
+def engine_id_of(client_id: str) -> int:
+    try:
+        return int(client_id.removeprefix("engine-"))
+    except ValueError:
+        return -1
