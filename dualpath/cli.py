@@ -492,7 +492,7 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 
 def _run_engine(args: argparse.Namespace) -> int:
     from dualpath.cluster.engine_process import run_engine
-    from dualpath.cluster.launcher import TOKEN_ENV
+    from dualpath.cluster.engine_processes import TOKEN_ENV
 
     token = os.environ.get(TOKEN_ENV)
     if not token:
@@ -612,7 +612,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from dualpath.cluster.launcher import TOKEN_ENV, LocalCluster
+    from dualpath.cluster.engine_processes import TOKEN_ENV
+    from dualpath.cluster.launcher import LocalCluster
     from dualpath.config import DTYPES
     from dualpath.model.config import ModelConfig
     from dualpath.model.tokenizer import Tokenizer

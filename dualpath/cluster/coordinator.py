@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from dualpath.cluster.fetches import GroupFetches
 from dualpath.cluster.hits import PromptHits
@@ -38,6 +39,8 @@ from dualpath.control.channel import ControlServer
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.protocol import (
+    DECODE,
+    PREFILL,
     DecodeReady,
     EngineInfo,
     EngineReport,
@@ -57,6 +60,43 @@ logger = logging.getLogger(__name__)
 JoinHandler = Callable[[str, object, float], None]
 # handler(engine, msg, now_s) for a message from a live engine's client.
 EngineHandler = Callable[[EngineState, object, float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """The scheduler's state at one instant, taken on the loop thread (so self-consistent).
+
+    Readers on other threads (health checks, metrics) use this instead of the coordinator,
+    whose state only the loop thread may touch. ``LocalCluster`` republishes one every ``SNAPSHOT_INTERVAL_S``.
+    """
+
+    time_s: float  # time.monotonic() when taken
+    num_live_engines: int
+    num_expected_engines: int
+    num_waiting_prefill: int  # in the scheduler's FIFO, not placed on a PE yet
+    num_waiting_decode: int  # placed on a PE, waiting for a DE
+    num_assigned: int  # requests sent to a (PE, DE) pair since the start
+    # Requests that waited for blocks a DE was still writing (see cluster.persisting), and
+    # finished requests whose writes were never confirmed in time; both since the start.
+    num_persist_waits: int = 0
+    num_persist_expired: int = 0
+    # Requests placed again after losing an engine before their first token (SPEC §8).
+    num_replaced: int = 0
+    # Engine and group load reports received (each a fetch when sent by a group's leader).
+    num_reports: int = 0
+    # engine id -> cumulative bytes by "link.class" (e.g. "node0.snic.kv"), plus
+    # "store_read_bytes" (hit KV the engine read from the store); empty until it reports.
+    link_bytes: dict[int, dict[str, int]] = field(default_factory=dict)
+    # Live engines by role ("prefill", "decode"), and the engines declared dead (id -> why).
+    num_live_engines_by_role: dict[str, int] = field(default_factory=dict)
+    dead_engines: dict[int, str] = field(default_factory=dict)
+    # Why no request can be served (no live engine of a role, or the scheduler loop died), or
+    # None when requests can be served (or engines are still joining).
+    unavailable_reason: str | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.num_live_engines == self.num_expected_engines
 
 
 class Coordinator:
@@ -179,6 +219,28 @@ class Coordinator:
     def link_bytes(self) -> dict[int, dict[str, int]]:
         """Latest cumulative link byte counters reported by each engine that joined."""
         return self.fetches.link_bytes(list(self.membership.engines))
+
+    def snapshot(self, now_s: float) -> ClusterSnapshot:
+        """The state readers on other threads see (the loop thread takes it)."""
+        policy = self.policy
+        return ClusterSnapshot(
+            time_s=now_s,
+            num_live_engines=self.num_live_engines,
+            num_expected_engines=self.num_expected_engines,
+            num_waiting_prefill=policy.num_waiting_prefill,
+            num_waiting_decode=policy.num_waiting_decode,
+            num_assigned=self.num_assigned,
+            num_persist_waits=self.persisting.num_waits,
+            num_persist_expired=self.persisting.num_expired,
+            num_replaced=self.num_replaced,
+            num_reports=self.num_reports,
+            link_bytes=self.link_bytes(),
+            num_live_engines_by_role={
+                role: self.num_live_engines_of(role) for role in (PREFILL, DECODE)
+            },
+            dead_engines=self.dead_engines(),
+            unavailable_reason=self.unavailable_reason,
+        )
 
     # --- the loop (one thread) --------------------------------------------------------------
 

@@ -8,8 +8,7 @@
         request_id = cluster.submit(prompt_ids, params, on_event=handle_event)
         cluster.cancel(request_id)          # the engines free its buffers and KV
 
-Engine ``i`` is started as ``python -m dualpath.cli engine ...`` with the cluster token in its
-environment (not on its command line). The engines exit on their own if this process dies
+Engines are started as processes (``engine_processes``), each with its whole config. The engines exit on their own if this process dies
 (parent-death signal and the scheduler heartbeat); ``close`` asks them to stop, then
 terminates and finally kills any that linger. With ``spawn_engines=False`` no engine is
 started here: engines started by hand (on other hosts) join with the same token.
@@ -21,20 +20,16 @@ threads, so nothing outside it touches the coordinator's state or its control so
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
 import queue
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dualpath.cluster.coordinator import Coordinator
+from dualpath.cluster.coordinator import ClusterSnapshot, Coordinator
+from dualpath.cluster.engine_processes import EngineProcesses
 from dualpath.cluster.hits import open_store_for_lookups
 from dualpath.config import (
     ClusterConfig,
@@ -42,7 +37,6 @@ from dualpath.config import (
     EngineProcessConfig,
     KVStoreConfig,
     SchedulerConfig,
-    config_to_dict,
 )
 from dualpath.control.channel import new_cluster_token
 from dualpath.errors import ClusterUnavailable
@@ -54,7 +48,6 @@ from dualpath.units import gbps_to_bytes_per_s
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "DUALPATH_CLUSTER_TOKEN"
 # Storage read rate assumed for alpha when the SNIC is uncapped and nothing was measured.
 DEFAULT_STORE_READ_BYTES_PER_S = 1e9
 # How often the loop thread publishes a ClusterSnapshot (metrics and health read it).
@@ -73,43 +66,6 @@ class ClusterOutput:
     arrival_s: float
     first_token_s: float | None
     finish_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSnapshot:
-    """The scheduler's state at one instant, taken on the loop thread (so self-consistent).
-
-    Readers on other threads (health checks, metrics) use this instead of the coordinator,
-    whose state only the loop thread may touch. At most ``SNAPSHOT_INTERVAL_S`` old.
-    """
-
-    time_s: float  # time.monotonic() when taken
-    num_live_engines: int
-    num_expected_engines: int
-    num_waiting_prefill: int  # in the scheduler's FIFO, not placed on a PE yet
-    num_waiting_decode: int  # placed on a PE, waiting for a DE
-    num_assigned: int  # requests sent to a (PE, DE) pair since the start
-    # Requests that waited for blocks a DE was still writing (see cluster.persisting), and
-    # finished requests whose writes were never confirmed in time; both since the start.
-    num_persist_waits: int = 0
-    num_persist_expired: int = 0
-    # Requests placed again after losing an engine before their first token (SPEC §8).
-    num_replaced: int = 0
-    # Engine and group load reports received (each a fetch when sent by a group's leader).
-    num_reports: int = 0
-    # engine id -> cumulative bytes by "link.class" (e.g. "node0.snic.kv"), plus
-    # "store_read_bytes" (hit KV the engine read from the store); empty until it reports.
-    link_bytes: dict[int, dict[str, int]] = field(default_factory=dict)
-    # Live engines by role ("prefill", "decode"), and the engines declared dead (id -> why).
-    num_live_engines_by_role: dict[str, int] = field(default_factory=dict)
-    dead_engines: dict[int, str] = field(default_factory=dict)
-    # Why no request can be served (no live engine of a role, or the scheduler loop died), or
-    # None when requests can be served (or engines are still joining).
-    unavailable_reason: str | None = None
-
-    @property
-    def is_ready(self) -> bool:
-        return self.num_live_engines == self.num_expected_engines
 
 
 class LocalCluster:
@@ -184,7 +140,9 @@ class LocalCluster:
             for node in self.coordinator.topology.nodes
             for engine_id in node.engine_ids
         }
-        self._processes: list[subprocess.Popen] = []
+        self.processes = EngineProcesses(
+            self.token, log_dir, on_exit=self.coordinator.on_engine_exited
+        )
         self._stop = threading.Event()  # the loop thread exits
         self._closing = threading.Event()  # close() was called: start() gives up
         self._spawn_lock = threading.Lock()  # close() waits for start() to finish spawning
@@ -216,26 +174,25 @@ class LocalCluster:
                 for node in self.coordinator.topology.nodes:
                     for engine_id in node.engine_ids:
                         role = self.engine_id_to_role[engine_id]
-                        process = self._spawn(role, engine_id, node.node_id)
-                        self._processes.append(process)
-                        self._watch(process, engine_id)
+                        config = self.engine_process_config(role, engine_id, node.node_id)
+                        self.processes.spawn(config)
         deadline = time.monotonic() + timeout_s
         while not self._snapshot.is_ready:
             if self._closing.is_set():
                 raise RuntimeError("cluster closed during start-up")
-            dead = [p for p in self._processes if p.poll() is not None]
-            if dead:
+            dead = self.processes.first_exited()
+            if dead is not None:
                 self.close()
                 raise RuntimeError(
-                    f"engine process exited with {dead[0].returncode} during start-up"
-                    + self._log_hint()
+                    f"engine process exited with {dead.returncode} during start-up"
+                    + self.processes.log_hint()
                 )
             if time.monotonic() > deadline:
                 self.close()
                 snapshot = self._snapshot
                 raise TimeoutError(
                     f"{snapshot.num_live_engines} of {snapshot.num_expected_engines} engines "
-                    f"joined in {timeout_s} s" + self._log_hint()
+                    f"joined in {timeout_s} s" + self.processes.log_hint()
                 )
             time.sleep(0.05)
         return self
@@ -254,44 +211,6 @@ class LocalCluster:
             scheduler=self.scheduler_config,
             transport=self.transport,
         )
-
-    def _spawn(self, role: str, engine_id: int, node_id: int) -> subprocess.Popen:
-        """``dualpath engine --config -``, its config on stdin as JSON (every field of every
-        config, not a flag per field: none can be left behind on the way)."""
-        config = self.engine_process_config(role, engine_id, node_id)
-        # Its identity on the command line too, for process lists (the CLI checks it agrees).
-        argv = [
-            sys.executable, "-m", "dualpath.cli", "engine", "--config", "-",
-            "--role", role, "--engine-id", str(engine_id), "--node-id", str(node_id),
-        ]  # fmt: skip
-        env = dict(os.environ, **{TOKEN_ENV: self.token})
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
-        output = subprocess.DEVNULL
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            output = open(self.log_dir / f"engine-{engine_id}.log", "ab")  # noqa: SIM115
-        process = subprocess.Popen(
-            argv, env=env, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT
-        )
-        # An engine that dies before reading it is reported by start() with its exit code.
-        with contextlib.suppress(BrokenPipeError), process.stdin:
-            process.stdin.write(json.dumps(config_to_dict(config)).encode())
-        return process
-
-    def _watch(self, process: subprocess.Popen, engine_id: int) -> None:
-        """Reap the engine's process when it exits and tell the scheduler at once (its
-        requests fail or are placed again within a loop turn, not a heartbeat timeout)."""
-
-        def wait() -> None:
-            exit_code = process.wait()
-            if not self._closing.is_set():
-                logger.error("engine %d (pid %d) exited with %d", engine_id, process.pid, exit_code)
-                self.coordinator.on_engine_exited(engine_id, exit_code)
-
-        threading.Thread(target=wait, name=f"watch-engine-{engine_id}", daemon=True).start()
-
-    def _log_hint(self) -> str:
-        return f"; see logs in {self.log_dir}" if self.log_dir else "; pass log_dir for logs"
 
     def _loop(self) -> None:
         """The scheduler loop. If it dies (a bug), it says so: every request in flight gets
@@ -342,25 +261,10 @@ class LocalCluster:
                 listener(event)
 
     def _take_snapshot(self, now_s: float) -> ClusterSnapshot:
-        coordinator, policy = self.coordinator, self.coordinator.policy
-        return ClusterSnapshot(
-            time_s=now_s,
-            num_live_engines=coordinator.num_live_engines,
-            num_expected_engines=coordinator.num_expected_engines,
-            num_waiting_prefill=policy.num_waiting_prefill,
-            num_waiting_decode=policy.num_waiting_decode,
-            num_assigned=coordinator.num_assigned,
-            num_persist_waits=coordinator.persisting.num_waits,
-            num_persist_expired=coordinator.persisting.num_expired,
-            num_replaced=coordinator.num_replaced,
-            num_reports=coordinator.num_reports,
-            link_bytes=coordinator.link_bytes(),
-            num_live_engines_by_role={
-                role: coordinator.num_live_engines_of(role) for role in (PREFILL, DECODE)
-            },
-            dead_engines=coordinator.dead_engines(),
-            unavailable_reason=self._loop_error or coordinator.unavailable_reason,
-        )
+        snapshot = self.coordinator.snapshot(now_s)
+        if self._loop_error is not None:
+            return replace(snapshot, unavailable_reason=self._loop_error)
+        return snapshot
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the engines (they flush their pending store writes first) and the loop.
@@ -369,6 +273,7 @@ class LocalCluster:
         requests still running get a final ``"error"`` event saying the cluster stopped.
         """
         self._closing.set()
+        self.processes.expect_exits()
         with self._spawn_lock:  # start() spawns nothing more after this
             if self._is_closed:
                 return
@@ -378,18 +283,7 @@ class LocalCluster:
             self._loop_thread.join()
         # The loop thread is gone: this thread may use the coordinator now.
         self.coordinator.shutdown()
-        deadline = time.monotonic() + timeout_s
-        for process in self._processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.terminate()
-        for process in self._processes:
-            try:
-                process.wait(2.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        self.processes.stop(timeout_s)
         self.coordinator.close()
         self._fail_listeners("cluster stopped")
 
@@ -411,7 +305,7 @@ class LocalCluster:
 
     @property
     def engine_pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
+        return self.processes.pids
 
     # --- requests ---------------------------------------------------------------------------
 

@@ -1,21 +1,13 @@
 """A request's life in the scheduler: submitted, placed, relayed between its engines, streamed,
-finished, failed or placed again (SPEC §2, §6, §8).
-
-    lifecycle.submit(prompt_token_ids, params)   # any thread; the loop takes it in take_submitted
-    lifecycle.assign(request_id, pe, de, plan)   # a final placement: Assignment to both engines
-    lifecycle.on_prefill_done(msg, now_s)        # the first token; relayed to the DE
-    lifecycle.on_tokens(msg, now_s)              # the DE's tokens; the last one finishes it
-
-Every event for the caller (tokens, a finish, a failure) is a ``RequestEvent`` under the
-caller's id (``drain_events``).
+finished, failed or placed again (SPEC §2, §6, §8). Every event for the caller is a
+``RequestEvent`` under the caller's id (``drain_events``).
 
 **Re-placement.** A request that has not produced a token yet when one of its engines dies is
-placed again, at most ``MAX_PLACEMENTS`` times in all, under a fresh internal id so that a late
-message about the lost attempt finds nothing; the caller keeps its id. So are those a PE gave
-up on because their DE failed mid-transfer (``RequestFailed.is_retryable``), which a PE may
-notice before the heartbeat does: they wait one heartbeat timeout, so that a dead peer is known
-by then. Those already streaming fail with a message that names the engine (their output so far
-cannot be taken back).
+placed again (at most ``MAX_PLACEMENTS`` times in all) under a fresh internal id, so that a
+late message about the lost attempt finds nothing; the caller keeps its id. So are those a PE
+gave up on because their DE failed mid-transfer (``RequestFailed.is_retryable``), one
+heartbeat timeout later, when a dead peer is known. Those already streaming fail with a
+message that names the engine (their output so far cannot be taken back).
 
 **Persist waits.** A request whose hit prefix stops at a block a DE is still writing (an agent's
 next turn, sent the moment the last one finished) waits for that write rather than being placed
@@ -33,12 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
-from dualpath.control.codec import encode
+from dualpath.control.codec import check_encodable, encode
 from dualpath.errors import PeerUnavailable
 from dualpath.kv.hashing import BlockKey
 from dualpath.protocol import (
@@ -119,7 +109,7 @@ class RequestLifecycle:
         if not token_ids:
             raise ValueError("prompt is empty: at least one token is needed")
         sampling = sampling_params_to_dict(params)
-        _check_encodable(sampling)
+        check_encodable(sampling, "sampling parameters")
         request_id = next(self._request_ids)
         keys = self.hits.block_keys(token_ids)
         self._submissions.put(
@@ -152,8 +142,7 @@ class RequestLifecycle:
     # --- placement (the loop) -----------------------------------------------------------------
 
     def take_submitted(self) -> None:
-        """Queue the submitted requests for placement (each fails at once while no engine of
-        a role is alive)."""
+        """Queue the submitted requests for placement (failed at once with a role missing)."""
         while True:
             try:
                 state = self._submissions.get_nowait()
@@ -208,17 +197,14 @@ class RequestLifecycle:
 
     def release_due(self) -> None:
         """Re-placements whose delay is over, and requests whose persist wait expired."""
-        if self._delayed_placements:
-            now_s = self.clock()
+        now_s = self.clock()
+        if any(at_s <= now_s for at_s, _ in self._delayed_placements):
             due = [state for at_s, state in self._delayed_placements if at_s <= now_s]
-            if due:
-                self._delayed_placements = [
-                    (t, st) for t, st in self._delayed_placements if t > now_s
-                ]
-                for state in due:
-                    self._enqueue_again(state)
+            self._delayed_placements = [(t, st) for t, st in self._delayed_placements if t > now_s]
+            for state in due:
+                self._enqueue_again(state)
         if self.persisting:
-            self._enqueue_all(self.persisting.expire(self.clock()))
+            self._enqueue_all(self.persisting.expire(now_s))
 
     def assign(self, request_id: int, pe: int, de: int, plan: LoadPlan) -> None:
         """The request's pair and read plan are final: one Assignment to both engines."""
@@ -415,13 +401,3 @@ class RequestLifecycle:
 
 def _may_place_again(state: RequestState) -> bool:
     return not state.is_prefill_done and state.num_placements < MAX_PLACEMENTS
-
-
-def _check_encodable(sampling: dict[str, Any]) -> None:
-    """``ValueError`` unless the sampling fields can cross the control channel (msgpack holds
-    64-bit integers at most): a value that cannot must fail its request at the door, not the
-    scheduler loop that sends it."""
-    try:
-        msgpack.packb(sampling)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"sampling parameters cannot be sent to the engines: {exc}") from exc

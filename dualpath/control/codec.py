@@ -123,6 +123,16 @@ def _unpack(data: bytes) -> Any:
         raise ValueError(f"{values[0]}: invalid fields: {exc}") from exc
 
 
+def check_encodable(value: object, what: str) -> None:
+    """``ValueError`` naming ``what`` unless ``value`` can cross the control channel (msgpack
+    holds 64-bit integers at most): a value that cannot must be refused where it comes in, not
+    by the loop that sends it on."""
+    try:
+        msgpack.packb(value, default=_default)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{what} cannot be sent to the engines: {exc}") from exc
+
+
 def encode(msg: object) -> bytes:
     """Bytes of a registered message; ``TypeError`` for an unregistered type (a caller bug)."""
     tag = _type_to_tag.get(type(msg))

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dualpath.cluster.launcher import ClusterSnapshot
+from dualpath.cluster.coordinator import ClusterSnapshot
 from dualpath.kv.store import StoreStats
 from dualpath.protocol import DECODE, PREFILL
 from dualpath.units import gbps_to_bytes_per_s

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dualpath.cluster.launcher import ClusterSnapshot
+from dualpath.cluster.coordinator import ClusterSnapshot
 from dualpath.kv.store import StoreStats
 from dualpath.server.metrics import (
     GenerationTimes,
