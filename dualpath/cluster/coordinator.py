@@ -51,7 +51,7 @@ from dualpath.protocol import (
     Shutdown,
     TokenUpdate,
 )
-from dualpath.scheduler import SchedulerRequest, make_cluster_topology, make_scheduler
+from dualpath.scheduler import make_cluster_topology, make_scheduler
 from dualpath.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -131,17 +131,15 @@ class Coordinator:
         self.persisting: PersistingBlocks[RequestState] = PersistingBlocks(
             cluster.persist_wait_s if store is not None else 0.0
         )
+        self.fetches = GroupFetches(self.policy, self.topology, self.membership.engine_id_to_node)
         self.requests = RequestLifecycle(
             self.membership,
             PromptHits(store, identity),
             self.persisting,
-            place=self._place,
-            given_work=self._given_work,
+            place=self.fetches.submit,
             retry_after_s=cluster.heartbeat_timeout_s,
         )
-        self.fetches = GroupFetches(
-            self.policy, self.topology, self.membership.engine_id_to_node, self.requests.assign
-        )
+        self.fetches.assign = self.requests.assign
         lifecycle = self.requests
         self._join_handlers: dict[type, JoinHandler] = {EngineInfo: self._on_engine_info}
         self._engine_handlers: dict[type, EngineHandler] = {
@@ -157,12 +155,6 @@ class Coordinator:
             KVPersisted: lambda engine, msg, now_s: lifecycle.on_persisted(msg),
             RequestFailed: lambda engine, msg, now_s: lifecycle.on_failed(msg, now_s),
         }
-
-    def _place(self, request: SchedulerRequest) -> None:  # (late-bound: fetches come after)
-        self.fetches.submit(request)
-
-    def _given_work(self, prefill_engine_id: int) -> None:
-        self.fetches.given_work(prefill_engine_id)
 
     # --- the serving side (any thread) ------------------------------------------------------
 

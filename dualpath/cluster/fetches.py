@@ -6,7 +6,8 @@ every ``report_keepalive_s``): each is the group's fetch. A submit wakes every P
 placement every DE group; a woken group that is idle fetches in this loop turn, PE groups
 first, so that a request on an idle cluster is placed on both sides at once.
 
-    fetches = GroupFetches(policy, topology, engine_id_to_node, assign)
+    fetches = GroupFetches(policy, topology, engine_id_to_node)
+    fetches.assign = lifecycle.assign       # each final placement
     fetches.submit(scheduler_request)       # to the policy's FIFO; wakes the PE groups
     fetches.on_report(engine_id, report)    # the group's fetch if from its leading engine
     fetches.fetch_due()                     # idle groups' fetches, once per loop turn
@@ -37,10 +38,10 @@ class GroupFetches:
         policy: Scheduler,
         topology: ClusterTopology,
         engine_id_to_node: Mapping[int, int],
-        assign: Assign,
     ) -> None:
         self.policy = policy
-        self._assign = assign
+        # Set by the owner (the request lifecycle's): called for every final placement.
+        self.assign: Assign = _unset_assign
         self.groups = {g.group_id: GroupLoad.of(g, engine_id_to_node) for g in topology.groups}
         self.engine_id_to_group = {
             e: self.groups[g.group_id] for g in topology.groups for e in g.engine_ids
@@ -94,6 +95,7 @@ class GroupFetches:
         if not result.request_ids:  # most fetches place nothing
             return
         group.mark_stale()
+        engine_id_to_group = self.engine_id_to_group
         for request_id, pe, de, plan in zip(
             result.request_ids,
             result.prefill_engine_ids,
@@ -101,12 +103,10 @@ class GroupFetches:
             result.load_plans,
             strict=True,
         ):
-            self._assign(request_id, pe, de, plan)
-
-    def given_work(self, prefill_engine_id: int) -> None:
-        """A request was sent to the PE: its entry is out of date until it reports."""
-        group = self.engine_id_to_group[prefill_engine_id]
-        group.mark_stale(group.spec.engine_ids.index(prefill_engine_id))
+            self.assign(request_id, pe, de, plan)
+            # The PE was given work: its entry is out of date until it reports.
+            prefill_group = engine_id_to_group[pe]
+            prefill_group.mark_stale(prefill_group.spec.engine_ids.index(pe))
 
     def engine_joined(self, engine_id: int) -> None:
         """Not chosen until it reports."""
@@ -129,6 +129,10 @@ class GroupFetches:
             group = self.engine_id_to_group[engine_id]
             link_bytes[engine_id] = dict(group.link_bytes[group.spec.engine_ids.index(engine_id)])
         return link_bytes
+
+
+def _unset_assign(request_id: int, pe: int, de: int, plan: LoadPlan) -> None:
+    raise RuntimeError("caller bug: GroupFetches.assign was not set")
 
 
 def _at_next_report(group: GroupLoad) -> None:

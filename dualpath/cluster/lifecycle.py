@@ -79,14 +79,12 @@ class RequestLifecycle:
         persisting: PersistingBlocks[RequestState],
         *,
         place: Callable[[SchedulerRequest], None],
-        given_work: Callable[[int], None],
         retry_after_s: float,
     ) -> None:
         self.membership = membership
         self.hits = hits
         self.persisting = persisting
         self._place = place  # into the policy's FIFO
-        self._given_work = given_work  # a PE was sent a request
         self.retry_after_s = retry_after_s
         self.clock = membership.clock
         self._requests: dict[int, RequestState] = {}
@@ -233,7 +231,6 @@ class RequestLifecycle:
         except PeerUnavailable as exc:
             self._fail(request_id, f"engine unavailable at assignment: {exc}")
             return
-        self._given_work(pe)
         self.num_assigned += 1
 
     # --- the engines' messages (the loop) -----------------------------------------------------

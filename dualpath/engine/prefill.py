@@ -294,38 +294,24 @@ class PrefillEngine:
             device=self.device,
         )
         remotes = [remote_of(r.assignment.decode_engine_id) for r in requests]
-        hidden = self.model.embed(input_ids)
-        rope = self.model.rope(packed.positions(self.device))
         offsets = packed.row_offsets
         num_layers = self.model.num_layers
-        loading: Future | None = None
-        if self.is_layerwise:
-            # Layer l+1's hit KV loads (PE buffer, DE buffer over the CNIC, host -> device)
-            # while layer l computes: at most two layers of hit KV are resident.
-            loading = self._loader.submit(self._past_kv, batch, remotes, 0)
-        else:
-            preloaded = [self._past_kv(batch, remotes, i) for i in range(num_layers)]
+        past_of, loading = self._past_source(batch, remotes)
+
+        def on_layer(layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+            for i, (request, chunk) in enumerate(batch):
+                rows = slice(offsets[i], offsets[i + 1])
+                self._send_layer(request, chunk, remotes[i], layer, k_new[rows], v_new[rows])
+                if not chunk.is_last_chunk:
+                    self._keep_chunk(request, layer, k_new[rows], v_new[rows])
+            if between_layers is not None and layer + 1 < num_layers:
+                between_layers()
+
         try:
-            for layer in range(num_layers):
-                if loading is not None:
-                    past = loading.result()
-                    loading = None
-                    if layer + 1 < num_layers:
-                        loading = self._loader.submit(self._past_kv, batch, remotes, layer + 1)
-                else:
-                    past = preloaded[layer]
-                hidden, k_new, v_new = self.model.forward_layer(layer, hidden, rope, packed, past)
-                del past
-                for i, (request, chunk) in enumerate(batch):
-                    rows = slice(offsets[i], offsets[i + 1])
-                    self._send_layer(request, chunk, remotes[i], layer, k_new[rows], v_new[rows])
-                    if not chunk.is_last_chunk:
-                        self._keep_chunk(request, layer, k_new[rows], v_new[rows])
-                if between_layers is not None and layer + 1 < num_layers:
-                    between_layers()
+            hidden = self.model.forward_layers(input_ids, packed, past_of, on_layer)
         finally:
-            if loading is not None:  # a failed layer: the loader reads the buffers until done
-                wait([loading])
+            if loading:  # a failed layer: the loader reads the buffers until done
+                wait(loading)
         for remote in {id(r): r for r in remotes}.values():
             remote.flush()
         last = [i for i, chunk in enumerate(chunks) if chunk.is_last_chunk]
@@ -352,6 +338,27 @@ class PrefillEngine:
             del self.requests[request.request_id]
             self._release(request)
         return done
+
+    def _past_source(
+        self, batch: list[tuple[PrefillRequest, PrefillChunk]], remotes: list[RemoteBuffer]
+    ) -> tuple[Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]], list[Future]]:
+        """Each layer's past KV for ``forward_layers``, and the load in flight (if any).
+
+        Layer-wise, layer l+1's hit KV loads (PE buffer, DE buffer over the CNIC, host ->
+        device) while layer l computes: at most two layers of hit KV are resident. Otherwise
+        (``basic``) every layer's is loaded before the first computes."""
+        if not self.is_layerwise:
+            preloaded = [self._past_kv(batch, remotes, i) for i in range(self.model.num_layers)]
+            return preloaded.__getitem__, []
+        loading = [self._loader.submit(self._past_kv, batch, remotes, 0)]
+
+        def past_of(layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            past = loading.pop().result()
+            if layer + 1 < self.model.num_layers:
+                loading.append(self._loader.submit(self._past_kv, batch, remotes, layer + 1))
+            return past
+
+        return past_of, loading
 
     def _keep_chunk(
         self, request: PrefillRequest, layer: int, k_new: torch.Tensor, v_new: torch.Tensor

@@ -49,17 +49,14 @@ class ModelRunner:
             slot_blocks.extend(
                 table[p // block_size] for p in range(start, start + w.num_new_tokens)
             )
-        positions = batch.positions(device)
         block_ids = torch.tensor(slot_blocks, device=device)
-        offsets = positions % block_size
-
-        gather = self._gatherer(work, batch)
-        hidden = self.model.embed(torch.tensor(input_ids, device=device))
-        rope = self.model.rope(positions)
-        for layer in range(self.model.num_layers):
-            past = gather(layer)
-            hidden, k_new, v_new = self.model.forward_layer(layer, hidden, rope, batch, past)
-            self.cache.scatter(layer, block_ids, offsets, k_new, v_new)
+        offsets = batch.positions(device) % block_size
+        hidden = self.model.forward_layers(
+            torch.tensor(input_ids, device=device),
+            batch,
+            self._gatherer(work, batch),
+            lambda layer, k_new, v_new: self.cache.scatter(layer, block_ids, offsets, k_new, v_new),
+        )
         rows = [row for w, row in zip(work, batch.last_rows(), strict=True) if w.is_sampling]
         if not rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)

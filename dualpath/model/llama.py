@@ -18,7 +18,7 @@ prefill engine hold only one layer of cached KV at a time (SPEC §3, layer-wise 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -315,20 +315,40 @@ class DecoderModel(nn.Module):
         """Final norm and LM head, returned in float32 for sampling."""
         return self.lm_head(self.model.norm(hidden)).float()
 
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        batch: PackedBatch,
+        past_of: Callable[[int], LayerPast],
+        on_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
+    ) -> torch.Tensor:
+        """The model driven one layer at a time, as every engine drives it; returns the last
+        layer's hidden states (``logits`` of the rows that sample).
+
+        ``past_of(layer)`` gives the layer's cached KV (``forward_layer``'s ``past``): the
+        single-node engine gathers it from its paged cache, a PE from its buffers and the DE's
+        (loading the next layer's meanwhile). ``on_layer(layer, k_new, v_new)`` takes the new
+        tokens' KV before the next layer runs: into the paged cache, or on to the DE.
+        """
+        hidden = self.embed(input_ids)
+        rope = self.rope(batch.positions(input_ids.device))
+        for layer_idx in range(self.num_layers):
+            past = past_of(layer_idx)
+            hidden, k_new, v_new = self.forward_layer(layer_idx, hidden, rope, batch, past)
+            del past  # a layer's past is freed before the next is loaded
+            on_layer(layer_idx, k_new, v_new)
+        return hidden
+
     @torch.inference_mode()
     def forward_full(
         self, input_ids: torch.Tensor, batch: PackedBatch, past: Sequence[LayerPast]
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """All layers in one call: (logits of every row, per-layer (k_new, v_new)).
 
-        A convenience for tests and simple callers; engines drive ``forward_layer`` themselves.
+        A convenience for tests and simple callers; engines use ``forward_layers``.
         """
-        hidden = self.embed(input_ids)
-        rope = self.rope(batch.positions(input_ids.device))
-        new_kv = []
-        for layer_idx in range(self.num_layers):
-            hidden, k_new, v_new = self.forward_layer(
-                layer_idx, hidden, rope, batch, past[layer_idx]
-            )
-            new_kv.append((k_new, v_new))
+        new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hidden = self.forward_layers(
+            input_ids, batch, past.__getitem__, lambda _, k, v: new_kv.append((k, v))
+        )
         return self.logits(hidden), new_kv

@@ -85,6 +85,6 @@ def test_the_simulator_and_the_runtime_run_this_driver():
     )
     policy = make_scheduler(SchedulerConfig(beta_tokens=10_000), topology)
     engine_id_to_node = {e: n.node_id for n in topology.nodes for e in n.engine_ids}
-    fetches = GroupFetches(policy, topology, engine_id_to_node, assign=lambda *_: None)
+    fetches = GroupFetches(policy, topology, engine_id_to_node)
     assert isinstance(fetches.driver, FetchDriver) and fetches.driver.fetch_when_idle
     assert [type(g) for g in fetches.driver.decode_groups] == [GroupLoad] * 2
