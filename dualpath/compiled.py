@@ -49,6 +49,7 @@ COMPILED_MODULES = (
     "dualpath.sim.cost",
     "dualpath.sim.engines",
     "dualpath.sim.events",
+    "dualpath.sim.fetch_ticks",
     "dualpath.sim.links",
     "dualpath.sim.prefill_step",
     "dualpath.sim.simulator",

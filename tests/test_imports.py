@@ -53,7 +53,18 @@ LAYERS = {
         "dualpath.bench",
         "dualpath.sim",
     ),
-    "dualpath.scheduler": ("dualpath.engine", "dualpath.cluster", "dualpath.server"),
+    "dualpath.scheduler": (
+        "dualpath.engine",
+        "dualpath.cluster",
+        "dualpath.server",
+        "dualpath.bench",
+        "dualpath.sim",
+    ),
+    # The simulator runs the scheduler's code, never the runtime's.
+    "dualpath.sim": ("dualpath.engine", "dualpath.cluster", "dualpath.server"),
+    # The scheduler process knows nothing of the HTTP server or the benchmarks (the group
+    # leaders' protocol is the scheduler benchmark's: it imports the coordinator, not back).
+    "dualpath.cluster": ("dualpath.server", "dualpath.bench"),
 }
 
 
