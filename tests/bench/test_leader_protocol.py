@@ -17,9 +17,7 @@ from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import ControlClient
 from dualpath.control.codec import decode, encode
 from dualpath.kv.hashing import block_keys
-from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import MemoryKVStore
-from dualpath.model.identity import KVIdentity
 from dualpath.protocol import (
     DECODE,
     PREFILL,
@@ -32,20 +30,9 @@ from dualpath.protocol import (
     Shutdown,
 )
 from dualpath.types import SamplingParams
-from tests.cluster.scripted import Inbox, pump, spin
+from tests.cluster.scripted import IDENTITY, LAYOUT, TOKEN, FakeClock, Inbox, pump, spin
 
-LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
-IDENTITY = KVIdentity("0" * 32, LAYOUT, "float32")
-TOKEN = "secret"
 GROUPS = {0: (PREFILL, 0, (0, 1)), 1: (DECODE, 1, (2, 3)), 2: (DECODE, 2, (4, 5))}
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 def _info(engine_id: int, role: str, node_id: int) -> EngineInfo:

@@ -7,6 +7,23 @@ from collections.abc import Callable
 
 from dualpath.cluster.coordinator import Coordinator
 from dualpath.control.channel import ControlClient
+from dualpath.kv.layout import KVLayout
+from dualpath.model.identity import KVIdentity
+
+# A small store layout and the cluster token the scripted clusters share.
+LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
+IDENTITY = KVIdentity("0" * 32, LAYOUT, "float32")
+TOKEN = "secret"
+
+
+class FakeClock:
+    """The coordinator's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
 
 
 def pump(coordinator: Coordinator, action: Callable[[], object]) -> None:

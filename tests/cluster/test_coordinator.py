@@ -8,9 +8,7 @@ from dualpath.cluster.coordinator import Coordinator
 from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import ControlClient
 from dualpath.kv.hashing import block_keys
-from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import MemoryKVStore
-from dualpath.model.identity import KVIdentity
 from dualpath.protocol import (
     DECODE,
     PREFILL,
@@ -27,19 +25,7 @@ from dualpath.protocol import (
     TokenUpdate,
 )
 from dualpath.types import SamplingParams
-from tests.cluster.scripted import Inbox, pump, spin
-
-LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
-IDENTITY = KVIdentity("0" * 32, LAYOUT, "float32")
-TOKEN = "secret"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
+from tests.cluster.scripted import IDENTITY, LAYOUT, TOKEN, FakeClock, Inbox, pump, spin
 
 
 class ScriptedEngine(Inbox):
