@@ -14,20 +14,52 @@ import torch
 
 from dualpath.types import SamplingParams, TokenLogprob
 
-__all__ = ["SamplingParams", "TokenLogprob", "banned_token_ids", "make_generator", "sample"]
+__all__ = [
+    "SamplingParams",
+    "TokenLogprob",
+    "banned_token_ids",
+    "make_generator",
+    "next_generator",
+    "sample",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def make_generator(params: SamplingParams, num_output_tokens: int = 0) -> torch.Generator | None:
+    """The random source for a request's output token ``num_output_tokens`` (None: greedy).
+
+    A seeded request draws each output token from a generator seeded by (seed, its index), not
+    from one stream: any engine samples token i the same way, whoever sampled the tokens before
+    it (the PE samples the first, a DE the rest, and after the loss of its DE a request goes on
+    from any token on another). Unseeded, a fresh random one (the caller may keep it)."""
     if params.is_greedy:
         return None
     gen = torch.Generator()
     if params.seed is None:
         gen.seed()
     else:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(_token_seed(params.seed, num_output_tokens))
     return gen
+
+
+def next_generator(
+    params: SamplingParams, num_output_tokens: int, kept: torch.Generator | None
+) -> torch.Generator | None:
+    """The generator for the next output token: ``kept`` (one made once per request) unless
+    the request is seeded, when each token has its own (``make_generator``)."""
+    if params.seed is None:
+        return kept
+    return make_generator(params, num_output_tokens)
+
+
+def _token_seed(seed: int, index: int) -> int:
+    """A 64-bit seed for output token ``index`` of a request seeded with ``seed`` (SplitMix64's
+    mix of seed + index x golden ratio: neighbouring indices give unrelated seeds)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
 
 def banned_token_ids(

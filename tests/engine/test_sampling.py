@@ -111,3 +111,18 @@ def test_sampling_params_refuse_values_the_wire_cannot_carry() -> None:
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_a_seeded_requests_token_i_is_drawn_the_same_whatever_came_before() -> None:
+    # Any engine samples output token i alike: the PE the first, a DE the rest, another DE
+    # after a loss (make_generator(params, i) depends on the seed and i only).
+    logits = torch.linspace(0.0, 1.0, 50)
+    params = SamplingParams(temperature=1.0, seed=11)
+    draws = [sample(logits, params, make_generator(params, i))[0] for i in range(20)]
+    again = [sample(logits, params, make_generator(params, i))[0] for i in reversed(range(20))]
+    assert draws == again[::-1]
+    assert len(set(draws)) > 5  # each token its own draw, not one repeated
+    other_seed = SamplingParams(temperature=1.0, seed=12)
+    assert draws != [
+        sample(logits, other_seed, make_generator(other_seed, i))[0] for i in range(20)
+    ]
