@@ -96,6 +96,10 @@ class Assignment:
     num_decode_side_blocks: int
     prefill_engine_id: int
     decode_engine_id: int
+    # The last this many of ``prompt_token_ids`` are output the caller has already been sent
+    # (a request going on after the loss of its DE): the PE samples output token
+    # ``num_output_tokens`` next, and the DE counts them toward max_tokens and stop rules.
+    num_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not _is_packed(self.prompt_token_ids):

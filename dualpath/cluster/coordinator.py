@@ -80,8 +80,14 @@ class ClusterSnapshot:
     # finished requests whose writes were never confirmed in time; both since the start.
     num_persist_waits: int = 0
     num_persist_expired: int = 0
-    # Requests placed again after losing an engine before their first token (SPEC §8).
+    # Requests placed again after losing an engine (SPEC §8); requests failed because no
+    # engine of a role they needed was alive; and, over the re-placements that produced a
+    # token since, the time from the engine's loss to that token (count, sum, maximum).
     num_replaced: int = 0
+    num_failed_unavailable: int = 0
+    num_replacement_delays: int = 0
+    replacement_delay_s_sum: float = 0.0
+    replacement_delay_s_max: float = 0.0
     # Engine and group load reports received (each a fetch when sent by a group's leader).
     num_reports: int = 0
     # engine id -> cumulative bytes by "link.class" (e.g. "node0.snic.kv"), plus
@@ -90,6 +96,8 @@ class ClusterSnapshot:
     # Live engines by role ("prefill", "decode"), and the engines declared dead (id -> why).
     num_live_engines_by_role: dict[str, int] = field(default_factory=dict)
     dead_engines: dict[int, str] = field(default_factory=dict)
+    # Engines this host started again after they died: id -> how often (the launcher's).
+    engine_restarts: dict[int, int] = field(default_factory=dict)
     # Why no request can be served (no live engine of a role, or the scheduler loop died), or
     # None when requests can be served (or engines are still joining).
     unavailable_reason: str | None = None
@@ -225,6 +233,10 @@ class Coordinator:
             num_persist_waits=self.persisting.num_waits,
             num_persist_expired=self.persisting.num_expired,
             num_replaced=self.num_replaced,
+            num_failed_unavailable=self.requests.num_failed_unavailable,
+            num_replacement_delays=self.requests.replacement_delays.count,
+            replacement_delay_s_sum=self.requests.replacement_delays.sum_s,
+            replacement_delay_s_max=self.requests.replacement_delays.max_s,
             num_reports=self.num_reports,
             link_bytes=self.link_bytes(),
             num_live_engines_by_role={

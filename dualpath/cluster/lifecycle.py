@@ -2,12 +2,17 @@
 finished, failed or placed again (SPEC §2, §6, §8). Every event for the caller is a
 ``RequestEvent`` under the caller's id (``drain_events``).
 
-**Re-placement.** A request that has not produced a token yet when one of its engines dies is
-placed again (at most ``MAX_PLACEMENTS`` times in all) under a fresh internal id, so that a
-late message about the lost attempt finds nothing; the caller keeps its id. So are those a PE
-gave up on because their DE failed mid-transfer (``RequestFailed.is_retryable``), one
-heartbeat timeout later, when a dead peer is known. Those already streaming fail with a
-message that names the engine (their output so far cannot be taken back).
+**Re-placement** (SPEC §8). A request whose engine dies is placed again (at most
+``MAX_PLACEMENTS`` times in all) under a fresh internal id, so that a late message about the
+lost attempt finds nothing; the caller keeps its id. One that has not produced a token yet
+starts over. One that is streaming goes on where the client's stream stands: its prompt and
+the tokens sent so far are prefilled on a PE (what the store holds of them is a hit) and a DE
+continues from there (``Assignment.num_output_tokens``), so the client gets each token once
+and the same tokens as without the loss (greedy, or seeded: token i has its own seed). Once
+prefilled a request no longer needs its PE. Those a PE gave up on because their DE failed
+mid-transfer (``RequestFailed.is_retryable``) are placed again one heartbeat timeout later,
+when a dead peer is known. With no engine of a role left, the requests that need one fail at
+once as unavailable.
 
 **Persist waits.** A request whose hit prefix stops at a block a DE is still writing (an agent's
 next turn, sent the moment the last one finished) waits for that write rather than being placed
@@ -22,7 +27,7 @@ import itertools
 import logging
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.cluster.hits import PromptHits
@@ -58,7 +63,9 @@ class RequestState:
     # The id the caller knows; it differs from ``request_id`` after a re-placement, so that
     # messages about an abandoned placement match nothing.
     client_request_id: int
-    prompt_token_ids: array.array  # packed once at submit; the Assignment carries it as is
+    # What a placement prefills, packed once (the Assignment carries it as is): the prompt,
+    # then, going on after a lost DE, the first ``num_output_tokens`` tokens sent.
+    prompt_token_ids: array.array
     params: SamplingParams
     sampling: dict[str, Any]  # sampling_params_to_dict(params), made on the submitting thread
     num_cached_tokens: int
@@ -67,8 +74,13 @@ class RequestState:
     block_keys: list[BlockKey] | None = None
     prefill_engine_id: int | None = None
     decode_engine_id: int | None = None
-    is_prefill_done: bool = False  # the first token was sent out: no re-placement from here
+    is_prefill_done: bool = False  # this placement's PE is done with it
     num_placements: int = 1
+    num_output_tokens: int = 0  # of prompt_token_ids: outputs (a continued placement)
+    output_token_ids: list[int] = field(default_factory=list)  # every token sent out
+    # num_cached_tokens as the caller was told with its first token (kept when it goes on).
+    reported_cached_tokens: int | None = None
+    lost_at_s: float | None = None  # when its engine was lost, until a token comes again
 
 
 class RequestLifecycle:
@@ -97,6 +109,9 @@ class RequestLifecycle:
         self._request_ids = itertools.count()
         self.num_assigned = 0
         self.num_replaced = 0  # placements abandoned with a lost engine and made again
+        self.num_failed_unavailable = 0  # failed for lack of an engine of a role
+        # From an engine's loss to the first token of the request's next placement.
+        self.replacement_delays = _Delays()
 
     # --- the serving side (any thread) --------------------------------------------------------
 
@@ -164,7 +179,7 @@ class RequestLifecycle:
                 state.request_id,
                 num_prompt_tokens=len(state.prompt_token_ids),
                 num_cached_tokens=state.num_cached_tokens,
-                max_num_output_tokens=state.params.max_tokens,
+                max_num_output_tokens=max(1, state.params.max_tokens - state.num_output_tokens),
             )
         )
 
@@ -218,6 +233,7 @@ class RequestLifecycle:
             num_decode_side_blocks=plan.num_decode_side_blocks,
             prefill_engine_id=pe,
             decode_engine_id=de,
+            num_output_tokens=state.num_output_tokens,
         )
         try:
             data = encode(assignment)  # once: both engines get the same bytes
@@ -246,44 +262,53 @@ class RequestLifecycle:
             self._fail(request_id, str(exc))
 
     def on_prefill_done(self, msg: PrefillDone, now_s: float) -> None:
-        """The first token streams out; the DE learns its KV is complete."""
+        """The first token (of this placement) streams out; the DE learns its KV is complete."""
         state = self._requests.get(msg.request_id)
         if state is None:
             return
         state.is_prefill_done = True
+        if state.reported_cached_tokens is None:
+            state.reported_cached_tokens = msg.num_cached_tokens
         logprobs = None if msg.first_token_logprob is None else (msg.first_token_logprob,)
-        self._events.put(
-            RequestEvent(
-                state.client_request_id,
-                (msg.first_token_id,),
-                None,
-                msg.num_cached_tokens,
-                logprobs=logprobs,
-                time_s=now_s,
-            )
-        )
+        self._emit(state, (msg.first_token_id,), None, logprobs, now_s)
         self.relay(msg.request_id, msg, to_prefill=False)
 
     def on_tokens(self, msg: TokenUpdate, now_s: float) -> None:
         state = self._requests.get(msg.request_id)
         if state is None:
             return
-        self._events.put(
-            RequestEvent(
-                state.client_request_id,
-                msg.token_ids,
-                msg.finish_reason,
-                msg.num_cached_tokens,
-                logprobs=msg.logprobs,
-                time_s=now_s,
-            )
-        )
+        self._emit(state, msg.token_ids, msg.finish_reason, msg.logprobs, now_s)
         if msg.finish_reason is not None:
             self._pop(msg.request_id)
             if msg.persisting_keys and state.decode_engine_id is not None:
                 self.persisting.add(
                     msg.request_id, state.decode_engine_id, msg.persisting_keys, now_s
                 )
+
+    def _emit(
+        self,
+        state: RequestState,
+        token_ids: tuple[int, ...],
+        finish_reason: str | None,
+        logprobs: tuple | None,
+        now_s: float,
+    ) -> None:
+        """Tokens to the caller, remembered (a placement after a loss goes on from them)."""
+        if token_ids:
+            state.output_token_ids += token_ids
+            if state.lost_at_s is not None:
+                self.replacement_delays.add(now_s - state.lost_at_s)
+                state.lost_at_s = None
+        self._events.put(
+            RequestEvent(
+                state.client_request_id,
+                token_ids,
+                finish_reason,
+                state.reported_cached_tokens or 0,
+                logprobs=logprobs,
+                time_s=now_s,
+            )
+        )
 
     def on_persisted(self, msg: KVPersisted) -> None:
         self._enqueue_all(self.persisting.written(msg.request_ids))
@@ -321,6 +346,7 @@ class RequestLifecycle:
         if state is None:
             return
         logger.warning("request %d failed: %s", state.client_request_id, reason)
+        self.num_failed_unavailable += is_unavailable
         self._events.put(
             RequestEvent(
                 state.client_request_id,
@@ -334,19 +360,27 @@ class RequestLifecycle:
         self._cancel_on_live_engines(state)
 
     def _cancel_on_live_engines(self, state: RequestState) -> None:
-        for engine_id in (state.prefill_engine_id, state.decode_engine_id):
+        """Free the placement on its live engines (a PE is done with a prefilled one)."""
+        engines = (state.decode_engine_id,)
+        if not state.is_prefill_done:
+            engines = (state.prefill_engine_id, state.decode_engine_id)
+        for engine_id in engines:
             if engine_id is not None and self.membership.is_alive(engine_id):
                 self.membership.send_to_engine(engine_id, CancelRequest(state.request_id))
 
     # --- lost engines -------------------------------------------------------------------------
 
     def engine_lost(self, engine_id: int, why: str) -> None:
-        """Every request placed on the dead engine is placed again or fails (see the module
-        docstring); so do those waiting for its writes, and, with no engine of a role left,
-        every request that needs one."""
+        """Every request that still needs the dead engine is placed again or fails (see the
+        module docstring); so are those waiting for its writes, and, with no engine of a role
+        left, every request that needs one fails."""
+        now_s = self.clock()
         for request_id, request in list(self._requests.items()):
-            if engine_id in (request.prefill_engine_id, request.decode_engine_id):
-                if _may_place_again(request):
+            if engine_id == request.decode_engine_id or (
+                engine_id == request.prefill_engine_id and not request.is_prefill_done
+            ):
+                if request.num_placements < MAX_PLACEMENTS:
+                    request.lost_at_s = now_s
                     self._place_again(request, why)
                 else:
                     self._fail(request_id, why)
@@ -361,7 +395,7 @@ class RequestLifecycle:
             return
         needs_decode = not self.membership.num_live_engines_of(DECODE)
         for request_id, request in list(self._requests.items()):
-            if needs_decode or not request.is_prefill_done:
+            if needs_decode or not request.is_prefill_done:  # (a re-placed one is not)
                 self._fail(request_id, reason, is_unavailable=True)
         self._delayed_placements.clear()
 
@@ -375,6 +409,13 @@ class RequestLifecycle:
         self._client_id_to_request_id[state.client_request_id] = state.request_id
         state.prefill_engine_id = state.decode_engine_id = None
         state.num_placements += 1
+        if len(state.output_token_ids) > state.num_output_tokens:  # it goes on from there
+            num_prompt_tokens = len(state.prompt_token_ids) - state.num_output_tokens
+            state.prompt_token_ids = state.prompt_token_ids[:num_prompt_tokens] + pack_token_ids(
+                state.output_token_ids
+            )
+            state.num_output_tokens = len(state.output_token_ids)
+        state.is_prefill_done = False
         logger.warning(
             "request %d placed again (placement %d): %s",
             state.client_request_id,
@@ -397,4 +438,20 @@ class RequestLifecycle:
 
 
 def _may_place_again(state: RequestState) -> bool:
-    return not state.is_prefill_done and state.num_placements < MAX_PLACEMENTS
+    return state.num_placements < MAX_PLACEMENTS
+
+
+class _Delays:
+    """Count, sum and maximum of the delays from an engine's loss to the re-placed token."""
+
+    __slots__ = ("count", "sum_s", "max_s")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum_s = 0.0
+        self.max_s = 0.0
+
+    def add(self, delay_s: float) -> None:
+        self.count += 1
+        self.sum_s += delay_s
+        self.max_s = max(self.max_s, delay_s)

@@ -27,8 +27,9 @@ from typing import Any, TypeVar
 import msgpack
 
 # 2: token ids as packed uint32 arrays; sequences decode as tuples. 3: engine and group
-# reports carry write_queue_tokens (the scheduler's write_q).
-PROTOCOL_VERSION = 3
+# reports carry write_queue_tokens (the scheduler's write_q). 4: an Assignment carries the
+# output a continued request has sent (num_output_tokens).
+PROTOCOL_VERSION = 4
 
 T = TypeVar("T")
 

@@ -146,6 +146,7 @@ class DecodeEngine:
                 first_logprob=logprob,
                 num_cached_tokens=done.num_cached_tokens,
                 fill_blocks=lambda table, request=request: self._fill(request, table),
+                num_output_tokens=request.assignment.num_output_tokens,
             )
             if not is_adopted:
                 return  # FIFO: later prompts wait behind this one

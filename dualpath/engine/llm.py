@@ -34,6 +34,7 @@ from dualpath.engine.sampling import (
     TokenLogprob,
     banned_token_ids,
     make_generator,
+    next_generator,
     sample,
 )
 from dualpath.engine.sequence import Sequence, SequenceStatus
@@ -305,9 +306,9 @@ class LLMEngine:
             self._persist_full_blocks(seq)
             if not is_sampling:
                 continue
-            token_id, logprob = sample(
-                logits[row], seq.params, seq.generator, self._banned_tokens(seq)
-            )
+            params = seq.params
+            generator = next_generator(params, len(seq.output_token_ids), seq.generator)
+            token_id, logprob = sample(logits[row], params, generator, self._banned_tokens(seq))
             row += 1
             output = self._append_token(seq, token_id, logprob, now_s)
             if output is not None:
@@ -355,6 +356,7 @@ class LLMEngine:
         first_logprob: TokenLogprob | None,
         num_cached_tokens: int,
         fill_blocks: Callable[[list[int]], None],
+        num_output_tokens: int = 0,
     ) -> bool:
         """Adopt a request whose prompt another engine prefilled (the DE side of SPEC §2).
 
@@ -363,9 +365,13 @@ class LLMEngine:
         ``num_cached_tokens`` (already in the store), and continues decoding from
         ``first_token_id``. Returns False, changing nothing, when the blocks are not free now
         (the caller retries: back-pressure). A request that stops at its first token finishes
-        at the next ``step``.
+        at the next ``step``. The last ``num_output_tokens`` of ``prompt_token_ids`` are output
+        sent before (a request going on after the loss of its DE): they count toward
+        ``max_tokens``, ``min_tokens`` and stop strings as if this engine had made them.
         """
-        self.validate_request(prompt_token_ids, params)
+        num_prompt_tokens = len(prompt_token_ids) - num_output_tokens
+        prompt, outputs = prompt_token_ids[:num_prompt_tokens], prompt_token_ids[num_prompt_tokens:]
+        self.validate_request(prompt, params)
         num_blocks = -(-len(prompt_token_ids) // self.block_size)
         reserve = len(self.running)  # one block per running sequence, as at admission
         if len(self.running) >= self.config.max_num_seqs or not self.pool.can_allocate(
@@ -374,10 +380,11 @@ class LLMEngine:
             return False
         seq = Sequence(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=list(prompt),
             params=params,
             arrival_s=self.clock(),
             generator=make_generator(params),
+            output_token_ids=list(outputs),
             status=SequenceStatus.RUNNING,
             block_table=self.pool.allocate(num_blocks),
             num_cached_tokens=num_cached_tokens,

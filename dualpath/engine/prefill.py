@@ -324,8 +324,11 @@ class PrefillEngine:
             request = requests[i]
             params = request.params
             # min_tokens holds for the first token too: no end-of-sequence or stop token yet.
-            banned = banned_token_ids(params, 0, self._eos_token_ids)
-            token_id, logprob = sample(logits[row], params, make_generator(params), banned)
+            # A request going on after a lost DE samples its next output token, not its first.
+            num_output_tokens = request.assignment.num_output_tokens
+            banned = banned_token_ids(params, num_output_tokens, self._eos_token_ids)
+            generator = make_generator(params, num_output_tokens)
+            token_id, logprob = sample(logits[row], params, generator, banned)
             assert request.num_hit is not None, "a batched request has joined the batcher"
             done.append(
                 PrefillDone(

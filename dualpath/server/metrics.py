@@ -14,7 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from dualpath.cluster.coordinator import ClusterSnapshot
@@ -253,10 +258,34 @@ class ClusterCollector(Collector):
         )
         yield CounterMetricFamily(
             "dualpath_scheduler_replaced_requests",
-            "Requests placed again because an engine they were on died before their first "
-            "token (those already streaming fail instead).",
+            "Requests placed again because an engine they needed died (a streaming one goes on "
+            "from the tokens already sent).",
             value=snapshot.num_replaced,
         )
+        yield CounterMetricFamily(
+            "dualpath_scheduler_unavailable_failures",
+            "Requests failed because no engine of a role they needed was alive.",
+            value=snapshot.num_failed_unavailable,
+        )
+        yield SummaryMetricFamily(
+            "dualpath_scheduler_replacement_first_token_seconds",
+            "From an engine's loss to the first token of each request placed again after it.",
+            count_value=snapshot.num_replacement_delays,
+            sum_value=snapshot.replacement_delay_s_sum,
+        )
+        yield _gauge(
+            "dualpath_scheduler_replacement_first_token_max_seconds",
+            "The longest time from an engine's loss to a re-placed request's next token.",
+            snapshot.replacement_delay_s_max,
+        )
+        restarts = CounterMetricFamily(
+            "dualpath_engine_restarts",
+            "Times an engine this server started was started again after it died.",
+            labels=["engine"],
+        )
+        for engine_id, count in sorted(snapshot.engine_restarts.items()):
+            restarts.add_metric([str(engine_id)], count)
+        yield restarts
         yield CounterMetricFamily(
             "dualpath_scheduler_reports",
             "Load reports received from engines and group leaders (every 10 ms from a busy "

@@ -149,26 +149,70 @@ def _silence(coordinator, engines, clock, dead_engine_id: int) -> None:
     spin(coordinator, 5)
 
 
-def test_a_silent_engine_is_declared_dead_and_its_streaming_requests_fail(cluster) -> None:
+def test_a_silent_engine_is_declared_dead_and_its_streaming_requests_go_on(cluster) -> None:
     coordinator, engines, clock, _ = cluster
-    request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
+    request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=6))
     (assignment,) = engines[0].receive(Assignment)
     de = assignment.decode_engine_id
+    other_de = 3 - de
     engines[0].client.send(PrefillDone(request_id, 42, None, 0))  # the first token is out
     spin(coordinator, 5)
+    engines[de].client.send(TokenUpdate(request_id, (43, 44), None, 0))
+    spin(coordinator, 5)
     _silence(coordinator, engines, clock, de)
-    first, event = coordinator.drain_events()
-    assert first.token_ids == (42,)
-    assert event.request_id == request_id and event.finish_reason == "error"
-    assert f"engine {de} (decode) died" in event.error
-    assert engines[0].receive(CancelRequest) == [CancelRequest(request_id)]
+    events = coordinator.drain_events()
+    assert [(e.token_ids, e.finish_reason) for e in events] == [((42,), None), ((43, 44), None)]
+    assert engines[0].receive(CancelRequest) == []  # the PE was done with it already
     assert coordinator.num_live_engines == 2 and not coordinator.is_ready()
     assert len(engines[0].receive(Heartbeat)) >= 1
+    assert coordinator.num_replaced == 1
+
+    # Placed again from the tokens sent: the prompt and them are prefilled, the next token
+    # is the request's fourth output.
+    engines[0].report()
+    spin(coordinator, 5)
+    engines[other_de].report()
+    spin(coordinator, 5)
+    (again,) = engines[0].receive(Assignment)
+    assert engines[other_de].receive(Assignment) == [again]
+    assert again.request_id != request_id and again.decode_engine_id == other_de
+    assert again.prompt_token_ids.tolist() == [*range(10), 42, 43, 44]
+    assert again.num_output_tokens == 3
+    clock.now_s = 6.5
+    engines[0].client.send(PrefillDone(again.request_id, 45, None, 4))
+    spin(coordinator, 5)
+    engines[other_de].client.send(TokenUpdate(again.request_id, (46, 47), "length", 4))
+    spin(coordinator, 5)
+    events = coordinator.drain_events()
+    # Each token once, under the caller's id; the cached count the caller was first told.
+    assert [(e.request_id, e.token_ids, e.finish_reason, e.num_cached_tokens) for e in events] == [
+        (request_id, (45,), None, 0),
+        (request_id, (46, 47), "length", 0),
+    ]
+    snapshot = coordinator.snapshot(clock.now_s)
+    assert snapshot.num_replacement_delays == 1
+    assert snapshot.replacement_delay_s_max == pytest.approx(0.5)  # declared dead at 6.0 s
 
     # Nothing more is placed on the dead engine.
     _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
-    (again,) = engines[0].receive(Assignment)
-    assert again.decode_engine_id != de
+    (later,) = engines[0].receive(Assignment)
+    assert later.decode_engine_id != de
+
+
+def test_a_prefilled_request_does_not_need_its_prefill_engine(cluster) -> None:
+    coordinator, engines, _, _ = cluster
+    request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=3))
+    (assignment,) = engines[0].receive(Assignment)
+    de = assignment.decode_engine_id
+    engines[0].client.send(PrefillDone(request_id, 42, None, 0))
+    spin(coordinator, 5)
+    coordinator.on_engine_exited(0, -9)  # the PE dies once the DE holds the prompt's KV
+    spin(coordinator, 2)
+    engines[de].client.send(TokenUpdate(request_id, (43, 44), "length", 0))
+    spin(coordinator, 5)
+    events = coordinator.drain_events()
+    assert [(e.token_ids, e.finish_reason) for e in events] == [((42,), None), ((43, 44), "length")]
+    assert coordinator.num_replaced == 0
 
 
 def test_a_request_without_output_is_placed_again_when_its_engine_dies(cluster) -> None:
@@ -336,10 +380,9 @@ def test_an_engine_process_that_exits_is_dead_at_once(cluster) -> None:
     spin(coordinator, 5)
     coordinator.on_engine_exited(de, -9)  # no heartbeat timeout: the clock has not moved
     spin(coordinator, 2)
-    first, event = coordinator.drain_events()
+    (first,) = coordinator.drain_events()  # the request goes on: no error
     assert first.token_ids == (42,)
-    assert event.finish_reason == "error" and "exited with code -9" in event.error
-    assert not event.is_unavailable  # the other DE lives: this request's engine died
+    assert coordinator.num_replaced == 1
     assert coordinator.dead_engines() == {de: "its process exited with code -9"}
     assert coordinator.unavailable_reason is None
 

@@ -1,9 +1,10 @@
 """Engine faults on a multi-host cluster: a decode engine killed mid-run, a decode host cut off.
 
-Expected: requests on the lost engine fail fast (within the heartbeat timeout) with an error
-that names the engine; requests elsewhere finish with the single-node engine's tokens; new
-requests are placed on the surviving decode engine; /health and /metrics report 2 of 3 engines;
-no process hangs (a cut-off engine exits by itself once the scheduler is silent).
+Expected: requests on the lost engine are placed again once it is declared dead (the engines
+are remote: within the heartbeat timeout) and go on from the tokens already sent; every request finishes with the single-node
+engine's tokens; new requests are placed on the surviving decode engine; /health and /metrics
+report 2 of 3 engines; no process hangs (a cut-off engine exits by itself once the scheduler
+is silent).
 """
 
 from __future__ import annotations
@@ -56,14 +57,14 @@ def run_through_fault(cluster: MultiHostCluster, inject) -> tuple[list, list[lis
 
 
 def check_outcome(cluster: MultiHostCluster, responses, expected, lost_engine_id: int) -> None:
-    failed = [r for r in responses if r.status_code != 200]
-    assert failed, "the fault hit no request: inject it earlier or send longer requests"
-    assert len(failed) < len(responses), "a request on the surviving engine failed too"
+    failed = [r.text for r in responses if r.status_code != 200]
+    assert not failed, f"requests failed with engine {lost_engine_id}'s loss: {failed}"
     for response, want in zip(responses, expected, strict=True):
-        if response.status_code == 200:
-            assert response.json()["choices"][0]["token_ids"] == want
-        else:
-            assert f"engine {lost_engine_id}" in response.text, response.text
+        assert response.json()["choices"][0]["token_ids"] == want
+    replaced = cluster.metric("dualpath_scheduler_replaced_requests_total")
+    assert replaced >= 1, "the fault hit no request: inject it earlier or send longer requests"
+    delays = cluster.metric("dualpath_scheduler_replacement_first_token_seconds_count")
+    print(f"{replaced:.0f} requests placed again; {delays:.0f} produced their next token")
     # Serving continues on the surviving decode engine, with correct tokens.
     prompt = random_ids(200, seed=99)
     after = cluster.complete(prompt, 8, timeout=60)
@@ -77,7 +78,7 @@ def check_outcome(cluster: MultiHostCluster, responses, expected, lost_engine_id
     assert cluster.metric("dualpath_engines_live") == 2
 
 
-def test_a_killed_decode_engine_fails_its_requests_fast_and_serving_continues(
+def test_a_killed_decode_engines_requests_go_on_elsewhere_and_serving_continues(
     cluster: MultiHostCluster,
 ) -> None:
     victim = cluster.engine_id_to_process[2]
@@ -85,11 +86,11 @@ def test_a_killed_decode_engine_fails_its_requests_fast_and_serving_continues(
         cluster, lambda: victim.send_signal(signal.SIGKILL)
     )
     print(f"decode engine killed: last response {settled_s:.1f} s after the kill")
-    assert settled_s < HEARTBEAT_TIMEOUT_S + 10
+    assert settled_s < HEARTBEAT_TIMEOUT_S + 60  # detected, re-placed, decoded to the end
     check_outcome(cluster, responses, expected, lost_engine_id=2)
 
 
-def test_a_decode_host_cut_off_fails_its_requests_fast_and_its_engine_exits(
+def test_a_decode_host_cut_off_its_requests_go_on_and_its_engine_exits(
     cluster: MultiHostCluster, test_hosts
 ) -> None:
     host = next(s.host for s in cluster.engines if s.engine_id == 2)
@@ -98,7 +99,7 @@ def test_a_decode_host_cut_off_fails_its_requests_fast_and_its_engine_exits(
             cluster, lambda: test_hosts.set_link_up(host, False)
         )
         print(f"decode host cut off: last response {settled_s:.1f} s after the cut")
-        assert settled_s < HEARTBEAT_TIMEOUT_S + 10
+        assert settled_s < HEARTBEAT_TIMEOUT_S + 60  # detected, re-placed, decoded to the end
         check_outcome(cluster, responses, expected, lost_engine_id=2)
         # The isolated engine hears nothing from the scheduler and stops on its own, once its
         # store writes on its cut-off mount have failed (the volume's ping timeout).

@@ -1,5 +1,6 @@
 """`dualpath serve` against a hostile client and lost engines: a bad request fails alone, with
-a 4xx in OpenAI's shape; an engine's death is seen at once and `/health` tells the truth.
+a 4xx in OpenAI's shape; an engine's death is seen at once, its streams go on elsewhere, and
+`/health` tells the truth.
 
 One server (1 prefill, 2 decode engines) for the module. The tests run in file order: the
 harmless ones first, then a decode engine is killed, then the prefill engine.
@@ -42,7 +43,10 @@ DETECTION_BOUND_S = 1.0
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("hardening")
-    with start_server(tiny_model_dir, root, has_engine_log_dir=False) as started:
+    # Killed engines stay dead here (the restart has its own tests).
+    with start_server(
+        tiny_model_dir, root, "--no-restart-engines", has_engine_log_dir=False
+    ) as started:
         yield started
 
 
@@ -226,33 +230,39 @@ def health_after(server: Server, since_s: float, predicate) -> tuple[float, http
         time.sleep(0.02)
 
 
-def test_a_killed_decode_engine_fails_its_streams_within_a_second(server: Server) -> None:
+def test_a_killed_decode_engines_streams_go_on_with_the_same_tokens(server: Server) -> None:
     victim_id = DECODE_ENGINE_IDS[0]
     victim = engine_pids(server)[victim_id]
     kill_s, health_s, streams = asyncio.run(stream_until_killed(server, victim))
     health = server.health()
-    failed = [s for s in streams if s["error"] is not None]
-    finished = [s for s in streams if s["error"] is None]
-    delays = sorted(round(s["end_s"] - kill_s, 3) for s in failed)
     print(
-        f"\nDE killed: {len(failed)} streams failed after {delays} s, /health after {health_s:.3f} s"
+        f"\nDE killed: /health after {health_s:.3f} s; streams ended "
+        f"{sorted(round(s['end_s'] - kill_s, 2) for s in streams)} s after it"
     )
     assert all(s["status"] == 200 for s in streams)
-    assert failed and finished, "the kill must hit some streams and spare others"
-    assert max(delays) < DETECTION_BOUND_S, delays
-    assert all(f"engine {victim_id}" in s["error"] for s in failed), failed[0]["error"]
-    assert all(len(s["token_ids"]) == STREAM_TOKENS for s in finished)
+    assert [s["error"] for s in streams] == [None] * NUM_STREAMS  # none failed: they went on
+    assert all(len(s["token_ids"]) == STREAM_TOKENS for s in streams)
     assert health_s < DETECTION_BOUND_S
     body = health.json()
     assert health.status_code == 200  # one DE serves on
     assert body["num_live_engines_by_role"] == {"prefill": 1, "decode": 1}
     assert "exited" in body["dead_engines"][str(victim_id)]
     assert not is_running(victim)  # reaped, not a zombie
-    # New requests go to the surviving decode engine, with the tokens an undisturbed run has.
-    before = streams[0]["token_ids"]  # stream 0's prompt, greedy: a prefix of the same tokens
-    after = greedy_tokens(server, random_ids(60, seed=50), 8)
-    num_compared = min(8, len(before))
-    assert after[:num_compared] == before[:num_compared]
+    metrics = dict(
+        line.rsplit(" ", 1)
+        for line in server.http.get("/metrics").text.splitlines()
+        if line and not line.startswith("#")
+    )
+    replaced = float(metrics["dualpath_scheduler_replaced_requests_total"])
+    resumed = float(metrics["dualpath_scheduler_replacement_first_token_seconds_count"])
+    assert replaced >= 1, "the kill hit no stream"
+    assert resumed == replaced  # every stream placed again produced its next token
+    delay_s = float(metrics["dualpath_scheduler_replacement_first_token_max_seconds"])
+    print(f"{replaced:.0f} streams placed again; next token at most {delay_s:.3f} s after")
+    # Every stream's tokens are what an undisturbed run gives for its prompt, greedy.
+    for i, stream in enumerate(streams):
+        undisturbed = greedy_tokens(server, random_ids(60, seed=50 + i), STREAM_TOKENS)
+        assert stream["token_ids"] == undisturbed, f"stream {i}"
 
 
 def test_with_the_prefill_engine_gone_health_and_requests_are_503_at_once(
