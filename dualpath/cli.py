@@ -646,6 +646,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         log_dir=s.engine_log_dir or _server_log_dir(),
         spawn_engines=not s.external_engines,
         token=token,
+        restart_engines=s.restart_engines,
     )
     context = ServingContext(server_config, cluster, tokenizer, chat)
     url = f"http://{server_config.host}:{server_config.port}"

@@ -109,8 +109,10 @@ class GroupFetches:
             prefill_group.mark_stale(prefill_group.spec.engine_ids.index(pe))
 
     def engine_joined(self, engine_id: int) -> None:
-        """Not chosen until it reports."""
+        """Not chosen until it reports; one that joins again after its loss is back in the
+        policy's service."""
         self._set_usable(engine_id, False)
+        self.policy.restore_engine(engine_id)
 
     def engine_lost(self, engine_id: int) -> None:
         """Never chosen again; requests only queued for it are placed anew."""

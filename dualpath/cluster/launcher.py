@@ -82,9 +82,11 @@ class LocalCluster:
         log_dir: Path | None = None,
         spawn_engines: bool = True,
         token: str | None = None,
+        restart_engines: bool = False,
     ) -> None:
         """``spawn_engines=False`` starts no engine here (they join from elsewhere, with
-        ``token``); ``token=None`` makes a new cluster token."""
+        ``token``); ``token=None`` makes a new cluster token; ``restart_engines`` starts an
+        engine that died again (``EngineProcesses``)."""
         self.cluster = cluster
         self.model_dir = Path(model_dir)
         self.store_config = store
@@ -141,7 +143,10 @@ class LocalCluster:
             for engine_id in node.engine_ids
         }
         self.processes = EngineProcesses(
-            self.token, log_dir, on_exit=self.coordinator.on_engine_exited
+            self.token,
+            log_dir,
+            on_exit=self.coordinator.on_engine_exited,
+            restart=restart_engines,
         )
         self._stop = threading.Event()  # the loop thread exits
         self._closing = threading.Event()  # close() was called: start() gives up
@@ -262,8 +267,13 @@ class LocalCluster:
 
     def _take_snapshot(self, now_s: float) -> ClusterSnapshot:
         snapshot = self.coordinator.snapshot(now_s)
-        if self._loop_error is not None:
-            return replace(snapshot, unavailable_reason=self._loop_error)
+        restarts = dict(self.processes.num_restarts)
+        if self._loop_error is not None or restarts:
+            return replace(
+                snapshot,
+                unavailable_reason=self._loop_error or snapshot.unavailable_reason,
+                engine_restarts=restarts,
+            )
         return snapshot
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -36,6 +36,7 @@ from dualpath.protocol import (
     PREFILL,
     Assignment,
     DecodeReady,
+    EngineInfo,
     PeerTable,
     PrefillDone,
     RequestFailed,
@@ -179,6 +180,7 @@ class PrefillRole:
         self.staging = staging
         self.peer_timeout_s = peer_timeout_s
         self.remotes: dict[int, TransportRemoteBuffer] = {}  # DE engine id -> its buffer
+        self._peer_infos: dict[int, EngineInfo] = {}  # what each was connected from
 
     def add(self, assignment: Assignment) -> None:
         self.engine.add(assignment)
@@ -190,15 +192,23 @@ class PrefillRole:
             logger.warning("a prefill engine got %s", type(msg).__name__)
 
     def connect_peers(self, table: PeerTable) -> None:
-        for info in table.engines:
-            if info.role != DECODE or info.engine_id in self.remotes:
+        """Reach every live DE's buffer. A DE that joined again (restarted under its id) has
+        new transport metadata and a new buffer: connected anew. One the table no longer
+        lists is dead: its requests wait (the scheduler places them again)."""
+        live = {info.engine_id: info for info in table.engines if info.role == DECODE}
+        for engine_id in [e for e in self.remotes if e not in live]:
+            del self.remotes[engine_id]
+            del self._peer_infos[engine_id]
+        for engine_id, info in live.items():
+            if self._peer_infos.get(engine_id) == info:
                 continue
-            peer_name = f"engine-{info.engine_id}"
+            peer_name = f"engine-{engine_id}"
             self.transport.connect(peer_name, info.transport_metadata)
             descriptor = BufferDescriptor.from_dict(msgpack.unpackb(info.buffer_descriptor))
-            self.remotes[info.engine_id] = TransportRemoteBuffer(
+            self.remotes[engine_id] = TransportRemoteBuffer(
                 self.staging, peer_name, descriptor, timeout_s=self.peer_timeout_s
             )
+            self._peer_infos[engine_id] = info
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)

@@ -138,6 +138,17 @@ class DualPathScheduler:
             del self._waiting_request_ids[request.request_id]
         return withdrawn
 
+    def restore_engine(self, engine_id: int) -> None:
+        """See ``Scheduler.restore_engine``. A DE group that was all lost takes requests again
+        from phase 1, its load counted from its next report."""
+        self._dead_engine_ids.discard(engine_id)
+        for group in self._cluster.decode_groups:
+            index = group.index
+            if engine_id in group.spec.engine_ids and (
+                self._decode_group_tokens[index] == _DEAD_GROUP_TOKENS
+            ):
+                self._decode_group_tokens[index] = 0
+
     def fetch_prefill(self, snapshot: GroupSnapshot) -> PrefillFetchResult:
         """A PE group's fetch: Algorithm 1 over the FIFO (SPEC §6).
 

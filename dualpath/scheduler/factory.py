@@ -62,6 +62,11 @@ class Scheduler(Protocol):
         to submit again. Requests placed on it earlier are the caller's to fail or retry."""
         ...
 
+    def restore_engine(self, engine_id: int) -> None:
+        """Put a withdrawn engine back in service (it joined again, e.g. restarted under its
+        id); a no-op for one never withdrawn. Its load is what its group reports next."""
+        ...
+
 
 def make_scheduler(
     config: SchedulerConfig,

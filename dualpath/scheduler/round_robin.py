@@ -109,6 +109,10 @@ class RoundRobinScheduler:
             del self._waiting_request_ids[request.request_id]
         return withdrawn
 
+    def restore_engine(self, engine_id: int) -> None:
+        """See ``Scheduler.restore_engine``: the turn takes the engine again."""
+        self._dead_engine_ids.discard(engine_id)
+
     def _next_live(self, engines: list[tuple[int, int]], position: int) -> tuple[int, int]:
         """(index into ``engines`` of the next live engine at or after ``position``, engine)."""
         for step in range(len(engines)):

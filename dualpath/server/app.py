@@ -84,6 +84,8 @@ def _add_operational_routes(app: FastAPI, context: ServingContext) -> None:
             # degraded; no PE or no DE left is a 503.
             "num_live_engines_by_role": snapshot.num_live_engines_by_role,
             "dead_engines": {str(e): why for e, why in snapshot.dead_engines.items()},
+            # Engines started again after they died (--restart-engines): id -> how often.
+            "engine_restarts": {str(e): n for e, n in snapshot.engine_restarts.items()},
             # Store faults the engines met so far (cumulative): serving goes on regardless,
             # recomputing what it cannot read and not persisting what it cannot write.
             "store": {

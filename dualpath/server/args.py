@@ -202,6 +202,14 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
         "join (needs $DUALPATH_CLUSTER_TOKEN, shared with them)",
     )
     group.add_argument(
+        "--restart-engines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start an engine this server started again when it dies, under the same id, "
+        "after 1, 2, 4, ... s; at most 5 times in 5 minutes (default on; "
+        "--no-restart-engines leaves it dead)",
+    )
+    group.add_argument(
         "--engine-start-timeout-s",
         type=positive_float,
         default=300.0,
@@ -310,9 +318,11 @@ def _parse(path: Path, text: str) -> Any:
 
 
 def _convert(action: argparse.Action, value: Any) -> Any:
-    if action.nargs == 0:  # an on/off flag
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):  # on/off
         if not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the key is x
+            return value
         return value if action.const is True else not value
     if value is None or isinstance(value, (bool, list, dict)):
         raise ValueError(f"expected a single value, got {value!r}")

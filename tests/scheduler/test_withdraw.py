@@ -88,3 +88,33 @@ def test_dualpath_returns_requests_waiting_on_a_lost_prefill_engine() -> None:
     withdrawn = scheduler.withdraw_engine(1)
     assert [r.request_id for r in withdrawn] == on_engine_1 != []
     assert scheduler.num_waiting_decode == 4 - len(on_engine_1)
+
+
+def test_a_restored_decode_group_takes_requests_again() -> None:
+    topology = make_topology(num_prefill_nodes=1, num_decode_nodes=2)
+    scheduler = DualPathScheduler(make_config(), topology)
+    scheduler.withdraw_engine(4)
+    scheduler.withdraw_engine(5)  # group 2 all lost: phase 1 sends it nothing
+    scheduler.restore_engine(4)  # restarted under its id
+    scheduler.restore_engine(5)
+    scheduler.restore_engine(5)  # a no-op the second time
+    for request_id in range(2):
+        scheduler.submit(make_request(request_id))
+    scheduler.fetch_prefill(make_group_snapshot(topology, 0))
+    # Group 1 reports far more load than group 2: phase 1 sends both requests to group 2.
+    busy = [make_engine(e, num_tokens=50_000, num_free_kv_blocks=100) for e in (2, 3)]
+    assert scheduler.fetch_decode(make_group_snapshot(topology, 1, engines=busy)).request_ids == ()
+    placed = scheduler.fetch_decode(_decode_snapshot(topology, 2, (100, 100)))
+    assert sorted(placed.request_ids) == [0, 1] and set(placed.decode_engine_ids) <= {4, 5}
+
+
+def test_round_robin_turns_to_a_restored_engine_again() -> None:
+    topology = make_topology(num_prefill_nodes=1, num_decode_nodes=2)
+    scheduler = RoundRobinScheduler(make_config(scheduler="round_robin", read_path="pe"), topology)
+    scheduler.withdraw_engine(3)
+    scheduler.restore_engine(3)
+    for request_id in range(4):
+        scheduler.submit(make_request(request_id))
+    scheduler.fetch_prefill(make_group_snapshot(topology, 0))
+    placed = scheduler.fetch_decode(_decode_snapshot(topology, 1, (100, 100)))
+    assert placed.decode_engine_ids == (2, 3)  # DE 3 has its turn again
