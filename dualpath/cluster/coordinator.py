@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 
 from dualpath.cluster.fetches import GroupFetches
 from dualpath.cluster.hits import PromptHits
-from dualpath.cluster.lifecycle import RequestLifecycle, RequestState
+from dualpath.cluster.lifecycle import RequestLifecycle
 from dualpath.cluster.membership import EngineState, Membership
 from dualpath.cluster.persisting import PersistingBlocks
+from dualpath.cluster.request_state import RequestState
 from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import ControlServer
 from dualpath.kv.store import KVStore

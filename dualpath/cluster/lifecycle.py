@@ -21,21 +21,18 @@ with a short hit (``dualpath.cluster.persisting``).
 
 from __future__ import annotations
 
-import array
 import contextlib
 import itertools
 import logging
 import queue
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
+from dualpath.cluster.request_state import MAX_PLACEMENTS, Delays, RequestState, may_place_again
 from dualpath.control.codec import check_encodable, encode
 from dualpath.errors import PeerUnavailable
-from dualpath.kv.hashing import BlockKey
 from dualpath.protocol import (
     DECODE,
     Assignment,
@@ -51,36 +48,6 @@ from dualpath.scheduler import LoadPlan, SchedulerRequest
 from dualpath.types import SamplingParams, sampling_params_to_dict
 
 logger = logging.getLogger(__name__)
-
-# How many times one request may be placed: the first placement and re-placements after the
-# loss of an engine (a request that keeps landing on dying engines fails in the end).
-MAX_PLACEMENTS = 3
-
-
-@dataclass
-class RequestState:
-    request_id: int  # this placement's (see ``client_request_id``)
-    # The id the caller knows; it differs from ``request_id`` after a re-placement, so that
-    # messages about an abandoned placement match nothing.
-    client_request_id: int
-    # What a placement prefills, packed once (the Assignment carries it as is): the prompt,
-    # then, going on after a lost DE, the first ``num_output_tokens`` tokens sent.
-    prompt_token_ids: array.array
-    params: SamplingParams
-    sampling: dict[str, Any]  # sampling_params_to_dict(params), made on the submitting thread
-    num_cached_tokens: int
-    # Keys of the prompt's full blocks (all but its last token), hashed at submit; kept only
-    # until the request is queued for placement (see ``_enqueue``).
-    block_keys: list[BlockKey] | None = None
-    prefill_engine_id: int | None = None
-    decode_engine_id: int | None = None
-    is_prefill_done: bool = False  # this placement's PE is done with it
-    num_placements: int = 1
-    num_output_tokens: int = 0  # of prompt_token_ids: outputs (a continued placement)
-    output_token_ids: list[int] = field(default_factory=list)  # every token sent out
-    # num_cached_tokens as the caller was told with its first token (kept when it goes on).
-    reported_cached_tokens: int | None = None
-    lost_at_s: float | None = None  # when its engine was lost, until a token comes again
 
 
 class RequestLifecycle:
@@ -111,7 +78,7 @@ class RequestLifecycle:
         self.num_replaced = 0  # placements abandoned with a lost engine and made again
         self.num_failed_unavailable = 0  # failed for lack of an engine of a role
         # From an engine's loss to the first token of the request's next placement.
-        self.replacement_delays = _Delays()
+        self.replacement_delays = Delays()
 
     # --- the serving side (any thread) --------------------------------------------------------
 
@@ -315,7 +282,7 @@ class RequestLifecycle:
 
     def on_failed(self, msg: RequestFailed, now_s: float) -> None:
         state = self._requests.get(msg.request_id)
-        if msg.is_retryable and state is not None and _may_place_again(state):
+        if msg.is_retryable and state is not None and may_place_again(state):
             # Later: by then a peer that died has been declared dead (not placed on again).
             self._place_again(state, msg.reason, at_s=now_s + self.retry_after_s)
         else:
@@ -409,12 +376,7 @@ class RequestLifecycle:
         self._client_id_to_request_id[state.client_request_id] = state.request_id
         state.prefill_engine_id = state.decode_engine_id = None
         state.num_placements += 1
-        if len(state.output_token_ids) > state.num_output_tokens:  # it goes on from there
-            num_prompt_tokens = len(state.prompt_token_ids) - state.num_output_tokens
-            state.prompt_token_ids = state.prompt_token_ids[:num_prompt_tokens] + pack_token_ids(
-                state.output_token_ids
-            )
-            state.num_output_tokens = len(state.output_token_ids)
+        state.go_on_from_output()
         state.is_prefill_done = False
         logger.warning(
             "request %d placed again (placement %d): %s",
@@ -435,23 +397,3 @@ class RequestLifecycle:
         state.num_cached_tokens = self.hits.num_cached_tokens(keys)
         state.block_keys = keys if self.persisting.is_enabled else None
         self._enqueue(state)
-
-
-def _may_place_again(state: RequestState) -> bool:
-    return state.num_placements < MAX_PLACEMENTS
-
-
-class _Delays:
-    """Count, sum and maximum of the delays from an engine's loss to the re-placed token."""
-
-    __slots__ = ("count", "sum_s", "max_s")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.sum_s = 0.0
-        self.max_s = 0.0
-
-    def add(self, delay_s: float) -> None:
-        self.count += 1
-        self.sum_s += delay_s
-        self.max_s = max(self.max_s, delay_s)

@@ -229,6 +229,34 @@ def test_a_dead_engine_is_restarted_and_rejoins_the_running_scheduler(
         assert cluster.coordinator.link_bytes()[2].get("busy_us", 0) > 0
 
 
+def test_without_a_prefill_engine_requests_fail_at_once_until_it_is_back(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LocalCluster(
+        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=1, heartbeat_timeout_s=2.0),
+        model_dir=tiny_model_dir,
+        store=KVStoreConfig(root_dir=tmp_path / "kv"),
+        log_dir=tmp_path / "logs",
+        restart_engines=True,
+    ) as cluster:
+        kill_s = time.monotonic()
+        os.kill(cluster.engine_pids[0], signal.SIGKILL)
+        while cluster.snapshot().unavailable_reason is None:
+            assert time.monotonic() - kill_s < 2, "the loss of the only PE was not seen"
+            time.sleep(0.01)
+        start_s = time.monotonic()
+        (failed,) = cluster.generate([random_ids(100, seed=1)], params, timeout_s=10)
+        assert failed.error == "no prefill engine is alive"
+        assert time.monotonic() - start_s < 2
+        while not cluster.snapshot().is_ready:  # restarted: the server recovers on its own
+            assert time.monotonic() - kill_s < 60, "the prefill engine did not come back"
+            time.sleep(0.05)
+        (served,) = cluster.generate([random_ids(100, seed=1)], params, timeout_s=60)
+        assert served.error is None and len(served.token_ids) == 4
+        assert cluster.snapshot().engine_restarts == {0: 1}
+
+
 def test_requests_without_output_survive_the_loss_of_their_decode_engine(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -1,0 +1,71 @@
+"""A request as the scheduler tracks it from submit to its last token, across placements."""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from dualpath.kv.hashing import BlockKey
+from dualpath.protocol import pack_token_ids
+from dualpath.types import SamplingParams
+
+# How many times one request may be placed: the first placement and re-placements after the
+# loss of an engine (a request that keeps landing on dying engines fails in the end).
+MAX_PLACEMENTS = 3
+
+
+@dataclass
+class RequestState:
+    request_id: int  # this placement's (see ``client_request_id``)
+    # The id the caller knows; it differs from ``request_id`` after a re-placement, so that
+    # messages about an abandoned placement match nothing.
+    client_request_id: int
+    # What a placement prefills, packed once (the Assignment carries it as is): the prompt,
+    # then, going on after a lost DE, the first ``num_output_tokens`` tokens sent.
+    prompt_token_ids: array.array
+    params: SamplingParams
+    sampling: dict[str, Any]  # sampling_params_to_dict(params), made on the submitting thread
+    num_cached_tokens: int
+    # Keys of the prompt's full blocks (all but its last token), hashed at submit; kept only
+    # until the request is queued for placement (see ``_enqueue``).
+    block_keys: list[BlockKey] | None = None
+    prefill_engine_id: int | None = None
+    decode_engine_id: int | None = None
+    is_prefill_done: bool = False  # this placement's PE is done with it
+    num_placements: int = 1
+    num_output_tokens: int = 0  # of prompt_token_ids: outputs (a continued placement)
+    output_token_ids: list[int] = field(default_factory=list)  # every token sent out
+    # num_cached_tokens as the caller was told with its first token (kept when it goes on).
+    reported_cached_tokens: int | None = None
+    lost_at_s: float | None = None  # when its engine was lost, until a token comes again
+
+    def go_on_from_output(self) -> None:
+        """The next placement prefills the prompt and every token sent so far, and goes on
+        from there (``Assignment.num_output_tokens``)."""
+        if len(self.output_token_ids) > self.num_output_tokens:
+            num_prompt_tokens = len(self.prompt_token_ids) - self.num_output_tokens
+            self.prompt_token_ids = self.prompt_token_ids[:num_prompt_tokens] + pack_token_ids(
+                self.output_token_ids
+            )
+            self.num_output_tokens = len(self.output_token_ids)
+
+
+def may_place_again(state: RequestState) -> bool:
+    return state.num_placements < MAX_PLACEMENTS
+
+
+class Delays:
+    """Count, sum and maximum of the delays from an engine's loss to the re-placed token."""
+
+    __slots__ = ("count", "sum_s", "max_s")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum_s = 0.0
+        self.max_s = 0.0
+
+    def add(self, delay_s: float) -> None:
+        self.count += 1
+        self.sum_s += delay_s
+        self.max_s = max(self.max_s, delay_s)
