@@ -38,7 +38,10 @@ class StoreWriteError(KVStoreError):
 
 
 class TransferError(DualPathError):
-    """Moving KV between engines failed."""
+    """Moving KV between engines failed. ``peer_name``: the engine the transfer was with,
+    where the transport knows it."""
+
+    peer_name: str | None = None
 
 
 class PeerUnavailable(TransferError):

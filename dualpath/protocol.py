@@ -110,6 +110,19 @@ class Assignment:
         return self.num_prefill_side_blocks + self.num_decode_side_blocks
 
 
+def client_id_of(engine_id: int) -> str:
+    """An engine's control client id, and its transport peer name: ``engine-<id>``."""
+    return f"engine-{engine_id}"
+
+
+def engine_id_of(client_id: str) -> int:
+    """The engine id in ``engine-<id>``; -1 for any other name."""
+    try:
+        return int(client_id.removeprefix("engine-"))
+    except ValueError:
+        return -1
+
+
 def pack_token_ids(token_ids: Iterable[int]) -> array.array:
     """A new ``array("I")`` of the token ids, the form messages carry them in; ``ValueError``
     for an id outside [0, 2**32)."""
@@ -184,8 +197,11 @@ class RequestFailed:
     request_id: int
     reason: str
     # The request itself is fine and another placement may succeed (a peer engine died or
-    # timed out mid-transfer); the scheduler places it again if it has no output yet.
+    # timed out mid-transfer); the scheduler places it again.
     is_retryable: bool = False
+    # The engine whose transfer failed, when known (-1: unknown). A PE's failed batch fails
+    # every request in it, also those whose own DE is fine: they are placed again at once.
+    peer_engine_id: int = -1
 
 
 @message("cancel")

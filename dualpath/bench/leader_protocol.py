@@ -25,9 +25,9 @@ from typing import Any
 
 from dualpath.cluster.coordinator import Coordinator
 from dualpath.cluster.group_load import GroupLoad
-from dualpath.cluster.membership import Client, EngineState, client_id_of
+from dualpath.cluster.membership import Client, EngineState
 from dualpath.control.codec import message
-from dualpath.protocol import EngineInfo, EngineReport, Shutdown
+from dualpath.protocol import EngineInfo, EngineReport, Shutdown, client_id_of
 
 logger = logging.getLogger(__name__)
 

@@ -69,8 +69,9 @@ class RequestLifecycle:
         self._requests: dict[int, RequestState] = {}
         # Caller's id -> current placement's id, for re-placed requests only.
         self._client_id_to_request_id: dict[int, int] = {}
-        # (when, request): re-placements that wait for a lost peer to be declared dead.
-        self._delayed_placements: list[tuple[float, RequestState]] = []
+        # (when, request, peer): re-placements that wait for a lost peer to be declared dead,
+        # at most until ``when``.
+        self._delayed_placements: list[tuple[float, RequestState, int | None]] = []
         self._submissions: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[RequestEvent] = queue.SimpleQueue()
         self._request_ids = itertools.count()
@@ -178,11 +179,8 @@ class RequestLifecycle:
     def release_due(self) -> None:
         """Re-placements whose delay is over, and requests whose persist wait expired."""
         now_s = self.clock()
-        if any(at_s <= now_s for at_s, _ in self._delayed_placements):
-            due = [state for at_s, state in self._delayed_placements if at_s <= now_s]
-            self._delayed_placements = [(t, st) for t, st in self._delayed_placements if t > now_s]
-            for state in due:
-                self._enqueue_again(state)
+        if any(at_s <= now_s for at_s, _, _ in self._delayed_placements):
+            self._release_delayed(lambda at_s, peer: at_s <= now_s)
         if self.persisting:
             self._enqueue_all(self.persisting.expire(now_s))
 
@@ -283,8 +281,15 @@ class RequestLifecycle:
     def on_failed(self, msg: RequestFailed, now_s: float) -> None:
         state = self._requests.get(msg.request_id)
         if msg.is_retryable and state is not None and may_place_again(state):
-            # Later: by then a peer that died has been declared dead (not placed on again).
-            self._place_again(state, msg.reason, at_s=now_s + self.retry_after_s)
+            # The PE lost a DE. A request whose own DE it was is placed again once that DE is
+            # known dead (so that nothing is placed on it again), or a heartbeat timeout
+            # later if it is not declared dead; one that only shared the failed batch, at once.
+            peer = state.decode_engine_id
+            is_own_peer = msg.peer_engine_id in (-1, peer)
+            if is_own_peer and peer is not None and self.membership.is_alive(peer):
+                self._place_again(state, msg.reason, at_s=now_s + self.retry_after_s, peer=peer)
+            else:
+                self._place_again(state, msg.reason)
         else:
             self._fail(msg.request_id, msg.reason)
 
@@ -341,18 +346,25 @@ class RequestLifecycle:
         """Every request that still needs the dead engine is placed again or fails (see the
         module docstring); so are those waiting for its writes, and, with no engine of a role
         left, every request that needs one fails."""
-        now_s = self.clock()
         for request_id, request in list(self._requests.items()):
             if engine_id == request.decode_engine_id or (
                 engine_id == request.prefill_engine_id and not request.is_prefill_done
             ):
                 if request.num_placements < MAX_PLACEMENTS:
-                    request.lost_at_s = now_s
                     self._place_again(request, why)
                 else:
                     self._fail(request_id, why)
+        self._release_delayed(lambda at_s, peer: peer == engine_id)  # known dead now
         self._enqueue_all(self.persisting.engine_lost(engine_id))
         self._fail_unplaceable()
+
+    def _release_delayed(self, is_due: Callable[[float, int | None], bool]) -> None:
+        delayed, self._delayed_placements = self._delayed_placements, []
+        for entry in delayed:
+            if is_due(entry[0], entry[2]):
+                self._enqueue_again(entry[1])
+            else:
+                self._delayed_placements.append(entry)
 
     def _fail_unplaceable(self) -> None:
         """With no live engine of a role left, every request that still needs one fails now
@@ -366,7 +378,9 @@ class RequestLifecycle:
                 self._fail(request_id, reason, is_unavailable=True)
         self._delayed_placements.clear()
 
-    def _place_again(self, state: RequestState, why: str, *, at_s: float = 0.0) -> None:
+    def _place_again(
+        self, state: RequestState, why: str, *, at_s: float = 0.0, peer: int | None = None
+    ) -> None:
         """Abandon this placement (its live engines free it) and queue the request again under
         a fresh id, now or at ``at_s``, its hit looked up anew; see the module docstring."""
         self._cancel_on_live_engines(state)
@@ -376,6 +390,8 @@ class RequestLifecycle:
         self._client_id_to_request_id[state.client_request_id] = state.request_id
         state.prefill_engine_id = state.decode_engine_id = None
         state.num_placements += 1
+        if state.lost_at_s is None:
+            state.lost_at_s = self.clock()
         state.go_on_from_output()
         state.is_prefill_done = False
         logger.warning(
@@ -386,7 +402,7 @@ class RequestLifecycle:
         )
         self.num_replaced += 1
         if at_s > self.clock():
-            self._delayed_placements.append((at_s, state))
+            self._delayed_placements.append((at_s, state, peer))
         else:
             self._enqueue_again(state)
 

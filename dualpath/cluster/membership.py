@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from dualpath.control.channel import ControlServer
 from dualpath.control.codec import encode
 from dualpath.errors import PeerUnavailable
-from dualpath.protocol import DECODE, PREFILL, EngineInfo, Heartbeat, PeerTable, Shutdown
+from dualpath.protocol import (
+    DECODE,
+    PREFILL,
+    EngineInfo,
+    Heartbeat,
+    PeerTable,
+    Shutdown,
+    engine_id_of,
+)
 from dualpath.scheduler import ClusterTopology, EngineRole
 
 logger = logging.getLogger(__name__)
@@ -229,14 +237,3 @@ class Membership:
         if self.is_peer_table_stale:
             self.is_peer_table_stale = False
             self.broadcast(PeerTable(tuple(e.info for e in self.engines.values() if e.is_alive)))
-
-
-def client_id_of(engine_id: int) -> str:
-    return f"engine-{engine_id}"
-
-
-def engine_id_of(client_id: str) -> int:
-    try:
-        return int(client_id.removeprefix("engine-"))
-    except ValueError:
-        return -1

@@ -27,7 +27,7 @@ from dualpath.engine.llm import LLMEngine
 from dualpath.engine.prefill import PrefillEngine
 from dualpath.engine.profile import profile_layer_time
 from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
-from dualpath.errors import DualPathError
+from dualpath.errors import DualPathError, TransferError
 from dualpath.kv.store import FileKVStore, KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.model.loader import LoadedModel
@@ -40,6 +40,8 @@ from dualpath.protocol import (
     PeerTable,
     PrefillDone,
     RequestFailed,
+    client_id_of,
+    engine_id_of,
 )
 from dualpath.scheduler.attention_predictor import AttentionTimePredictor
 from dualpath.scheduler.batching import PrefillBatcher
@@ -202,7 +204,7 @@ class PrefillRole:
         for engine_id, info in live.items():
             if self._peer_infos.get(engine_id) == info:
                 continue
-            peer_name = f"engine-{engine_id}"
+            peer_name = client_id_of(engine_id)
             self.transport.connect(peer_name, info.transport_metadata)
             descriptor = BufferDescriptor.from_dict(msgpack.unpackb(info.buffer_descriptor))
             self.remotes[engine_id] = TransportRemoteBuffer(
@@ -230,10 +232,15 @@ class PrefillRole:
                 logger.error("prefill batch failed: %s", exc)
             else:
                 logger.exception("prefill batch failed")
+            peer_name = exc.peer_name if isinstance(exc, TransferError) else None
+            peer_engine_id = -1 if peer_name is None else engine_id_of(peer_name)
             for request, _ in batch:
                 send(
                     RequestFailed(
-                        request.request_id, f"prefill failed: {exc!r}", is_retryable=is_retryable
+                        request.request_id,
+                        f"prefill failed: {exc!r}",
+                        is_retryable=is_retryable,
+                        peer_engine_id=peer_engine_id,
                     )
                 )
             return True

@@ -28,7 +28,8 @@ import msgpack
 
 # 2: token ids as packed uint32 arrays; sequences decode as tuples. 3: engine and group
 # reports carry write_queue_tokens (the scheduler's write_q). 4: an Assignment carries the
-# output a continued request has sent (num_output_tokens).
+# output a continued request has sent (num_output_tokens), a RequestFailed the peer whose
+# transfer failed (peer_engine_id).
 PROTOCOL_VERSION = 4
 
 T = TypeVar("T")

@@ -205,6 +205,7 @@ class Transport(abc.ABC):
         try:
             is_done = self._poll(handle, state)
         except TransferError as exc:
+            exc.peer_name = handle.peer_name
             del self._transfer_id_to_pending[handle.transfer_id]
             self._transfer_id_to_error[handle.transfer_id] = exc
             raise
@@ -303,12 +304,17 @@ class Transport(abc.ABC):
         )
         self._next_transfer_id += 1
         if len(region_array) > 0:
-            state = self._post(op, peer_name, local, remote, region_array)
+            try:
+                state = self._post(op, peer_name, local, remote, region_array)
+            except TransferError as exc:
+                exc.peer_name = peer_name
+                raise
             self._transfer_id_to_pending[handle.transfer_id] = state
         return handle
 
     def _fail(self, handle: TransferHandle, error: TransferError) -> None:
         """Cancel a pending transfer, remember ``error`` for later calls, and raise it."""
+        error.peer_name = handle.peer_name
         self._abort(self._transfer_id_to_pending.pop(handle.transfer_id))
         self._transfer_id_to_error[handle.transfer_id] = error
         raise error

@@ -282,6 +282,43 @@ def test_a_retryable_prefill_failure_is_placed_again_and_others_fail(cluster) ->
     assert again.prompt_token_ids.tolist() == list(range(10))
 
 
+def test_a_retryable_failure_is_placed_again_at_once_when_its_decode_engine_is_dead(
+    cluster,
+) -> None:
+    coordinator, engines, _, _ = cluster
+    request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
+    (first,) = engines[0].receive(Assignment)
+    de = first.decode_engine_id
+    engines[0].client.send(RequestFailed(request_id, "prefill failed: DE disconnected", True))
+    spin(coordinator, 5)
+    coordinator.on_engine_exited(de, -9)  # the PE's notice came first; the clock stands still
+    spin(coordinator, 2)
+    engines[0].report()
+    spin(coordinator, 5)
+    engines[3 - de].report()
+    spin(coordinator, 5)
+    (again,) = engines[0].receive(Assignment)  # no heartbeat timeout waited for
+    assert again.decode_engine_id == 3 - de and again.request_id != request_id
+    assert coordinator.drain_events() == []
+
+
+def test_a_request_that_only_shared_a_failed_batch_is_placed_again_at_once(cluster) -> None:
+    coordinator, engines, clock, _ = cluster
+    request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
+    (first,) = engines[0].receive(Assignment)
+    de = first.decode_engine_id
+    # The PE's batch failed on the other DE's transfer: this request's own DE is fine.
+    failure = RequestFailed(request_id, "prefill failed: peer gone", True, peer_engine_id=3 - de)
+    engines[0].client.send(failure)
+    spin(coordinator, 5)
+    for engine in engines:
+        engine.report()
+        spin(coordinator, 5)
+    (again,) = engines[0].receive(Assignment)  # the clock has not moved: no timeout waited
+    assert again.request_id != request_id
+    assert coordinator.num_replaced == 1 and coordinator.drain_events() == []
+
+
 def test_a_re_placed_request_is_cancelled_under_the_callers_id(cluster) -> None:
     coordinator, engines, clock, _ = cluster
     request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
