@@ -367,6 +367,13 @@ class EngineProcessConfig:
         for name in ("report_keepalive_s", "peer_timeout_s", "store_flush_timeout_s"):
             _require_positive(name, getattr(self, name))
 
+    @property
+    def transfer_timeout_s(self) -> float:
+        """One wait on another engine's KV transfer: ``peer_timeout_s``, but at most half the
+        heartbeat timeout. A PE blocked on a DE that vanished (its host cut off) then fails
+        the batch and reports again before the scheduler takes it for dead too."""
+        return min(self.peer_timeout_s, self.cluster.heartbeat_timeout_s / 2)
+
 
 # --- configs as plain data --------------------------------------------------------------------
 

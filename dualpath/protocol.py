@@ -164,6 +164,10 @@ class PrefillDone:
     first_token_logprob: tuple[float, tuple[tuple[int, float], ...]] | None
     # Prompt tokens whose KV came from the store (PE and DE side), for usage reporting.
     num_cached_tokens: int
+    # Why the request ends at this token, if it does (a stop or end-of-sequence token, or
+    # max_tokens reached; stop strings are the DE's): the DE still sends the finish, and the
+    # scheduler finishes the request with it if that DE dies first.
+    finish_reason: str | None = None
 
 
 @message("tokens")

@@ -155,7 +155,7 @@ class _EngineProcess:
             TrafficClass.KV,
             num_bytes,
             do_move,
-            timeout_s=self.config.peer_timeout_s,
+            timeout_s=self.config.transfer_timeout_s,
         )
 
     # --- the loop ---------------------------------------------------------------------------

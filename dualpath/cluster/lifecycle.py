@@ -232,6 +232,7 @@ class RequestLifecycle:
         if state is None:
             return
         state.is_prefill_done = True
+        state.finish_reason_pending = msg.finish_reason
         if state.reported_cached_tokens is None:
             state.reported_cached_tokens = msg.num_cached_tokens
         logprobs = None if msg.first_token_logprob is None else (msg.first_token_logprob,)
@@ -242,6 +243,7 @@ class RequestLifecycle:
         state = self._requests.get(msg.request_id)
         if state is None:
             return
+        state.finish_reason_pending = None
         self._emit(state, msg.token_ids, msg.finish_reason, msg.logprobs, now_s)
         if msg.finish_reason is not None:
             self._pop(msg.request_id)
@@ -350,7 +352,10 @@ class RequestLifecycle:
             if engine_id == request.decode_engine_id or (
                 engine_id == request.prefill_engine_id and not request.is_prefill_done
             ):
-                if request.num_placements < MAX_PLACEMENTS:
+                if request.finish_reason_pending is not None:  # only its finish was lost
+                    self._emit(request, (), request.finish_reason_pending, None, self.clock())
+                    self._pop(request_id)
+                elif request.num_placements < MAX_PLACEMENTS:
                     self._place_again(request, why)
                 else:
                     self._fail(request_id, why)

@@ -39,6 +39,8 @@ class RequestState:
     # num_cached_tokens as the caller was told with its first token (kept when it goes on).
     reported_cached_tokens: int | None = None
     lost_at_s: float | None = None  # when its engine was lost, until a token comes again
+    # Why the last token sent ends the request, per its PE (the DE sends the finish itself).
+    finish_reason_pending: str | None = None
 
     def go_on_from_output(self) -> None:
         """The next placement prefills the prompt and every token sent so far, and goes on

@@ -161,7 +161,7 @@ def make_role(
     staging = TransportStaging(
         transport, identity.layout, max_read_blocks=max_blocks, ring_blocks=max_blocks
     )
-    return PrefillRole(engine, transport, staging, peer_timeout_s=config.peer_timeout_s)
+    return PrefillRole(engine, transport, staging, peer_timeout_s=config.transfer_timeout_s)
 
 
 class PrefillRole:

@@ -39,7 +39,12 @@ import torch
 
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
 from dualpath.engine.kv_io import Mover, direct_move
-from dualpath.engine.sampling import banned_token_ids, make_generator, sample
+from dualpath.engine.sampling import (
+    banned_token_ids,
+    make_generator,
+    sample,
+    token_finish_reason,
+)
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
@@ -330,12 +335,16 @@ class PrefillEngine:
             generator = make_generator(params, num_output_tokens)
             token_id, logprob = sample(logits[row], params, generator, banned)
             assert request.num_hit is not None, "a batched request has joined the batcher"
+            finish_reason = token_finish_reason(
+                params, token_id, num_output_tokens, self._eos_token_ids
+            )
             done.append(
                 PrefillDone(
                     request.request_id,
                     token_id,
                     None if logprob is None else (logprob.logprob, logprob.top),
                     request.num_hit * self.block_size,
+                    finish_reason,
                 )
             )
             del self.requests[request.request_id]

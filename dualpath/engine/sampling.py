@@ -21,6 +21,7 @@ __all__ = [
     "make_generator",
     "next_generator",
     "sample",
+    "token_finish_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,21 @@ def banned_token_ids(
         return ()
     eos = () if params.ignore_eos else tuple(eos_token_ids)
     return eos + params.stop_token_ids
+
+
+def token_finish_reason(
+    params: SamplingParams, token_id: int, num_output_tokens: int, eos_token_ids: Iterable[int]
+) -> str | None:
+    """Why output token ``num_output_tokens`` (0-based), ``token_id``, ends the request, if it
+    does: "stop" for a stop or end-of-sequence token, "length" at ``max_tokens``. Stop
+    strings need the text: the caller checks them."""
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return "stop"
+    if num_output_tokens + 1 >= params.max_tokens:
+        return "length"
+    return None
 
 
 def sample(

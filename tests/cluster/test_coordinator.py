@@ -199,6 +199,22 @@ def test_a_silent_engine_is_declared_dead_and_its_streaming_requests_go_on(clust
     assert later.decode_engine_id != de
 
 
+def test_a_request_whose_first_token_ends_it_finishes_when_its_decode_engine_dies(
+    cluster,
+) -> None:
+    coordinator, engines, _, _ = cluster
+    request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=1))
+    (assignment,) = engines[0].receive(Assignment)
+    engines[0].client.send(PrefillDone(request_id, 42, None, 0, "length"))
+    spin(coordinator, 5)
+    coordinator.on_engine_exited(assignment.decode_engine_id, -9)  # before its finish
+    spin(coordinator, 2)
+    events = coordinator.drain_events()
+    # Only the finish was lost: it is sent, and no token more (max_tokens is 1).
+    assert [(e.token_ids, e.finish_reason) for e in events] == [((42,), None), ((), "length")]
+    assert coordinator.num_replaced == 0
+
+
 def test_a_prefilled_request_does_not_need_its_prefill_engine(cluster) -> None:
     coordinator, engines, _, _ = cluster
     request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=3))

@@ -89,6 +89,14 @@ class MultiHostCluster:
             raise
         return self
 
+    def restart_engine(self, engine_id: int) -> None:
+        """Start engine ``engine_id`` again on its host, as the host's supervisor would once
+        it exited: it rejoins the running scheduler under its id."""
+        spec = next(s for s in self.engines if s.engine_id == engine_id)
+        self.engine_id_to_process[engine_id] = self._popen(
+            spec.host, f"engine-{engine_id}", self._engine_argv(spec)
+        )
+
     def close(self) -> None:
         """SIGTERM everything, then SIGKILL what lingers; idempotent."""
         processes = [p for p in (self.server, *self.engine_id_to_process.values()) if p]

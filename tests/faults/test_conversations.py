@@ -1,10 +1,14 @@
-"""32 multi-turn conversations from the agentic trace through `dualpath serve` (2P2D, engines
-restarted when they die) while a decode engine, then a prefill engine, is SIGKILLed mid-run.
+"""32 multi-turn conversations from the agentic trace while engines fail mid-run.
+
+* One host, `dualpath serve` (2P2D, engines restarted when they die): a decode engine, then a
+  prefill engine, is SIGKILLed; at the end SIGTERM stops the server with exit code 0 and no
+  engine process left behind.
+* The multi-host cluster on GlusterFS (1P2D, engines on their own hosts): a decode host is cut
+  off, comes back, and its engine is started again there, as its host's supervisor would.
 
 Expected in each: no request lost, no client-visible error, every conversation's tokens those
-of an undisturbed run (greedy), the killed engine back in /health on its own; the time from
-the kill to the first re-placed token is measured and printed. At the end SIGTERM stops the
-server with exit code 0 and no engine process left behind.
+of an undisturbed run (greedy), the engine back in /health; the time from the fault to the
+first re-placed token is measured and printed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -23,28 +29,33 @@ import pytest
 from dualpath.bench.agents import TurnRecord, run_agents
 from dualpath.workload.mooncake import load_mooncake_trace, packaged_trace_path
 from dualpath.workload.shape import cap_turns, scale_generations
-from tests.server.serving import (
-    API_KEY,
-    MODEL,
-    Server,
-    child_pids,
-    engine_pids,
-    is_running,
-    start_server,
-)
+from tests.faults.cluster import MultiHostCluster
+from tests.faults.gluster import PING_TIMEOUT_S
+from tests.server.serving import API_KEY, MODEL, child_pids, engine_pids, is_running, start_server
 
 pytest.importorskip("nixl_cu12")
 
 NUM_CONVERSATIONS = 32
 NUM_TURNS = 3
-PREFILL_ENGINE_IDS = (0, 1)  # 2P2D
-DECODE_ENGINE_IDS = (2, 3)
-# A decode engine is killed when this many turns have finished: the conversations start
-# together, so about as many first turns are still streaming then, on both decode engines.
-KILL_DECODE_AFTER_TURNS = NUM_CONVERSATIONS // 2
+# A decode engine fails when this many turns have finished: the conversations start together,
+# so about as many first turns are still in flight then, on both decode engines.
+FAIL_DECODE_AFTER_TURNS = NUM_CONVERSATIONS // 2
 # A prefill engine this long after the conversations start, while their first turns queue
 # for prefill.
-KILL_PREFILL_AFTER_S = 0.2
+FAIL_PREFILL_AFTER_S = 0.2
+HEARTBEAT_TIMEOUT_S = 4.0  # the multi-host cluster's remote engines
+
+
+@dataclass(frozen=True)
+class Target:
+    """A serving cluster as the conversations and the checks see it."""
+
+    url: str
+    model: str
+    api_key: str | None
+    health: Callable[[], dict]
+    metric: Callable[[str], float]
+    num_engines: int
 
 
 def conversations(model_dir: Path):
@@ -60,89 +71,111 @@ def conversations(model_dir: Path):
     return scale_generations(cap_turns(workload, NUM_TURNS), 0.2).sessions
 
 
-def replay(server: Server, sessions, on_turn=None) -> dict[tuple[int, int], TurnRecord]:
+def replay(target: Target, sessions, on_turn=None) -> dict[tuple[int, int], TurnRecord]:
     records = asyncio.run(
-        run_agents(server.url, MODEL, sessions, api_key=API_KEY, timeout_s=300, on_turn=on_turn)
+        run_agents(
+            target.url,
+            target.model,
+            sessions,
+            api_key=target.api_key,
+            timeout_s=300,
+            on_turn=on_turn,
+        )
     )
     return {(r.session, r.turn): r for r in records}
 
 
-def metric(server: Server, name: str) -> float:
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+def undisturbed(target: Target, sessions) -> dict[tuple[int, int], TurnRecord]:
+    reference = replay(target, sessions)
+    assert len(reference) == NUM_CONVERSATIONS * NUM_TURNS
+    assert all(r.error is None for r in reference.values())
+    return reference
 
 
-def replay_through_kill(
-    server: Server, sessions, engine_id: int, reference, *, after_turns: int | None
-) -> None:
-    """Replay ``sessions`` and SIGKILL the engine once ``after_turns`` turns have finished
-    (None: ``KILL_PREFILL_AFTER_S`` after the start); check the outcome."""
-    killed: dict[str, float] = {}
+def replay_through_fault(
+    target: Target,
+    sessions,
+    reference,
+    engine_id: int,
+    fail: Callable[[], None],
+    *,
+    after_turns: int | None,
+) -> float:
+    """Replay ``sessions``, calling ``fail`` once ``after_turns`` turns have finished (None:
+    ``FAIL_PREFILL_AFTER_S`` after the start), and check the outcome; when the fault was."""
+    fault: dict[str, float] = {}
     done: list[TurnRecord] = []
-    before = metric(server, "dualpath_scheduler_replaced_requests_total")
+    before = target.metric("dualpath_scheduler_replaced_requests_total")
 
-    def watch_health() -> None:
-        """When /health showed the engine dead, then back (polled from the kill on)."""
-        was_dead = False
-        while time.monotonic() - killed["at_s"] < 60:
-            body = server.health().json()
-            was_dead = was_dead or str(engine_id) in body["dead_engines"]
-            if was_dead and body["num_live_engines"] == 4:
-                killed["back_s"] = time.monotonic()
-                return
-            time.sleep(0.02)
-
-    def kill() -> None:
-        os.kill(engine_pids(server)[engine_id], signal.SIGKILL)
-        killed["at_s"] = time.monotonic()
-        threading.Thread(target=watch_health, daemon=True).start()
+    def inject() -> None:
+        fail()
+        fault["at_s"] = time.monotonic()
 
     def on_turn(record: TurnRecord) -> None:
         done.append(record)
-        if after_turns is not None and not killed and len(done) >= after_turns:
-            kill()
+        if after_turns is not None and not fault and len(done) >= after_turns:
+            inject()
 
-    timer = threading.Timer(KILL_PREFILL_AFTER_S, kill) if after_turns is None else None
     start_s = time.monotonic()
+    timer = threading.Timer(FAIL_PREFILL_AFTER_S, inject) if after_turns is None else None
     if timer is not None:
         timer.start()
-    records = replay(server, sessions, on_turn)
-    assert killed, "the run ended before the kill"
+    records = replay(target, sessions, on_turn)
+    assert fault, "the run ended before the fault"
     errors = [r.error for r in records.values() if r.error is not None]
     assert errors == [], errors[:3]  # no client-visible error
     assert records.keys() == reference.keys()  # no request lost
     differ = [key for key, r in records.items() if r.output_digest != reference[key].output_digest]
     assert differ == [], f"{len(differ)} turns' tokens differ from the undisturbed run: {differ}"
-    replaced = metric(server, "dualpath_scheduler_replaced_requests_total") - before
-    delay_s = metric(server, "dualpath_scheduler_replacement_first_token_max_seconds")
+    replaced = target.metric("dualpath_scheduler_replaced_requests_total") - before
+    delay_s = target.metric("dualpath_scheduler_replacement_first_token_max_seconds")
     print(
-        f"\nengine {engine_id} killed {killed['at_s'] - start_s:.2f} s into the run: {replaced:.0f} "
-        "requests "
-        f"placed again, the longest wait for a re-placed token {delay_s:.3f} s"
+        f"\nengine {engine_id}'s fault {fault['at_s'] - start_s:.2f} s into the run: "
+        f"{replaced:.0f} requests placed again, the longest from a fault to a re-placed "
+        f"request's next token {delay_s:.3f} s; the run ended "
+        f"{time.monotonic() - fault['at_s']:.1f} s after the fault"
     )
-    assert replaced >= 1, "the kill hit no request"
-    # Back in /health on its own (restarted under its id).
-    while "back_s" not in killed:
-        assert time.monotonic() - killed["at_s"] < 60, server.health().json()
-        time.sleep(0.1)
-    print(f"engine {engine_id} back in /health {killed['back_s'] - killed['at_s']:.1f} s after")
-    body = server.health().json()
-    assert body["engine_restarts"][str(engine_id)] == 1 and body["dead_engines"] == {}
+    assert replaced >= 1, "the fault hit no request"
+    return fault["at_s"]
+
+
+def wait_until_back(target: Target, engine_id: int, since_s: float) -> None:
+    """Until /health has shown the engine dead and then every engine live."""
+    was_dead = False
+    while True:
+        body = target.health()
+        was_dead = was_dead or str(engine_id) in body["dead_engines"]
+        if was_dead and body["num_live_engines"] == target.num_engines:
+            break
+        assert time.monotonic() - since_s < 90, body
+        time.sleep(0.02)
+    print(f"engine {engine_id} back in /health {time.monotonic() - since_s:.1f} s after the fault")
+    assert body["dead_engines"] == {}
 
 
 def test_conversations_survive_engine_kills_unchanged(tiny_model_dir: Path, tmp_path: Path) -> None:
     sessions = conversations(tiny_model_dir)
     assert len(sessions) == NUM_CONVERSATIONS
     with start_server(tiny_model_dir, tmp_path, "--nodes", "2P2D") as server:
-        reference = replay(server, sessions)  # undisturbed
-        assert len(reference) == NUM_CONVERSATIONS * NUM_TURNS
-        assert all(r.error is None for r in reference.values())
-        replay_through_kill(
-            server, sessions, DECODE_ENGINE_IDS[0], reference, after_turns=KILL_DECODE_AFTER_TURNS
-        )
-        replay_through_kill(server, sessions, PREFILL_ENGINE_IDS[0], reference, after_turns=None)
+
+        def metric(name: str) -> float:
+            for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+                if line.startswith(name + " "):
+                    return float(line.rsplit(" ", 1)[1])
+            return 0.0
+
+        target = Target(server.url, MODEL, API_KEY, lambda: server.health().json(), metric, 4)
+        reference = undisturbed(target, sessions)
+        for engine_id, after_turns in ((2, FAIL_DECODE_AFTER_TURNS), (0, None)):  # DE, PE
+
+            def kill(engine_id: int = engine_id) -> None:
+                os.kill(engine_pids(server)[engine_id], signal.SIGKILL)
+
+            fault_s = replay_through_fault(
+                target, sessions, reference, engine_id, kill, after_turns=after_turns
+            )
+            wait_until_back(target, engine_id, fault_s)  # restarted under its id
+            assert target.health()["engine_restarts"][str(engine_id)] == 1
         engines = child_pids(server.process.pid)
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(60) == 0
@@ -150,3 +183,41 @@ def test_conversations_survive_engine_kills_unchanged(tiny_model_dir: Path, tmp_
         while any(is_running(pid) for pid in engines):
             assert time.monotonic() < deadline_s, "an engine outlived the server"
             time.sleep(0.05)
+
+
+def test_conversations_survive_a_decode_host_cut_off_on_the_multi_host_cluster(
+    test_hosts, gluster_volume, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    sessions = conversations(tiny_model_dir)
+    namespace = f"conversations-{tmp_path.name}"
+    with MultiHostCluster(
+        test_hosts.hosts,
+        model_dir=tiny_model_dir,
+        log_dir=tmp_path,
+        store_dir_of=lambda host: gluster_volume.mount_point(host) / namespace,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+    ) as cluster:
+        target = Target(cluster.url, "tiny", None, cluster.health, cluster.metric, 3)
+        reference = undisturbed(target, sessions)
+        host = next(s.host for s in cluster.engines if s.engine_id == 2)
+        try:
+            fault_s = replay_through_fault(
+                target,
+                sessions,
+                reference,
+                2,
+                lambda: test_hosts.set_link_up(host, False),
+                after_turns=FAIL_DECODE_AFTER_TURNS,
+            )
+        finally:
+            test_hosts.set_link_up(host, True)
+        # Cut off, the engine stopped on its own (no scheduler heard); its host's supervisor
+        # starts it again and it rejoins the running scheduler.
+        cluster.engine_id_to_process[2].wait(HEARTBEAT_TIMEOUT_S + PING_TIMEOUT_S + 30)
+        cluster.restart_engine(2)
+        wait_until_back(target, 2, fault_s)
+        again = replay(target, sessions)  # served with the engine back
+        assert all(r.error is None for r in again.values())
+        assert {k: r.output_digest for k, r in again.items()} == {
+            k: r.output_digest for k, r in reference.items()
+        }
