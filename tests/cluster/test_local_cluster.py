@@ -198,17 +198,24 @@ def test_streaming_requests_go_on_with_the_same_tokens_when_their_decode_engine_
         assert_same_tokens(streamed, undisturbed, label=f"request {i}")
 
 
-def test_a_dead_engine_is_restarted_and_rejoins_the_running_scheduler(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    with LocalCluster(
-        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=2, heartbeat_timeout_s=2.0),
+def _restarting(tiny_model_dir: Path, tmp_path: Path, *, num_decode_nodes: int) -> LocalCluster:
+    """1P-N-D with a 2 s heartbeat timeout that starts an engine that died again."""
+    return LocalCluster(
+        ClusterConfig(
+            num_prefill_nodes=1, num_decode_nodes=num_decode_nodes, heartbeat_timeout_s=2.0
+        ),
         model_dir=tiny_model_dir,
         store=KVStoreConfig(root_dir=tmp_path / "kv"),
         log_dir=tmp_path / "logs",
         restart_engines=True,
-    ) as cluster:
+    )
+
+
+def test_a_dead_engine_is_restarted_and_rejoins_the_running_scheduler(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with _restarting(tiny_model_dir, tmp_path, num_decode_nodes=2) as cluster:
         victim = cluster.engine_pids[2]
         kill_s = time.monotonic()
         os.kill(victim, signal.SIGKILL)
@@ -233,13 +240,7 @@ def test_without_a_prefill_engine_requests_fail_at_once_until_it_is_back(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    with LocalCluster(
-        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=1, heartbeat_timeout_s=2.0),
-        model_dir=tiny_model_dir,
-        store=KVStoreConfig(root_dir=tmp_path / "kv"),
-        log_dir=tmp_path / "logs",
-        restart_engines=True,
-    ) as cluster:
+    with _restarting(tiny_model_dir, tmp_path, num_decode_nodes=1) as cluster:
         kill_s = time.monotonic()
         os.kill(cluster.engine_pids[0], signal.SIGKILL)
         while cluster.snapshot().unavailable_reason is None:
