@@ -146,6 +146,7 @@ class Coordinator:
             PromptHits(store, identity),
             self.persisting,
             place=self.fetches.submit,
+            suspect=self.fetches.suspect,
             retry_after_s=cluster.heartbeat_timeout_s,
         )
         self.fetches.assign = self.requests.assign

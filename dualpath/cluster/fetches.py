@@ -2,7 +2,8 @@
 the fetch driver the simulator runs too (``dualpath.scheduler.fetching``, its idle rule).
 
 A group's ticks are its leading engine's reports (every ``fetch_interval_s``; an idle one's
-every ``report_keepalive_s``): each is the group's fetch. A submit wakes every PE group, a PE
+every ``report_keepalive_s``): each is the group's fetch. The leading engine is the group's
+first usable one (alive, reported since it joined, not suspected after a failed transfer). A submit wakes every PE group, a PE
 placement every DE group; a woken group that is idle fetches in this loop turn, PE groups
 first, so that a request on an idle cluster is placed on both sides at once.
 
@@ -57,6 +58,8 @@ class GroupFetches:
             fetch_at_tick=_at_next_report,
         )
         self.num_reports = 0  # engine reports received (idle engines send few)
+        # Engines a transfer failed with, out of service until they report (``suspect``).
+        self._suspects: set[int] = set()
 
     def submit(self, request: SchedulerRequest) -> None:
         """Into the policy's FIFO; every PE group fetches (an idle one in this loop turn)."""
@@ -64,12 +67,17 @@ class GroupFetches:
         self.driver.wake_prefill()
 
     def on_report(self, engine_id: int, report: EngineReport) -> None:
-        """An engine's load; from a group's leading engine, the group's fetch (its tick)."""
+        """An engine's load; from a group's leading engine, the group's fetch (its tick). The
+        leading engine is the first usable one: a group whose first engine died or is
+        suspected goes on fetching on the next one's reports."""
         self.num_reports += 1
+        if engine_id in self._suspects:  # it answers: back in service
+            self._suspects.discard(engine_id)
+            self.policy.restore_engine(engine_id)
         group = self.engine_id_to_group[engine_id]
         position = group.spec.engine_ids.index(engine_id)
         group.record_engine(position, report)
-        if position == 0 or self.driver.fetches_at_once(group):
+        if position == group.is_usable.index(True) or self.driver.fetches_at_once(group):
             self.fetch(group)
 
     def fetch_due(self) -> None:
@@ -112,10 +120,23 @@ class GroupFetches:
         """Not chosen until it reports; one that joins again after its loss is back in the
         policy's service."""
         self._set_usable(engine_id, False)
+        self._suspects.discard(engine_id)
         self.policy.restore_engine(engine_id)
+
+    def suspect(self, engine_id: int) -> None:
+        """A transfer with the engine failed: it is out of the policy's service, and its
+        queued requests placed anew, until it reports again (one that is alive does within a
+        fetch interval; one cut off does not, until it is declared dead)."""
+        if engine_id not in self.engine_id_to_group or engine_id in self._suspects:
+            return
+        self._suspects.add(engine_id)
+        self._set_usable(engine_id, False)
+        for request in self.policy.withdraw_engine(engine_id):
+            self.submit(request)
 
     def engine_lost(self, engine_id: int) -> None:
         """Never chosen again; requests only queued for it are placed anew."""
+        self._suspects.discard(engine_id)
         self._set_usable(engine_id, False)
         for request in self.policy.withdraw_engine(engine_id):
             self.submit(request)

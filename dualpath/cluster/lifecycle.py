@@ -58,12 +58,14 @@ class RequestLifecycle:
         persisting: PersistingBlocks[RequestState],
         *,
         place: Callable[[SchedulerRequest], None],
+        suspect: Callable[[int], None],
         retry_after_s: float,
     ) -> None:
         self.membership = membership
         self.hits = hits
         self.persisting = persisting
         self._place = place  # into the policy's FIFO
+        self._suspect = suspect  # an engine a transfer failed with: placed on no more for now
         self.retry_after_s = retry_after_s
         self.clock = membership.clock
         self._requests: dict[int, RequestState] = {}
@@ -286,12 +288,16 @@ class RequestLifecycle:
             # The PE lost a DE. A request whose own DE it was is placed again once that DE is
             # known dead (so that nothing is placed on it again), or a heartbeat timeout
             # later if it is not declared dead; one that only shared the failed batch, at once.
+            # The failed DE is suspected (``suspect``: nothing more placed on it until it
+            # reports again), and a collateral placement does not count toward the limit.
             peer = state.decode_engine_id
+            if msg.peer_engine_id >= 0:
+                self._suspect(msg.peer_engine_id)
             is_own_peer = msg.peer_engine_id in (-1, peer)
             if is_own_peer and peer is not None and self.membership.is_alive(peer):
                 self._place_again(state, msg.reason, at_s=now_s + self.retry_after_s, peer=peer)
             else:
-                self._place_again(state, msg.reason)
+                self._place_again(state, msg.reason, counts=is_own_peer)
         else:
             self._fail(msg.request_id, msg.reason)
 
@@ -384,7 +390,13 @@ class RequestLifecycle:
         self._delayed_placements.clear()
 
     def _place_again(
-        self, state: RequestState, why: str, *, at_s: float = 0.0, peer: int | None = None
+        self,
+        state: RequestState,
+        why: str,
+        *,
+        at_s: float = 0.0,
+        peer: int | None = None,
+        counts: bool = True,
     ) -> None:
         """Abandon this placement (its live engines free it) and queue the request again under
         a fresh id, now or at ``at_s``, its hit looked up anew; see the module docstring."""
@@ -394,7 +406,7 @@ class RequestLifecycle:
         self._requests[state.request_id] = state
         self._client_id_to_request_id[state.client_request_id] = state.request_id
         state.prefill_engine_id = state.decode_engine_id = None
-        state.num_placements += 1
+        state.num_placements += counts
         if state.lost_at_s is None:
             state.lost_at_s = self.clock()
         state.go_on_from_output()

@@ -335,6 +335,28 @@ def test_a_request_that_only_shared_a_failed_batch_is_placed_again_at_once(clust
     assert coordinator.num_replaced == 1 and coordinator.drain_events() == []
 
 
+def test_a_decode_engine_a_transfer_failed_with_gets_nothing_until_it_reports(cluster) -> None:
+    coordinator, engines, _, _ = cluster
+    request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
+    (first,) = engines[0].receive(Assignment)
+    de = first.decode_engine_id
+    suspect = 3 - de  # the PE's batch failed writing to the other DE
+    failure = RequestFailed(request_id, "prefill failed: timed out", True, peer_engine_id=suspect)
+    engines[0].client.send(failure)
+    spin(coordinator, 5)
+    engines[0].report()
+    spin(coordinator, 5)
+    engines[de].report(num_tokens=5000)  # busier than the suspect last said it was
+    spin(coordinator, 5)
+    (again,) = engines[0].receive(Assignment)
+    assert again.decode_engine_id == de  # not the suspect, though it reported less load
+    engines[suspect].report()  # it answers: chosen again
+    spin(coordinator, 5)
+    loads = (0, 9000) if suspect == 1 else (9000, 0)  # the suspect is the less loaded now
+    _place(coordinator, engines, list(range(20)), SamplingParams(max_tokens=2), loads)
+    assert [a.decode_engine_id for a in engines[0].receive(Assignment)] == [suspect]
+
+
 def test_a_re_placed_request_is_cancelled_under_the_callers_id(cluster) -> None:
     coordinator, engines, clock, _ = cluster
     request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=2))
