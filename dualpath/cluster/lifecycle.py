@@ -30,7 +30,13 @@ from collections.abc import Callable, Sequence
 from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
-from dualpath.cluster.request_state import MAX_PLACEMENTS, Delays, RequestState, may_place_again
+from dualpath.cluster.request_state import (
+    MAX_COLLATERAL,
+    MAX_PLACEMENTS,
+    Delays,
+    RequestState,
+    may_place_again,
+)
 from dualpath.control.codec import check_encodable, encode
 from dualpath.errors import PeerUnavailable
 from dualpath.protocol import (
@@ -297,7 +303,10 @@ class RequestLifecycle:
             if is_own_peer and peer is not None and self.membership.is_alive(peer):
                 self._place_again(state, msg.reason, at_s=now_s + self.retry_after_s, peer=peer)
             else:
-                self._place_again(state, msg.reason, counts=is_own_peer)
+                # (Collateral losses are bounded too, so that no request loops forever.)
+                state.num_collateral += not is_own_peer
+                counts = is_own_peer or state.num_collateral > MAX_COLLATERAL
+                self._place_again(state, msg.reason, counts=counts)
         else:
             self._fail(msg.request_id, msg.reason)
 

@@ -13,6 +13,9 @@ from dualpath.types import SamplingParams
 # How many times one request may be placed: the first placement and re-placements after the
 # loss of an engine (a request that keeps landing on dying engines fails in the end).
 MAX_PLACEMENTS = 3
+# Placements lost only because another request's DE failed the batch they shared: not
+# counted toward MAX_PLACEMENTS up to this many.
+MAX_COLLATERAL = 5
 
 
 @dataclass
@@ -34,6 +37,7 @@ class RequestState:
     decode_engine_id: int | None = None
     is_prefill_done: bool = False  # this placement's PE is done with it
     num_placements: int = 1
+    num_collateral: int = 0  # placements lost with another request's failed DE
     num_output_tokens: int = 0  # of prompt_token_ids: outputs (a continued placement)
     output_token_ids: list[int] = field(default_factory=list)  # every token sent out
     # num_cached_tokens as the caller was told with its first token (kept when it goes on).

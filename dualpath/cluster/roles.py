@@ -234,10 +234,22 @@ class PrefillRole:
                 logger.exception("prefill batch failed")
             peer_name = exc.peer_name if isinstance(exc, TransferError) else None
             peer_engine_id = -1 if peer_name is None else engine_id_of(peer_name)
-            for request, _ in batch:
+            failed = [request.request_id for request, _ in batch]
+            if peer_engine_id >= 0:
+                # The requests still queued for that DE would fail the next batches one by
+                # one: they are given back now, with the batch's.
+                queued = [
+                    r.request_id
+                    for r in self.engine.requests.values()
+                    if r.assignment.decode_engine_id == peer_engine_id
+                ]
+                for request_id in queued:
+                    self.engine.cancel(request_id)
+                failed += queued
+            for request_id in failed:
                 send(
                     RequestFailed(
-                        request.request_id,
+                        request_id,
                         f"prefill failed: {exc!r}",
                         is_retryable=is_retryable,
                         peer_engine_id=peer_engine_id,

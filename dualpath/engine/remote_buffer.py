@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dualpath.errors import TransferError
 from dualpath.kv.layout import KVLayout
 from dualpath.transfer.transport import (
     BufferDescriptor,
@@ -109,4 +110,16 @@ class TransportRemoteBuffer:
     def flush(self) -> None:
         staging = self.staging
         while staging.in_flight:
-            self.transport.wait(staging.in_flight.popleft(), self.timeout_s)
+            handle = staging.in_flight.popleft()
+            try:
+                self.transport.wait(handle, self.timeout_s)
+            except TransferError:
+                # Every other write to that peer is lost too: abandoned with this one, so
+                # that the next batches (to other DEs) do not each wait one of them out.
+                doomed = [h for h in staging.in_flight if h.peer_name == handle.peer_name]
+                for lost in doomed:
+                    self.transport.abandon(lost)
+                staging.in_flight = deque(
+                    h for h in staging.in_flight if h.peer_name != handle.peer_name
+                )
+                raise

@@ -213,6 +213,15 @@ class Transport(abc.ABC):
             del self._transfer_id_to_pending[handle.transfer_id]
         return is_done
 
+    def abandon(self, handle: TransferHandle) -> None:
+        """Give up a transfer without waiting for it (its peer is gone): a pending one is
+        cancelled; a finished or failed one is forgotten."""
+        self._check_handle(handle)
+        self._transfer_id_to_error.pop(handle.transfer_id, None)
+        state = self._transfer_id_to_pending.pop(handle.transfer_id, None)
+        if state is not None:
+            self._abort(state)
+
     def wait(self, handle: TransferHandle, timeout_s: float) -> None:
         """Block until ``handle`` is done; ``TransferTimeout`` after ``timeout_s`` seconds."""
         if not timeout_s >= 0:
