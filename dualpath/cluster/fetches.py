@@ -3,9 +3,10 @@ the fetch driver the simulator runs too (``dualpath.scheduler.fetching``, its id
 
 A group's ticks are its leading engine's reports (every ``fetch_interval_s``; an idle one's
 every ``report_keepalive_s``): each is the group's fetch. The leading engine is the group's
-first usable one (alive, reported since it joined, not suspected after a failed transfer). A submit wakes every PE group, a PE
-placement every DE group; a woken group that is idle fetches in this loop turn, PE groups
-first, so that a request on an idle cluster is placed on both sides at once.
+first usable one (alive, reported since it joined, not suspected after a failed transfer). A
+submit wakes every PE group, a PE placement every DE group; a woken group that is idle
+fetches in this loop turn, PE groups first, so that a request on an idle cluster is placed on
+both sides at once.
 
     fetches = GroupFetches(policy, topology, engine_id_to_node)
     fetches.assign = lifecycle.assign       # each final placement
@@ -47,6 +48,8 @@ class GroupFetches:
         self.engine_id_to_group = {
             e: self.groups[g.group_id] for g in topology.groups for e in g.engine_ids
         }
+        # Each engine's place in its group's columns.
+        self._position = {e: i for g in topology.groups for i, e in enumerate(g.engine_ids)}
         # Groups the idle rule made due to fetch in this loop turn (``fetch_due``).
         self._due: deque[GroupLoad] = deque()
         loads = list(self.groups.values())
@@ -75,7 +78,7 @@ class GroupFetches:
             self._suspects.discard(engine_id)
             self.policy.restore_engine(engine_id)
         group = self.engine_id_to_group[engine_id]
-        position = group.spec.engine_ids.index(engine_id)
+        position = self._position[engine_id]
         group.record_engine(position, report)
         if position == group.is_usable.index(True) or self.driver.fetches_at_once(group):
             self.fetch(group)
@@ -103,7 +106,6 @@ class GroupFetches:
         if not result.request_ids:  # most fetches place nothing
             return
         group.mark_stale()
-        engine_id_to_group = self.engine_id_to_group
         for request_id, pe, de, plan in zip(
             result.request_ids,
             result.prefill_engine_ids,
@@ -113,8 +115,7 @@ class GroupFetches:
         ):
             self.assign(request_id, pe, de, plan)
             # The PE was given work: its entry is out of date until it reports.
-            prefill_group = engine_id_to_group[pe]
-            prefill_group.mark_stale(prefill_group.spec.engine_ids.index(pe))
+            self.engine_id_to_group[pe].mark_stale(self._position[pe])
 
     def engine_joined(self, engine_id: int) -> None:
         """Not chosen until it reports; one that joins again after its loss is back in the
@@ -130,28 +131,27 @@ class GroupFetches:
         if engine_id not in self.engine_id_to_group or engine_id in self._suspects:
             return
         self._suspects.add(engine_id)
-        self._set_usable(engine_id, False)
-        for request in self.policy.withdraw_engine(engine_id):
-            self.submit(request)
+        self._withdraw(engine_id)
 
     def engine_lost(self, engine_id: int) -> None:
         """Never chosen again; requests only queued for it are placed anew."""
         self._suspects.discard(engine_id)
+        self._withdraw(engine_id)
+
+    def _withdraw(self, engine_id: int) -> None:
+        """Out of the policy's service: unusable, its queued requests placed anew."""
         self._set_usable(engine_id, False)
         for request in self.policy.withdraw_engine(engine_id):
             self.submit(request)
 
     def _set_usable(self, engine_id: int, is_usable: bool) -> None:
-        group = self.engine_id_to_group[engine_id]
-        group.is_usable[group.spec.engine_ids.index(engine_id)] = is_usable
+        self.engine_id_to_group[engine_id].is_usable[self._position[engine_id]] = is_usable
 
     def link_bytes(self, engine_ids: list[int]) -> dict[int, dict[str, int]]:
         """Latest cumulative link byte counters reported by each of ``engine_ids``."""
-        link_bytes = {}
-        for engine_id in engine_ids:
-            group = self.engine_id_to_group[engine_id]
-            link_bytes[engine_id] = dict(group.link_bytes[group.spec.engine_ids.index(engine_id)])
-        return link_bytes
+        return {
+            e: dict(self.engine_id_to_group[e].link_bytes[self._position[e]]) for e in engine_ids
+        }
 
 
 def _unset_assign(request_id: int, pe: int, de: int, plan: LoadPlan) -> None:

@@ -8,8 +8,8 @@
         request_id = cluster.submit(prompt_ids, params, on_event=handle_event)
         cluster.cancel(request_id)          # the engines free its buffers and KV
 
-Engines are started as processes (``engine_processes``), each with its whole config. The engines exit on their own if this process dies
-(parent-death signal and the scheduler heartbeat); ``close`` asks them to stop, then
+Engines are started as processes (``engine_processes``), each with its whole config. They
+exit on their own if this process dies (parent-death signal and the scheduler heartbeat); ``close`` asks them to stop, then
 terminates and finally kills any that linger. With ``spawn_engines=False`` no engine is
 started here: engines started by hand (on other hosts) join with the same token.
 

@@ -32,7 +32,6 @@ from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.cluster.request_state import (
     MAX_COLLATERAL,
-    MAX_PLACEMENTS,
     Delays,
     RequestState,
     may_place_again,
@@ -100,19 +99,17 @@ class RequestLifecycle:
         sampling = sampling_params_to_dict(params)
         check_encodable(sampling, "sampling parameters")
         request_id = next(self._request_ids)
-        keys = self.hits.block_keys(token_ids)
-        self._submissions.put(
-            RequestState(
-                request_id,
-                request_id,
-                token_ids,
-                params,
-                sampling,
-                self.hits.num_cached_tokens(keys),
-                keys if self.persisting.is_enabled else None,
-            )
-        )
+        state = RequestState(request_id, request_id, token_ids, params, sampling, 0)
+        self._look_up_hit(state)
+        self._submissions.put(state)
         return request_id
+
+    def _look_up_hit(self, state: RequestState) -> None:
+        """How much of what the request prefills the store holds now, and the keys of its
+        blocks while a write it may wait for could be under way (any thread)."""
+        keys = self.hits.block_keys(state.prompt_token_ids)
+        state.num_cached_tokens = self.hits.num_cached_tokens(keys)
+        state.block_keys = keys if self.persisting.is_enabled else None
 
     def placement(self, request_id: int) -> tuple[int | None, int | None] | None:
         """(PE, DE) engine ids of a request (the caller's id) that is in flight, None for an
@@ -370,7 +367,7 @@ class RequestLifecycle:
                 if request.finish_reason_pending is not None:  # only its finish was lost
                     self._emit(request, (), request.finish_reason_pending, None, self.clock())
                     self._pop(request_id)
-                elif request.num_placements < MAX_PLACEMENTS:
+                elif may_place_again(request):
                     self._place_again(request, why)
                 else:
                     self._fail(request_id, why)
@@ -435,7 +432,5 @@ class RequestLifecycle:
     def _enqueue_again(self, state: RequestState) -> None:
         if state.request_id not in self._requests:
             return  # cancelled meanwhile
-        keys = self.hits.block_keys(state.prompt_token_ids)
-        state.num_cached_tokens = self.hits.num_cached_tokens(keys)
-        state.block_keys = keys if self.persisting.is_enabled else None
+        self._look_up_hit(state)
         self._enqueue(state)

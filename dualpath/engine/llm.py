@@ -36,6 +36,7 @@ from dualpath.engine.sampling import (
     make_generator,
     next_generator,
     sample,
+    token_finish_reason,
 )
 from dualpath.engine.sequence import Sequence, SequenceStatus
 from dualpath.kv.block_pool import BlockPool
@@ -417,10 +418,13 @@ class LLMEngine:
         return banned_token_ids(seq.params, len(seq.output_token_ids), self.eos_token_ids)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """Why the sequence ends at ``token_id`` (just appended), if it does: what ends it
+        on any engine (``token_finish_reason``), then a stop string, then the context."""
         params = seq.params
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        reason = token_finish_reason(
+            params, token_id, len(seq.output_token_ids) - 1, self.eos_token_ids
+        )
+        if reason == "stop":
             return "stop"
         if params.stop:
             text = self.loaded.tokenizer.decode(seq.output_token_ids)
@@ -428,7 +432,7 @@ class LLMEngine:
             if ends:
                 seq.stop_text_end = min(ends)
                 return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if reason == "length" or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -116,10 +116,11 @@ class TransportRemoteBuffer:
             except TransferError:
                 # Every other write to that peer is lost too: abandoned with this one, so
                 # that the next batches (to other DEs) do not each wait one of them out.
-                doomed = [h for h in staging.in_flight if h.peer_name == handle.peer_name]
-                for lost in doomed:
-                    self.transport.abandon(lost)
-                staging.in_flight = deque(
-                    h for h in staging.in_flight if h.peer_name != handle.peer_name
-                )
+                kept: deque[TransferHandle] = deque()
+                for other in staging.in_flight:
+                    if other.peer_name == handle.peer_name:
+                        self.transport.abandon(other)
+                    else:
+                        kept.append(other)
+                staging.in_flight = kept
                 raise

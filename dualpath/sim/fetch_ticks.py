@@ -50,7 +50,7 @@ class SimFetches(PrefillSteps):
     def _fetch_now(self, group: EngineGroup) -> None:
         """The driver's fetch at once (an idle group): an event now."""
         handler = self._fetch_prefill if isinstance(group, PrefillGroup) else self._fetch_decode
-        self.queue.push(self.queue.now_s, EventPriority.FETCH, handler, group)
+        self.queue.push(self.queue.now_s, _FETCH, handler, group)
 
     def _fetch_at_tick(self, group: EngineGroup) -> None:
         """The driver's fetch at the group's next tick (``fetch_phase_s`` + k x
@@ -63,14 +63,14 @@ class SimFetches(PrefillSteps):
         each next one at once while it is the queue's next event, so the order of events (and
         their count), and the results, are the same bit for bit, with a heap push and pop less
         for most DE fetches (a third of 48P96D's events)."""
-        if isinstance(group, PrefillGroup):
-            self.queue.push(self._next_tick_s(group), _FETCH, self._fetch_prefill, group)
-            return
-        if not self._batches_decode_ticks:
-            self.queue.push(self._next_tick_s(group), _FETCH, self._fetch_decode, group)
-            return
         queue = self.queue
         due_s = self._next_tick_s(group)
+        if isinstance(group, PrefillGroup):
+            queue.push(due_s, _FETCH, self._fetch_prefill, group)
+            return
+        if not self._batches_decode_ticks:
+            queue.push(due_s, _FETCH, self._fetch_decode, group)
+            return
         seq_no = queue.reserve_seq_no()
         tick = self._decode_ticks.get(due_s)
         if tick is None:

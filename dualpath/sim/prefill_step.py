@@ -108,9 +108,6 @@ class PrefillSteps:
     def _on_kv_arrived(self, request: SimRequest) -> None:
         raise NotImplementedError
 
-    def _fetch_prefill(self, group: PrefillGroup) -> None:
-        raise NotImplementedError
-
     def _start_step(self, group: PrefillGroup) -> None:
         batches = []
         for engine in group.engines:
