@@ -438,8 +438,11 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         "engine",
         help="run one prefill or decode engine process that joins a scheduler",
         description="One engine of a PD-disaggregated cluster (one engine = one GPU). It joins "
-        "the scheduler at --scheduler with the cluster token from $DUALPATH_CLUSTER_TOKEN and "
-        "exits when the scheduler stops or goes silent. Either --config gives its whole "
+        "the scheduler at --scheduler with the cluster token from $DUALPATH_CLUSTER_TOKEN. "
+        "It stops when the scheduler tells it to or on SIGTERM (exit 0). When the engine dies "
+        "or loses the scheduler (no answer, silence, declared dead), this command starts it "
+        "again and it rejoins under its id (--no-restart: exit instead). Either --config gives "
+        "its whole "
         "configuration (what 'dualpath serve' sends its engines), or the flags below build it "
         "(--role, --scheduler, --engine-id and --node-id required).",
     )
@@ -452,6 +455,16 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         "--node-id, which must then agree with it",
     )
     _add_engine_args(p)
+    p.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine as a child and start it again when it dies or loses the "
+        "scheduler: after 1, 2, 4, ... s (at most 30 s) however often it lost the scheduler, "
+        "so a host cut off for a while rejoins once it is back; at most 5 times in 5 minutes "
+        "after crashes; never after a refused configuration (default on; --no-restart: run "
+        "the engine in this process, exit 3 when the scheduler is lost)",
+    )
     p.add_argument("--role", choices=("prefill", "decode"), default=None, help="PE or DE")
     p.add_argument(
         "--scheduler", default=None, help="the scheduler's control endpoint, tcp://HOST:PORT"
@@ -484,20 +497,24 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         help="PE: predicted seconds of one layer per prefill batch, the compute quota "
         "(default 0.3); longer prompts are prefilled in chunks across batches",
     )
-    # Every flag but --config at its default: what --config may be given with.
+    # Every flag but --config and --restart at its default: what --config may be given with.
     defaults = vars(p.parse_args([]))
-    del defaults["config"]
+    del defaults["config"], defaults["restart"]
     p.set_defaults(func=_run_engine, engine_flag_defaults=defaults)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from dualpath.cluster.engine_process import run_engine
-    from dualpath.cluster.engine_processes import TOKEN_ENV
+    from dualpath.cluster.engine_processes import TOKEN_ENV, run_supervised
 
     token = os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"set ${TOKEN_ENV} to the cluster token the scheduler was started with")
-    return run_engine(engine_process_config(args), token)
+    config = engine_process_config(args)
+    if args.restart:
+        return run_supervised(config, token)
+    from dualpath.cluster.engine_process import run_engine
+
+    return run_engine(config, token)
 
 
 # Flags that may come with --config, where they must agree with it: they name the engine in a

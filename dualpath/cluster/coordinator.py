@@ -97,6 +97,9 @@ class ClusterSnapshot:
     # Live engines by role ("prefill", "decode"), and the engines declared dead (id -> why).
     num_live_engines_by_role: dict[str, int] = field(default_factory=dict)
     dead_engines: dict[int, str] = field(default_factory=dict)
+    # How often each engine was declared dead (exited, went silent, or joined again as a new
+    # process before either was seen): id -> count, for engines that ever died.
+    engine_deaths: dict[int, int] = field(default_factory=dict)
     # Engines this host started again after they died: id -> how often (the launcher's).
     engine_restarts: dict[int, int] = field(default_factory=dict)
     # Why no request can be served (no live engine of a role, or the scheduler loop died), or
@@ -245,6 +248,7 @@ class Coordinator:
                 role: self.num_live_engines_of(role) for role in (PREFILL, DECODE)
             },
             dead_engines=self.dead_engines(),
+            engine_deaths=dict(self.membership.engine_deaths),
             unavailable_reason=self.unavailable_reason,
         )
 
@@ -282,11 +286,19 @@ class Coordinator:
         handler(engine, msg, now_s)
 
     def _on_engine_info(self, client_id: str, info: EngineInfo, now_s: float) -> None:
-        if self.membership.register(client_id, info, now_s):
+        membership = self.membership
+        if membership.is_alive(info.engine_id) and membership.topology_problem(info) is None:
+            # An engine says who it is once, when it starts: its earlier process is gone,
+            # before its silence was noticed (a quick restart). What that one held is placed
+            # again first; its client, which the new process speaks through, stays welcome.
+            self._declare_dead(
+                info.engine_id, "it joined again: its earlier process is gone", forget_client=False
+            )
+        if membership.register(client_id, info, now_s):
             self.fetches.engine_joined(info.engine_id)
 
-    def _declare_dead(self, engine_id: int, why: str) -> None:
-        state = self.membership.declare_dead(engine_id, why)
+    def _declare_dead(self, engine_id: int, why: str, *, forget_client: bool = True) -> None:
+        state = self.membership.declare_dead(engine_id, why, forget_client=forget_client)
         # Requests only queued for it (not yet sent to any engine) first, so that the policy
         # places nothing more on it.
         self.fetches.engine_lost(engine_id)

@@ -6,9 +6,12 @@
 It loads the model, registers its KV buffer with the transport, says hello with the cluster
 token, and then loops: handle the scheduler's messages, do one unit of work (a prefill batch
 or a decode step: its ``RoleEngine``, ``roles.py``), report its load every fetch interval (the
-pull of SPEC §6). It exits on
-``Shutdown``, when the scheduler has been silent for ``heartbeat_timeout_s``, on SIGTERM, and
-(Linux) when its parent dies.
+pull of SPEC §6). It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler
+(``EXIT_SCHEDULER_LOST``: no answer to its hello, silence for ``heartbeat_timeout_s``, or the
+scheduler no longer knowing it, having declared it dead), and (Linux) when its parent dies.
+Whoever supervises it (``dualpath serve``, or ``dualpath engine`` itself: ``engine_processes``)
+starts it again after a lost scheduler: a fresh engine rejoins under its id, with nothing of
+the requests the scheduler has already placed elsewhere.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from dataclasses import replace
 
 import msgpack
 
+from dualpath.cluster.engine_processes import EXIT_SCHEDULER_LOST
 from dualpath.cluster.roles import make_role
 from dualpath.config import EngineProcessConfig, TrafficConfig
-from dualpath.control.channel import ControlClient
+from dualpath.control.channel import ControlClient, Rejected
 from dualpath.control.codec import encode
 from dualpath.engine.buffers import KVBuffer
+from dualpath.errors import TransferTimeout
 from dualpath.lifetime import die_with_parent
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
@@ -65,16 +70,20 @@ _REPORTED_STORE_STATS = (
 
 
 class _Stop(Exception):
-    """Raised inside the loop to leave it (shutdown, lost scheduler, signal)."""
+    """Raised inside the loop to leave it (shutdown, signal)."""
+
+
+class _SchedulerLost(Exception):
+    """Raised inside the loop when the scheduler is gone or no longer knows this engine."""
 
 
 def run_engine(config: EngineProcessConfig, token: str) -> int:
-    """Run until told to stop (``token``: the cluster's); 0 on a clean shutdown, 1 when the
-    scheduler was lost."""
+    """Run until told to stop (``token``: the cluster's); 0 on a clean shutdown,
+    ``EXIT_SCHEDULER_LOST`` when the scheduler was lost."""
     die_with_parent()
     signal.signal(signal.SIGTERM, _raise_stop)
     process = _EngineProcess(config, token)
-    exit_code = 1
+    exit_code = 1  # a crash, unless run() returns
     try:
         exit_code = process.run()
     finally:
@@ -162,7 +171,11 @@ class _EngineProcess:
 
     def run(self) -> int:
         config = self.config
-        self.client.connect(timeout_s=config.peer_timeout_s)
+        try:
+            self.client.connect(timeout_s=config.peer_timeout_s)
+        except TransferTimeout as exc:
+            logger.error("%s: exiting", exc)
+            return EXIT_SCHEDULER_LOST
         self._send(
             EngineInfo(
                 config.engine_id,
@@ -189,12 +202,14 @@ class _EngineProcess:
                     self._handle(msg)
                 now_s = time.monotonic()
                 if now_s - self.last_heard_s > config.cluster.heartbeat_timeout_s:
-                    logger.error("scheduler silent for %.1f s: exiting", now_s - self.last_heard_s)
-                    return 1
+                    raise _SchedulerLost(f"scheduler silent for {now_s - self.last_heard_s:.1f} s")
                 self._report_if_due(now_s)
         except _Stop as stop:
             logger.info("engine %d stopping: %s", config.engine_id, stop)
             return 0
+        except _SchedulerLost as lost:
+            logger.error("engine %d lost the scheduler (%s): exiting", config.engine_id, lost)
+            return EXIT_SCHEDULER_LOST
 
     def _report_if_due(self, now_s: float) -> None:
         if now_s - self.last_report_s >= self.config.scheduler.fetch_interval_s:
@@ -216,6 +231,10 @@ class _EngineProcess:
         self._report_if_due(time.monotonic())
 
     def _handle(self, msg: object) -> None:
+        if isinstance(msg, Rejected):
+            # Declared dead (a silence the scheduler saw and this engine did not): its
+            # requests are placed elsewhere already, so it leaves and joins again afresh.
+            raise _SchedulerLost(f"the scheduler no longer knows this engine: {msg.reason}")
         self.last_heard_s = time.monotonic()
         if isinstance(msg, Assignment):
             self._assign(msg)

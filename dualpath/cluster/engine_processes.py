@@ -8,8 +8,18 @@ reaps it when it exits (no zombies) and reports its exit code at once.
 
 With ``restart`` an engine that dies is started again under the same id, after a backoff that
 doubles each time (1, 2, 4, ... s); it joins the running scheduler and replaces its dead self.
-At most ``max_restarts`` times per engine within ``RESTART_WINDOW_S``: one that keeps dying
-stays dead, and the scheduler serves on without it.
+What its exit code says decides (``engine_process``):
+
+    0                     stopped on purpose (Shutdown, SIGTERM): not restarted
+    2                     a configuration refused (flags, cluster token): not restarted
+    EXIT_SCHEDULER_LOST   it lost the scheduler: restarted however often (backoff at most
+                          MAX_BACKOFF_S), so a host cut off for a while rejoins when it is back
+    any other             a crash (or a kill): at most ``max_restarts`` times per engine within
+                          RESTART_WINDOW_S; one that keeps dying stays dead, and the scheduler
+                          serves on without it
+
+``dualpath serve`` supervises its local engines so; ``dualpath engine`` supervises itself so
+(a parent that only restarts its one engine child), which is what brings a remote engine back.
 
     processes = EngineProcesses(token, log_dir, on_exit=coordinator.on_engine_exited,
                                 restart=True)
@@ -23,6 +33,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,6 +49,12 @@ TOKEN_ENV = "DUALPATH_CLUSTER_TOKEN"
 MAX_RESTARTS = 5  # per engine within RESTART_WINDOW_S
 RESTART_WINDOW_S = 300.0
 FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+# An engine that lost the scheduler after running this long starts its backoff afresh.
+STABLE_RUN_S = 60.0
+# Exit codes an engine process ends with (besides 0, stopped on purpose, and a crash's).
+EXIT_CONFIG_ERROR = 2  # an error the CLI names (argparse's code): flags, the cluster token
+EXIT_SCHEDULER_LOST = 3  # the scheduler did not answer, went silent or declared it dead
 
 
 class EngineProcesses:
@@ -50,21 +67,30 @@ class EngineProcesses:
         restart: bool = False,
         max_restarts: int = MAX_RESTARTS,
         first_backoff_s: float = FIRST_BACKOFF_S,
+        inherit_output: bool = False,
     ) -> None:
+        """Engines log to ``log_dir``/engine-<id>.log; with neither it nor ``inherit_output``
+        (to this process's stdout and stderr) their output is dropped."""
         self.token = token
         self.log_dir = log_dir
-        self._on_exit = on_exit  # (engine_id, exit_code), from the watcher thread
+        self._on_exit = on_exit  # (engine_id, exit_code), from its supervising thread
         self.restart = restart
         self.max_restarts = max_restarts
         self.first_backoff_s = first_backoff_s
+        self.inherit_output = inherit_output
         # By engine id, in start order; a restarted engine's replaces its dead self's.
         self._processes: dict[int, subprocess.Popen] = {}
-        # Guards _processes and the restart records (watcher threads restart engines).
+        # Guards _processes and the restart records (supervising threads restart engines).
         self._lock = threading.RLock()
         self._is_stopping = threading.Event()  # exits from here on are expected
-        # Per engine: when it was restarted (within RESTART_WINDOW_S), and how often in all.
+        # Per engine: when it was restarted after a crash (within RESTART_WINDOW_S), how
+        # often in a row it lost the scheduler, and how often it was restarted in all.
         self._restart_times: dict[int, list[float]] = {}
+        self._num_lost_in_a_row: dict[int, int] = {}
         self.num_restarts: dict[int, int] = {}
+        # Engines running or waiting for their restart (``wait``: until none is).
+        self._num_supervised = 0
+        self._none_supervised = threading.Condition(self._lock)
 
     @property
     def pids(self) -> list[int]:
@@ -73,58 +99,84 @@ class EngineProcesses:
             return [p.pid for p in self._processes.values()]
 
     def spawn(self, config: EngineProcessConfig) -> None:
-        """Start the engine ``config`` describes, and watch it."""
+        """Start the engine ``config`` describes, and supervise it."""
+        with self._lock:
+            self._num_supervised += 1
+        process = self._start(config)
+        threading.Thread(
+            target=self._supervise,
+            args=(process, config),
+            name=f"supervise-engine-{config.engine_id}",
+            daemon=True,
+        ).start()
+
+    def _start(self, config: EngineProcessConfig) -> subprocess.Popen:
         argv = [
             sys.executable, "-m", "dualpath.cli", "engine", "--config", "-",
             "--role", config.role, "--engine-id", str(config.engine_id),
             "--node-id", str(config.node_id),
+            "--no-restart",  # restarted from here
         ]  # fmt: skip
         env = dict(os.environ, **{TOKEN_ENV: self.token})
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
-        output = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            output = open(self.log_dir / f"engine-{config.engine_id}.log", "ab")  # noqa: SIM115
+            stdout = open(self.log_dir / f"engine-{config.engine_id}.log", "ab")  # noqa: SIM115
+            stderr = subprocess.STDOUT
+        elif self.inherit_output:
+            stdout = stderr = None
+        else:
+            stdout = stderr = subprocess.DEVNULL
         process = subprocess.Popen(
-            argv, env=env, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT
+            argv, env=env, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr
         )
         # An engine that dies before reading it is reported with its exit code.
         with contextlib.suppress(BrokenPipeError), process.stdin:
             process.stdin.write(json.dumps(config_to_dict(config)).encode())
         with self._lock:
             self._processes[config.engine_id] = process
-        self._watch(process, config)
+        return process
 
-    def _watch(self, process: subprocess.Popen, config: EngineProcessConfig) -> None:
+    def _supervise(self, process: subprocess.Popen, config: EngineProcessConfig) -> None:
         """Reap the engine's process when it exits and report it at once (its requests fail
-        or are placed again within a loop turn, not a heartbeat timeout); restart it."""
-        engine_id = config.engine_id
-
-        def wait() -> None:
+        or are placed again within a loop turn, not a heartbeat timeout); restart it while
+        its exit codes call for it. Restarts start from this thread, which outlives them:
+        an engine dies with the thread that started it (``lifetime.die_with_parent``)."""
+        while True:
+            started_s = time.monotonic()
             exit_code = process.wait()
             if self._is_stopping.is_set():
-                return
-            logger.error("engine %d (pid %d) exited with %d", engine_id, process.pid, exit_code)
+                break
+            engine_id = config.engine_id
+            (logger.info if exit_code == 0 else logger.error)(
+                "engine %d exited with %d", engine_id, exit_code
+            )
             self._on_exit(engine_id, exit_code)
-            backoff_s = self._restart_backoff_s(engine_id)
+            backoff_s = self._restart_backoff_s(engine_id, exit_code, time.monotonic() - started_s)
             if backoff_s is None:
-                return
+                break
             logger.warning("restarting engine %d in %.0f s", engine_id, backoff_s)
             if self._is_stopping.wait(backoff_s):
-                return
+                break
             with self._lock:  # stop() takes the processes under it: none is left behind
                 if self._is_stopping.is_set():
-                    return
+                    break
                 self.num_restarts[engine_id] = self.num_restarts.get(engine_id, 0) + 1
-                self.spawn(config)
+                process = self._start(config)
+        with self._lock:
+            self._num_supervised -= 1
+            self._none_supervised.notify_all()
 
-        threading.Thread(target=wait, name=f"watch-engine-{engine_id}", daemon=True).start()
-
-    def _restart_backoff_s(self, engine_id: int) -> float | None:
-        """How long to wait before restarting the engine, or None not to (restarts are off, or
-        it used up its restarts within the window)."""
-        if not self.restart:
+    def _restart_backoff_s(self, engine_id: int, exit_code: int, ran_s: float) -> float | None:
+        """How long to wait before restarting the engine, or None not to (restarts are off,
+        its exit code says not to, or it used up its restarts within the window)."""
+        if not self.restart or exit_code in (0, EXIT_CONFIG_ERROR):
             return None
+        if exit_code == EXIT_SCHEDULER_LOST:
+            with self._lock:
+                num_lost = 0 if ran_s >= STABLE_RUN_S else self._num_lost_in_a_row.get(engine_id, 0)
+                self._num_lost_in_a_row[engine_id] = num_lost + 1
+            return min(MAX_BACKOFF_S, self.first_backoff_s * 2**num_lost)
         now_s = time.monotonic()
         with self._lock:
             times = [
@@ -149,6 +201,21 @@ class EngineProcesses:
     def log_hint(self) -> str:
         return f"; see logs in {self.log_dir}" if self.log_dir else "; pass log_dir for logs"
 
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until no engine is running or waiting for its restart; False on timeout."""
+        with self._lock:
+            return self._none_supervised.wait_for(lambda: self._num_supervised == 0, timeout_s)
+
+    def terminate(self, timeout_s: float) -> None:
+        """SIGTERM every engine (each finishes its store writes and exits 0), then ``stop``."""
+        self.expect_exits()
+        with self._lock:
+            processes = list(self._processes.values())
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+        self.stop(timeout_s)
+
     def expect_exits(self) -> None:
         """The engines are being stopped: their exits are no longer reported."""
         self._is_stopping.set()
@@ -171,3 +238,31 @@ class EngineProcesses:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def run_supervised(config: EngineProcessConfig, token: str) -> int:
+    """``dualpath engine``: the engine as a child of this process, started again as its exit
+    codes call for. Returns when it stopped for good: 0 when it was told to stop (or this
+    process got SIGTERM or SIGINT, passed on to it), else its last exit code."""
+    exit_codes: list[int] = []
+    processes = EngineProcesses(
+        token,
+        None,
+        on_exit=lambda _engine_id, exit_code: exit_codes.append(exit_code),
+        restart=True,
+        inherit_output=True,
+    )
+    is_stopping = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        logger.info("signal %d: stopping engine %d", signum, config.engine_id)
+        is_stopping.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+    processes.spawn(config)
+    while not processes.wait(timeout_s=0.2):
+        if is_stopping.is_set():
+            processes.terminate(timeout_s=config.store_flush_timeout_s + 5)
+            return 0
+    return exit_codes[-1] if exit_codes else 1

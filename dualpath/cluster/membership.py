@@ -77,6 +77,7 @@ class Membership:
         self._last_heartbeat_s = 0.0
         self.has_been_ready = False  # every engine has joined once (see unavailable_reason)
         self._dead_engine_id_to_why: dict[int, str] = {}
+        self.engine_deaths: dict[int, int] = {}  # id -> times declared dead
         # Live engines by role, kept by join and declare_dead: read on every submission, so
         # not counted by walking every engine (1,152 at 48P96D).
         self._role_to_num_live = dict.fromkeys((PREFILL, DECODE), 0)
@@ -199,13 +200,19 @@ class Membership:
                 declare_dead(engine_id, f"no report for {silent_s:.1f} s")
         self.broadcast(Heartbeat(self.num_live_engines))
 
-    def declare_dead(self, engine_id: int, why: str) -> EngineState:
+    def declare_dead(self, engine_id: int, why: str, *, forget_client: bool = True) -> EngineState:
+        """Mark the engine dead; its client is forgotten (its later messages rejected) once it
+        speaks for no live engine, unless not ``forget_client`` (a new process of the engine
+        speaks through it now)."""
         state = self.engines[engine_id]
         assert state.is_alive, f"engine {engine_id} declared dead twice"
         state.is_alive = False
         self._role_to_num_live[state.info.role] -= 1
         self._dead_engine_id_to_why[engine_id] = why
-        if not any(e.is_alive and e.client is state.client for e in self.engines.values()):
+        self.engine_deaths[engine_id] = self.engine_deaths.get(engine_id, 0) + 1
+        if forget_client and not any(
+            e.is_alive and e.client is state.client for e in self.engines.values()
+        ):
             self.server.forget(state.client.client_id)  # it speaks for no live engine any more
         logger.error("engine %d declared dead: %s", engine_id, why)
         self.is_peer_table_stale = True

@@ -86,6 +86,9 @@ def _add_operational_routes(app: FastAPI, context: ServingContext) -> None:
             "dead_engines": {str(e): why for e, why in snapshot.dead_engines.items()},
             # Engines started again after they died (--restart-engines): id -> how often.
             "engine_restarts": {str(e): n for e, n in snapshot.engine_restarts.items()},
+            # Times each engine was declared dead, wherever it ran (a remote engine that came
+            # back at once is counted here, never in dead_engines): id -> how often.
+            "engine_deaths": {str(e): n for e, n in snapshot.engine_deaths.items()},
             # Store faults the engines met so far (cumulative): serving goes on regardless,
             # recomputing what it cannot read and not persisting what it cannot write.
             "store": {

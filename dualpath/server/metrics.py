@@ -286,6 +286,15 @@ class ClusterCollector(Collector):
         for engine_id, count in sorted(snapshot.engine_restarts.items()):
             restarts.add_metric([str(engine_id)], count)
         yield restarts
+        deaths = CounterMetricFamily(
+            "dualpath_engine_deaths",
+            "Times an engine was declared dead: its process exited, it went silent, or it "
+            "joined again as a new process before either was noticed.",
+            labels=["engine"],
+        )
+        for engine_id, count in sorted(snapshot.engine_deaths.items()):
+            deaths.add_metric([str(engine_id)], count)
+        yield deaths
         yield CounterMetricFamily(
             "dualpath_scheduler_reports",
             "Load reports received from engines and group leaders (every 10 ms from a busy "

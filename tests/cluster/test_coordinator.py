@@ -6,7 +6,7 @@ import pytest
 
 from dualpath.cluster.coordinator import Coordinator
 from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.control.channel import ControlClient
+from dualpath.control.channel import ControlClient, Rejected
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import MemoryKVStore
 from dualpath.protocol import (
@@ -460,6 +460,29 @@ def test_an_engine_process_that_exits_is_dead_at_once(cluster) -> None:
     assert coordinator.num_replaced == 1
     assert coordinator.dead_engines() == {de: "its process exited with code -9"}
     assert coordinator.unavailable_reason is None
+
+
+def test_an_engine_that_joins_again_before_its_death_is_noticed_loses_nothing(cluster) -> None:
+    coordinator, engines, _, _ = cluster
+    streaming = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=3))
+    (assignment,) = engines[0].receive(Assignment)
+    de = assignment.decode_engine_id
+    engines[0].client.send(PrefillDone(streaming, 42, None, 0))
+    spin(coordinator, 5)
+    # Restarted at once under its id: no heartbeat timeout passed, no exit was seen here.
+    engines[de].client.close()
+    engines[de] = ScriptedEngine(coordinator, de, DECODE, de)
+    spin(coordinator, 5)
+    assert coordinator.num_replaced == 1  # what its earlier process held goes on elsewhere
+    assert coordinator.dead_engines() == {}
+    assert coordinator.num_live_engines == 3  # counted once
+    assert coordinator.snapshot(0.0).engine_deaths == {de: 1}
+    (first,) = coordinator.drain_events()
+    assert first.token_ids == (42,)
+    # The new process is welcome: its reports are heard and it is given work.
+    engines[de].report()
+    spin(coordinator, 5)
+    assert engines[de].receive(Rejected) == []
 
 
 def test_with_no_engine_of_a_role_left_requests_fail_at_once(cluster) -> None:

@@ -236,6 +236,34 @@ def test_a_dead_engine_is_restarted_and_rejoins_the_running_scheduler(
         assert cluster.coordinator.link_bytes()[2].get("busy_us", 0) > 0
 
 
+def test_an_engine_declared_dead_while_alive_leaves_and_rejoins_afresh(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A decode engine stalled past the heartbeat timeout (SIGSTOP: a long pause, not an
+    exit) is declared dead and its requests go elsewhere. When it runs again it must not
+    serve on from its stale state: the scheduler no longer knows it, so it exits
+    (EXIT_SCHEDULER_LOST) and is started again, rejoining under its id."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with _restarting(tiny_model_dir, tmp_path, num_decode_nodes=2) as cluster:
+        stalled = cluster.engine_pids[2]
+        os.kill(stalled, signal.SIGSTOP)
+        stall_s = time.monotonic()
+        try:
+            while 2 not in cluster.snapshot().dead_engines:
+                assert time.monotonic() - stall_s < 10, "the stall was not noticed"
+                time.sleep(0.05)
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+        while not cluster.snapshot().is_ready:
+            assert time.monotonic() - stall_s < 60, "engine 2 did not come back"
+            time.sleep(0.05)
+        snapshot = cluster.snapshot()
+        assert snapshot.engine_restarts == {2: 1} and snapshot.dead_engines == {}
+        assert cluster.engine_pids[2] != stalled and not _is_running(stalled)
+        outputs = cluster.generate([random_ids(200, seed=s) for s in range(8)], params)
+        assert [o.error for o in outputs] == [None] * 8
+
+
 def test_without_a_prefill_engine_requests_fail_at_once_until_it_is_back(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -1,9 +1,14 @@
-"""A 1P2D dualpath cluster spread over the test hosts, started the way an operator would.
+"""A dualpath cluster spread over the test hosts, started the way an operator would. 1P2D:
 
     host 0: dualpath serve --external-engines --scheduler-endpoint tcp://10.77.0.1:PORT (API too)
     host 1: dualpath engine --role prefill --engine-id 0 --node-id 0
     host 2: dualpath engine --role decode  --engine-id 1 --node-id 1
     host 3: dualpath engine --role decode  --engine-id 2 --node-id 2
+
+2P2D puts a second prefill engine beside the API server (engine 0 on host 0, 1 on host 1, the
+decode engines 2 and 3 on hosts 2 and 3). With ``restart_engines`` each ``dualpath engine``
+supervises its engine (its default): a host's engine that dies or loses the scheduler is
+started again there; without, it runs ``--no-restart`` and stays dead.
 
 Each process gets ``--kv-store`` from ``store_dir_of(host)`` (its own mount of a shared volume,
 or ``None`` for no store). PE<->DE KV moves over NIXL/UCX restricted to TCP on the host's veth
@@ -41,6 +46,13 @@ class EngineSpec:
     host: Host
 
 
+# Per cluster shape: (role, the host it runs on) of engine i (on node i).
+_LAYOUTS = {
+    "1P2D": (("prefill", 1), ("decode", 2), ("decode", 3)),
+    "2P2D": (("prefill", 0), ("prefill", 1), ("decode", 2), ("decode", 3)),
+}
+
+
 class MultiHostCluster:
     def __init__(
         self,
@@ -51,15 +63,18 @@ class MultiHostCluster:
         store_dir_of: Callable[[Host], Path | None],
         heartbeat_timeout_s: float = 4.0,
         extra_serve_args: tuple[str, ...] = (),
+        nodes: str = "1P2D",
+        restart_engines: bool = False,
     ) -> None:
         if len(hosts) < 4:
-            raise ValueError(f"a 1P2D cluster over hosts needs 4 hosts, got {len(hosts)}")
+            raise ValueError(f"a cluster over hosts needs 4 hosts, got {len(hosts)}")
         self.api_host = hosts[0]
+        self.nodes = nodes
         self.engines = [
-            EngineSpec("prefill", 0, 0, hosts[1]),
-            EngineSpec("decode", 1, 1, hosts[2]),
-            EngineSpec("decode", 2, 2, hosts[3]),
+            EngineSpec(role, engine_id, engine_id, hosts[host_index])
+            for engine_id, (role, host_index) in enumerate(_LAYOUTS[nodes])
         ]
+        self.restart_engines = restart_engines
         self.model_dir = model_dir
         self.log_dir = log_dir
         self.store_dir_of = store_dir_of
@@ -89,13 +104,21 @@ class MultiHostCluster:
             raise
         return self
 
-    def restart_engine(self, engine_id: int) -> None:
-        """Start engine ``engine_id`` again on its host, as the host's supervisor would once
-        it exited: it rejoins the running scheduler under its id."""
-        spec = next(s for s in self.engines if s.engine_id == engine_id)
-        self.engine_id_to_process[engine_id] = self._popen(
-            spec.host, f"engine-{engine_id}", self._engine_argv(spec)
-        )
+    def engine_pid(self, engine_id: int) -> int:
+        """The pid of the process that runs engine ``engine_id`` now: with ``restart_engines``
+        the child of its ``dualpath engine`` (which outlives it), else that process."""
+        process = self.engine_id_to_process[engine_id]
+        if not self.restart_engines:
+            return process.pid
+        # Restarts are started from a thread of it: its children are its threads' children.
+        children = [
+            child
+            for task in Path(f"/proc/{process.pid}/task").iterdir()
+            for child in (task / "children").read_text().split()
+        ]
+        if len(children) != 1:
+            raise RuntimeError(f"engine {engine_id}'s supervisor has children {children}")
+        return int(children[0])
 
     def close(self) -> None:
         """SIGTERM everything, then SIGKILL what lingers; idempotent."""
@@ -171,7 +194,7 @@ class MultiHostCluster:
             "--scheduler-endpoint", f"tcp://{self.api_host.address}:{SCHEDULER_PORT}",
             "--host", self.api_host.address, "--port", str(API_PORT),
             "--served-model-name", "tiny",
-            "--nodes", "1P2D",
+            "--nodes", self.nodes,
             "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
             *self.extra_serve_args,
         ]  # fmt: skip
@@ -184,6 +207,7 @@ class MultiHostCluster:
             "--engine-id", str(spec.engine_id),
             "--node-id", str(spec.node_id),
             "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
+            "--restart" if self.restart_engines else "--no-restart",
         ]  # fmt: skip
 
     def _popen(self, host: Host, name: str, args: list[str]) -> subprocess.Popen:

@@ -1,14 +1,19 @@
 """32 multi-turn conversations from the agentic trace while engines fail mid-run.
 
 * One host, `dualpath serve` (2P2D, engines restarted when they die): a decode engine, then a
-  prefill engine, is SIGKILLed; at the end SIGTERM stops the server with exit code 0 and no
-  engine process left behind.
-* The multi-host cluster on GlusterFS (1P2D, engines on their own hosts): a decode host is cut
-  off, comes back, and its engine is started again there, as its host's supervisor would.
+  prefill engine, is SIGKILLed.
+* The multi-host cluster on GlusterFS (2P2D, each engine on its host under `dualpath engine`,
+  which starts it again when it dies or loses the scheduler): a decode host is cut off and
+  comes back, then a prefill engine and a decode engine are SIGKILLed.
 
 Expected in each: no request lost, no client-visible error, every conversation's tokens those
-of an undisturbed run (greedy), the engine back in /health; the time from the fault to the
-first re-placed token is measured and printed.
+of an undisturbed run (greedy), the engine back in /health on its own; the time from the fault
+to the first re-placed token is measured and printed.
+
+Then, in both, SIGTERM reaches the server in the middle of a fault (an engine SIGKILLed 0.1 s
+before): it exits with 0, no engine process is left (remote engines stop when the server tells
+them; one whose restart was under way when the server left is stopped by SIGTERM, exit 0), no
+store write is left half-done, and a new server on the same store gives the same tokens.
 """
 
 from __future__ import annotations
@@ -30,8 +35,7 @@ from dualpath.bench.agents import TurnRecord, run_agents
 from dualpath.workload.mooncake import load_mooncake_trace, packaged_trace_path
 from dualpath.workload.shape import cap_turns, scale_generations
 from tests.faults.cluster import MultiHostCluster
-from tests.faults.gluster import PING_TIMEOUT_S
-from tests.server.serving import API_KEY, MODEL, child_pids, engine_pids, is_running, start_server
+from tests.server.serving import API_KEY, MODEL, engine_pids, is_running, start_server
 
 pytest.importorskip("nixl_cu12")
 
@@ -44,6 +48,9 @@ FAIL_DECODE_AFTER_TURNS = NUM_CONVERSATIONS // 2
 # for prefill.
 FAIL_PREFILL_AFTER_S = 0.2
 HEARTBEAT_TIMEOUT_S = 4.0  # the multi-host cluster's remote engines
+# SIGTERM reaches the server this long after an engine is killed: its requests are being
+# placed again.
+TERMINATE_AFTER_KILL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -139,13 +146,17 @@ def replay_through_fault(
     return fault["at_s"]
 
 
-def wait_until_back(target: Target, engine_id: int, since_s: float) -> None:
-    """Until /health has shown the engine dead and then every engine live."""
-    was_dead = False
+def deaths_of(target: Target, engine_id: int) -> int:
+    return target.health()["engine_deaths"].get(str(engine_id), 0)
+
+
+def wait_until_back(target: Target, engine_id: int, since_s: float, deaths_before: int) -> None:
+    """Until /health has counted the engine's death and shows every engine live again (one
+    restarted quickly joins again before its silence is noticed: it is never listed dead)."""
     while True:
         body = target.health()
-        was_dead = was_dead or str(engine_id) in body["dead_engines"]
-        if was_dead and body["num_live_engines"] == target.num_engines:
+        has_died = body["engine_deaths"].get(str(engine_id), 0) > deaths_before
+        if has_died and body["num_live_engines"] == target.num_engines:
             break
         assert time.monotonic() - since_s < 90, body
         time.sleep(0.02)
@@ -153,71 +164,186 @@ def wait_until_back(target: Target, engine_id: int, since_s: float) -> None:
     assert body["dead_engines"] == {}
 
 
+def kill_after_turns(target: Target, sessions, kill: Callable[[], None], then=None) -> None:
+    """Replay ``sessions``; ``kill`` once FAIL_DECODE_AFTER_TURNS turns have finished and
+    ``then`` TERMINATE_AFTER_KILL_S later. Turns that fail from then on are not checked."""
+    done: list[TurnRecord] = []
+
+    def on_turn(record: TurnRecord) -> None:
+        done.append(record)
+        if len(done) == FAIL_DECODE_AFTER_TURNS:
+            kill()
+            if then is not None:
+                threading.Timer(TERMINATE_AFTER_KILL_S, then).start()
+
+    replay(target, sessions, on_turn)
+    assert len(done) >= FAIL_DECODE_AFTER_TURNS
+
+
+def processes_of(home: Path) -> list[int]:
+    """Running processes started with DUALPATH_HOME=``home`` (a server and its engines)."""
+    wanted = f"DUALPATH_HOME={home}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if wanted in environ and is_running(int(entry.name)):
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_until_none_left(home: Path, timeout_s: float) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while left := processes_of(home):
+        assert time.monotonic() < deadline_s, f"processes left behind: {left}"
+        time.sleep(0.05)
+
+
+def no_half_written_blocks(store_dir: Path) -> None:
+    """A block is written to a temporary file and renamed into place: none may be left."""
+    assert store_dir.is_dir()
+    temporary = list(store_dir.rglob("*.tmp"))
+    assert temporary == [], f"store writes left half-done: {temporary[:3]}"
+
+
+@pytest.mark.timeout(600)
 def test_conversations_survive_engine_kills_unchanged(tiny_model_dir: Path, tmp_path: Path) -> None:
     sessions = conversations(tiny_model_dir)
     assert len(sessions) == NUM_CONVERSATIONS
     with start_server(tiny_model_dir, tmp_path, "--nodes", "2P2D") as server:
-
-        def metric(name: str) -> float:
-            for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-                if line.startswith(name + " "):
-                    return float(line.rsplit(" ", 1)[1])
-            return 0.0
-
-        target = Target(server.url, MODEL, API_KEY, lambda: server.health().json(), metric, 4)
+        target = Target(server.url, MODEL, API_KEY, lambda: server.health().json(),
+                        lambda name: metric_of(server.url, name), 4)  # fmt: skip
         reference = undisturbed(target, sessions)
         for engine_id, after_turns in ((2, FAIL_DECODE_AFTER_TURNS), (0, None)):  # DE, PE
 
             def kill(engine_id: int = engine_id) -> None:
                 os.kill(engine_pids(server)[engine_id], signal.SIGKILL)
 
+            deaths = deaths_of(target, engine_id)
             fault_s = replay_through_fault(
                 target, sessions, reference, engine_id, kill, after_turns=after_turns
             )
-            wait_until_back(target, engine_id, fault_s)  # restarted under its id
+            wait_until_back(target, engine_id, fault_s, deaths)  # restarted under its id
             assert target.health()["engine_restarts"][str(engine_id)] == 1
-        engines = child_pids(server.process.pid)
-        server.process.send_signal(signal.SIGTERM)
+
+        # SIGTERM in the middle of a decode engine's loss.
+        kill_after_turns(
+            target,
+            sessions,
+            lambda: os.kill(engine_pids(server)[3], signal.SIGKILL),
+            then=lambda: server.process.send_signal(signal.SIGTERM),
+        )
         assert server.process.wait(60) == 0
-        deadline_s = time.monotonic() + 10
-        while any(is_running(pid) for pid in engines):
-            assert time.monotonic() < deadline_s, "an engine outlived the server"
-            time.sleep(0.05)
+        wait_until_none_left(tmp_path / "home", 10)
+    no_half_written_blocks(tmp_path / "kv")
+    # A new server on the same store: what was written reads back as the same tokens.
+    again_root = tmp_path / "again"
+    again_root.mkdir()
+    with start_server(
+        tiny_model_dir, again_root, "--nodes", "2P2D", "--kv-store", str(tmp_path / "kv")
+    ) as again:
+        target = Target(again.url, MODEL, API_KEY, lambda: again.health().json(),
+                        lambda name: metric_of(again.url, name), 4)  # fmt: skip
+        same_tokens_from_the_store(target, sessions, reference)
 
 
-def test_conversations_survive_a_decode_host_cut_off_on_the_multi_host_cluster(
+def metric_of(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (every label set)."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def same_tokens_from_the_store(target: Target, sessions, reference) -> None:
+    records = replay(target, sessions)
+    assert all(r.error is None for r in records.values())
+    assert {k: r.output_digest for k, r in records.items()} == {
+        k: r.output_digest for k, r in reference.items()
+    }
+    assert sum(r.num_cached_tokens for r in records.values()) > 0, "nothing read from the store"
+    assert target.metric("dualpath_store_corrupt_blocks_total") == 0
+
+
+@pytest.mark.timeout(900)  # seven replays of 96 turns, three faults, two cluster starts
+def test_conversations_survive_host_cuts_and_kills_on_the_multi_host_cluster(
     test_hosts, gluster_volume, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     sessions = conversations(tiny_model_dir)
     namespace = f"conversations-{tmp_path.name}"
+
+    def store_dir_of(host):
+        return gluster_volume.mount_point(host) / namespace
+
     with MultiHostCluster(
         test_hosts.hosts,
         model_dir=tiny_model_dir,
         log_dir=tmp_path,
-        store_dir_of=lambda host: gluster_volume.mount_point(host) / namespace,
+        store_dir_of=store_dir_of,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        nodes="2P2D",
+        restart_engines=True,
     ) as cluster:
-        target = Target(cluster.url, "tiny", None, cluster.health, cluster.metric, 3)
+        target = Target(cluster.url, "tiny", None, cluster.health, cluster.metric, 4)
         reference = undisturbed(target, sessions)
-        host = next(s.host for s in cluster.engines if s.engine_id == 2)
+        # A decode host cut off: its engine loses the scheduler, exits, and its
+        # `dualpath engine` starts it again until it rejoins, once the link is back.
+        host = next(s.host for s in cluster.engines if s.engine_id == 3)
+        deaths = deaths_of(target, 3)
         try:
             fault_s = replay_through_fault(
                 target,
                 sessions,
                 reference,
-                2,
+                3,
                 lambda: test_hosts.set_link_up(host, False),
                 after_turns=FAIL_DECODE_AFTER_TURNS,
             )
         finally:
             test_hosts.set_link_up(host, True)
-        # Cut off, the engine stopped on its own (no scheduler heard); its host's supervisor
-        # starts it again and it rejoins the running scheduler.
-        cluster.engine_id_to_process[2].wait(HEARTBEAT_TIMEOUT_S + PING_TIMEOUT_S + 30)
-        cluster.restart_engine(2)
-        wait_until_back(target, 2, fault_s)
-        again = replay(target, sessions)  # served with the engine back
-        assert all(r.error is None for r in again.values())
-        assert {k: r.output_digest for k, r in again.items()} == {
-            k: r.output_digest for k, r in reference.items()
-        }
+        wait_until_back(target, 3, fault_s, deaths)
+        # A prefill engine, then a decode engine, SIGKILLed: started again on their hosts.
+        for engine_id, after_turns in ((1, None), (2, FAIL_DECODE_AFTER_TURNS)):
+
+            def kill(engine_id: int = engine_id) -> None:
+                os.kill(cluster.engine_pid(engine_id), signal.SIGKILL)
+
+            deaths = deaths_of(target, engine_id)
+            fault_s = replay_through_fault(
+                target, sessions, reference, engine_id, kill, after_turns=after_turns
+            )
+            wait_until_back(target, engine_id, fault_s, deaths)
+
+        # SIGTERM to the server in the middle of a decode engine's loss. The live engines
+        # are told to stop and exit 0; the killed one's restart finds no scheduler and goes
+        # on trying (it waits for its scheduler, as a host's engine should) until SIGTERM.
+        supervisors = cluster.engine_id_to_process
+        kill_after_turns(
+            target,
+            sessions,
+            lambda: os.kill(cluster.engine_pid(3), signal.SIGKILL),
+            then=lambda: cluster.server.send_signal(signal.SIGTERM),
+        )
+        assert cluster.server.wait(60) == 0
+        for engine_id in (0, 1, 2):
+            assert supervisors[engine_id].wait(30) == 0, f"engine {engine_id}"
+        supervisors[3].send_signal(signal.SIGTERM)
+        assert supervisors[3].wait(30) == 0
+        wait_until_none_left(tmp_path / "home", 10)
+    no_half_written_blocks(store_dir_of(test_hosts.hosts[0]))
+    again = MultiHostCluster(
+        test_hosts.hosts,
+        model_dir=tiny_model_dir,
+        log_dir=tmp_path / "again",
+        store_dir_of=store_dir_of,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        nodes="2P2D",
+    )
+    with again:
+        target = Target(again.url, "tiny", None, again.health, again.metric, 4)
+        same_tokens_from_the_store(target, sessions, reference)
