@@ -632,7 +632,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from dualpath.cluster.engine_processes import TOKEN_ENV
     from dualpath.cluster.launcher import LocalCluster
     from dualpath.config import DTYPES
-    from dualpath.model.config import ModelConfig
+    from dualpath.model.registry import read_config
     from dualpath.model.tokenizer import Tokenizer
     from dualpath.server.args import resolve
     from dualpath.server.chat import ChatRenderer
@@ -644,7 +644,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if s.external_engines and token is None:
         raise ValueError(f"--external-engines needs ${TOKEN_ENV}, shared with the engines")
     model_dir = _resolve_model(s.model)
-    dtype = s.dtype or ModelConfig.from_file(model_dir / "config.json").torch_dtype
+    dtype = s.dtype or read_config(model_dir / "config.json").torch_dtype
     if dtype not in DTYPES:
         raise ValueError(f"the checkpoint's dtype {dtype!r} is not supported; pass --dtype")
     tokenizer = Tokenizer(model_dir / "tokenizer.json")

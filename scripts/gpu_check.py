@@ -31,7 +31,7 @@ import torch
 def step_parity(device: str, model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from dualpath.model.llama import PackedBatch
+    from dualpath.model.layerwise import PackedBatch
     from dualpath.model.loader import load_model
 
     ours = load_model(model_dir, device=device)
@@ -39,11 +39,7 @@ def step_parity(device: str, model_dir: Path) -> dict:
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     with torch.no_grad():
         expected = reference(ids[None]).logits[0].float()
-    cfg = ours.config
-    empty = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, device=device)
-    logits, _ = ours.model.forward_full(
-        ids, PackedBatch((0,), (300,)), [[(empty, empty)]] * cfg.num_layers
-    )
+    logits, _ = ours.model.forward_full(ids, PackedBatch((0,), (300,)), ours.model.empty_past())
     diff = (logits - expected).abs().max().item()
     return {"ok": diff < 1e-3, "max_abs_logit_diff": diff}
 

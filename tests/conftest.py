@@ -28,6 +28,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3.2 in miniature (MLA, MoE, sparse attention; ``presets.py``)."""
+    from dualpath.model.make import make_model
+
+    return make_model("tiny-deepseek", tmp_path_factory.mktemp("models") / "tiny-deepseek")
+
+
+@pytest.fixture(params=["tiny", "tiny-deepseek"])
+def each_architecture_dir(request: pytest.FixtureRequest) -> Path:
+    """A dense model, then an MLA one: the KV-path guarantees hold for both cache entries."""
+    fixture = {"tiny": "tiny_model_dir", "tiny-deepseek": "tiny_deepseek_dir"}[request.param]
+    return request.getfixturevalue(fixture)
+
+
+@pytest.fixture(scope="session")
 def smollm2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default's real weights (SmolLM2-135M-Instruct from its packaged GGUF),
     converted once per test session (about 15 s) by the code that makes the default."""

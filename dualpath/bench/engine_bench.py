@@ -44,6 +44,7 @@ import torch
 from tqdm import tqdm
 
 from dualpath.bench.hardware import hardware_info
+from dualpath.model.identity import kv_facts
 
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("ours", "transformers")
@@ -128,9 +129,9 @@ def workloads(config: EngineBenchConfig) -> list[Workload]:
 
 def run_engine_bench(config: EngineBenchConfig, *, show_progress: bool = False) -> dict:
     """Measure every (workload, dtype, engine) side by side; a JSON-able dict (module doc)."""
-    from dualpath.model.config import ModelConfig
+    from dualpath.model.registry import read_config
 
-    model_config = ModelConfig.from_file(config.model_dir / "config.json")
+    model_config = read_config(config.model_dir / "config.json")
     _check_fits(config, model_config.max_position_embeddings)
     torch.set_num_threads(config.num_threads)  # process-wide: every variant runs on these
     shapes = workloads(config)
@@ -313,6 +314,7 @@ def _report(
         "config": {
             "model_dir": str(config.model_dir),
             "architecture": model_config.architecture,
+            "model": kv_facts(model_config),
             "dtypes": list(config.dtypes),
             "num_threads": config.num_threads,
             "prompt_tokens": config.prompt_tokens,

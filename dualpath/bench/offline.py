@@ -64,6 +64,8 @@ from dualpath.bench.report import write_outputs
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig
+from dualpath.model.identity import kv_facts
+from dualpath.model.registry import read_config
 from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import bytes_per_s_to_gbps
 from dualpath.workload import Misfit, Workload, first_misfit, workload_stats
@@ -83,9 +85,9 @@ def load_workload(
     """The shaped workload (``presets.shaped_workload``), every turn checked against the
     model's context and ``max_prompt_tokens``: ``ValueError`` naming the first turn that does
     not fit and the ``--length-scale`` that would, before any server starts."""
-    from dualpath.model.config import ModelConfig
+    from dualpath.model.registry import read_config
 
-    config = ModelConfig.from_file(Path(model_dir) / "config.json")
+    config = read_config(Path(model_dir) / "config.json")
 
     def build(one: WorkloadShape) -> Workload:
         return shaped_workload(
@@ -233,6 +235,7 @@ def run_offline(
         "preset_config": asdict(preset),
         "seed": seed,
         "model_dir": str(model_dir),
+        "model": kv_facts(read_config(Path(model_dir) / "config.json")),
         "transport": transport,
         "read_path": read_path,
         **workload_report(workload, shape),
@@ -311,7 +314,12 @@ def finish_report(report: dict, modes: list[str]) -> dict:
     problems = [
         problem
         for mode, result in results.items()
-        for problem in mode_problems(mode, result, reference=modes[0])
+        for problem in mode_problems(
+            mode,
+            result,
+            reference=modes[0],
+            kv_bytes_per_token=report.get("model", {}).get("kv_bytes_per_token"),
+        )
     ]
     return mark_validity(report, problems)
 

@@ -67,6 +67,8 @@ from dualpath.bench.offline import (
 from dualpath.bench.presets import workload_shape
 from dualpath.bench.report import write_outputs
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
+from dualpath.model.identity import kv_facts
+from dualpath.model.registry import read_config
 from dualpath.workload import Workload, poisson_arrival_offsets_s
 
 SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
@@ -229,6 +231,7 @@ def run_online(
         "preset_config": asdict(preset),
         "seed": seed,
         "model_dir": str(model_dir),
+        "model": kv_facts(read_config(Path(model_dir) / "config.json")),
         **workload_report(calibration_workload, shape),
         "replay_gaps": replay_gaps,
         "max_gap_s": max_gap_s,

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from dualpath.bench.process_cpu import process_cpu_s
-from dualpath.model.llama import DecoderModel, PackedBatch
+from dualpath.model.layerwise import LayerwiseModel, PackedBatch
 from dualpath.sim.local import nonnegative_fit
 
 PREFILL_GRID = tuple(
@@ -66,7 +66,7 @@ SERVING_PAUSE_S = 0.2  # between probes: the cluster is idle when each one arriv
 
 
 @torch.inference_mode()
-def _forward_s(model: DecoderModel, chunks: list[tuple[int, int]], num_repeats: int) -> float:
+def _forward_s(model: LayerwiseModel, chunks: list[tuple[int, int]], num_repeats: int) -> float:
     config = model.config
     dtype = model.model.embed_tokens.weight.dtype
     batch = PackedBatch(
@@ -75,13 +75,7 @@ def _forward_s(model: DecoderModel, chunks: list[tuple[int, int]], num_repeats: 
     num_rows = sum(n for _, n in chunks)
     input_ids = torch.randint(0, config.vocab_size, (num_rows,))
     past = [
-        [
-            (
-                torch.randn(c, config.num_kv_heads, config.head_dim).to(dtype),
-                torch.randn(c, config.num_kv_heads, config.head_dim).to(dtype),
-            )
-            for c, _ in chunks
-        ]
+        [torch.randn(c, *model.cache_entry_shape).to(dtype) for c, _ in chunks]
         for _ in range(config.num_layers)
     ]
     times_s = []

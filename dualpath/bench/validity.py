@@ -1,5 +1,5 @@
-"""Whether a benchmark run is a result: every request succeeded, every turn ran, and every mode
-generated the same tokens.
+"""Whether a benchmark run is a result: every request succeeded, every turn ran, every mode
+generated the same tokens, and the hit KV read equals what the cached tokens hold.
 
     problems = mode_problems("dualpath", result)  # [] for a clean run
     mark_validity(report, problems)  # "valid", "problems"; no "ratios" unless valid
@@ -16,9 +16,17 @@ from __future__ import annotations
 MAX_ERRORS_SHOWN = 3  # failed turns quoted per mode in a problem (the count is always given)
 
 
-def mode_problems(label: str, result: dict, *, reference: str | None = None) -> list[str]:
+def mode_problems(
+    label: str,
+    result: dict,
+    *,
+    reference: str | None = None,
+    kv_bytes_per_token: int | None = None,
+) -> list[str]:
     """Why one mode's (or probe's, or calibration's) result is not a result; [] if it is.
-    ``reference`` names the mode whose tokens ``token_mismatches`` counts against."""
+    ``reference`` names the mode whose tokens ``token_mismatches`` counts against. With
+    ``kv_bytes_per_token``, the hit KV the two sides read (``path_bytes``, when the servers
+    report it) must be exactly the cached tokens' KV: each hit block read once, by one side."""
     problems = []
     num_failed = result.get("num_failed", 0)
     if num_failed:
@@ -35,6 +43,15 @@ def mode_problems(label: str, result: dict, *, reference: str | None = None) -> 
             f"{label}: incomplete, {result['num_requests']} of "
             f"{result.get('num_turns_expected', '?')} turns ran"
         )
+    path_bytes = result.get("path_bytes")
+    if kv_bytes_per_token is not None and path_bytes is not None:
+        read_bytes = sum(path_bytes.values())
+        expected_bytes = result["cached_tokens"] * kv_bytes_per_token
+        if read_bytes != expected_bytes:
+            problems.append(
+                f"{label}: the sides read {read_bytes} B of hit KV, but {result['cached_tokens']}"
+                f" cached tokens hold {expected_bytes} B ({kv_bytes_per_token} B per token)"
+            )
     if result.get("token_mismatches"):
         problems.append(
             f"{label}: {result['token_mismatches']} turns generated other tokens than "

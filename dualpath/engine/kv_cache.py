@@ -1,20 +1,22 @@
 """The engine's paged KV cache: device tensors, and the bytes that move to and from the store.
 
-One tensor holds every block: ``[num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]``.
-Block ``b`` is therefore one contiguous Full Block (SPEC §3) whose bytes are exactly what the
-store keeps (``[num_layers, block_size, bytes_per_token_per_layer]``, K before V per token), and
-``cache[b, layer]`` is one Layer Block. No re-layout happens between the store and the cache.
+One tensor holds every block: ``[num_blocks, num_layers, block_size, *entry_shape]``, where
+``entry_shape`` is what the model caches per token per layer (``layerwise.py``: K and V of a
+dense model, a latent of MLA). Block ``b`` is therefore one contiguous Full Block (SPEC §3)
+whose bytes are exactly what the store keeps (``[num_layers, block_size,
+bytes_per_token_per_layer]``), and ``cache[b, layer]`` is one Layer Block. No re-layout
+happens between the store and the cache.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dualpath.kv.layout import KVLayout
-from dualpath.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,9 @@ class PastBlocks:
 class PagedKVCache:
     def __init__(
         self,
-        config: ModelConfig,
         *,
+        num_layers: int,
+        entry_shape: tuple[int, ...],
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -40,28 +43,17 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.entry_shape = entry_shape
         self.layout = KVLayout(
-            num_layers=config.num_layers,
+            num_layers=num_layers,
             block_size_tokens=block_size,
-            bytes_per_token_per_layer=config.kv_bytes_per_token_per_layer(itemsize),
+            bytes_per_token_per_layer=entry_bytes(entry_shape, dtype),
         )
         # torch.empty: pages are touched only when a block is written.
         self.kv = torch.empty(
-            (num_blocks, config.num_layers, block_size, 2, config.num_kv_heads, config.head_dim),
-            dtype=dtype,
-            device=device,
+            (num_blocks, num_layers, block_size, *entry_shape), dtype=dtype, device=device
         )
         self._kv_shape_per_block = tuple(self.kv.shape[1:])
-
-    @staticmethod
-    def num_blocks_for_bytes(
-        config: ModelConfig, block_size: int, itemsize: int, budget: int
-    ) -> int:
-        full_block_bytes = (
-            block_size * config.num_layers * config.kv_bytes_per_token_per_layer(itemsize)
-        )
-        return budget // full_block_bytes
 
     # --- compute side -----------------------------------------------------------------------
 
@@ -78,15 +70,13 @@ class PagedKVCache:
             torch.tensor(block_ids, dtype=torch.long, device=self.device), split_sizes
         )
 
-    def gather(self, layer: int, past: PastBlocks) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K and V of each sequence's cached tokens in ``layer``: [n_i, Hkv, D] each, views into
-        one copy of all their blocks (one ``index_select`` for the whole step, not one advanced
+    def gather(self, layer: int, past: PastBlocks) -> list[torch.Tensor]:
+        """Each sequence's cached entries in ``layer``: [n_i, *entry_shape], views into one
+        copy of all their blocks (one ``index_select`` for the whole step, not one advanced
         index per sequence: on a CPU that was most of a batch-16 decode step)."""
         blocks = self.kv[:, layer].index_select(0, past.block_ids)
-        kv = blocks.view(-1, *self.kv.shape[3:])  # [num_blocks * block_size, 2, Hkv, D]
-        keys = kv[:, 0].split(past.split_sizes)[::2]
-        values = kv[:, 1].split(past.split_sizes)[::2]
-        return list(zip(keys, values, strict=True))
+        entries = blocks.view(-1, *self.entry_shape)  # [num_blocks * block_size, *entry]
+        return list(entries.split(past.split_sizes)[::2])
 
     def padded_rows(
         self, block_tables: list[list[int]], num_cached_tokens: tuple[int, ...]
@@ -94,7 +84,7 @@ class PagedKVCache:
         """For ``gather_padded``: the cache rows of layer 0 that fill ``PaddedPast``'s slots of a
         decode step, [num_seqs, max(c_i) + 1] (computed once per step, used by every layer).
 
-        A row is one token's K and V of one layer; with the cache's layout, token p of a
+        A row is one token's entry in one layer; with the cache's layout, token p of a
         sequence is row ``(table[p // block_size] * num_layers + layer) * block_size
         + p % block_size``. Slot c_i is the new token's own slot (its block is allocated, its
         bytes not written yet: attention overwrites the copy); the filler slots beyond repeat
@@ -111,22 +101,16 @@ class PagedKVCache:
         return torch.from_numpy(rows).to(self.device)
 
     def gather_padded(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """One copy of ``layer``'s K and V at ``padded_rows``: [num_seqs, width, 2, Hkv, D]."""
-        per_row = self.kv.view(-1, *self.kv.shape[3:])  # [all rows, 2, Hkv, D]
+        """One copy of ``layer``'s entries at ``padded_rows``: [num_seqs, width, *entry_shape]."""
+        per_row = self.kv.view(-1, *self.entry_shape)  # [all rows, *entry]
         layer_rows = rows.view(-1) + layer * self.block_size
-        return per_row.index_select(0, layer_rows).view(*rows.shape, *self.kv.shape[3:])
+        return per_row.index_select(0, layer_rows).view(*rows.shape, *self.entry_shape)
 
     def scatter(
-        self,
-        layer: int,
-        block_ids: torch.Tensor,
-        offsets: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, entries: torch.Tensor
     ) -> None:
-        """Write new tokens' K/V of ``layer`` at (block, offset) slots, one slot per row."""
-        self.kv[block_ids, layer, offsets, 0] = k
-        self.kv[block_ids, layer, offsets, 1] = v
+        """Write new tokens' entries of ``layer`` at (block, offset) slots, one slot per row."""
+        self.kv[block_ids, layer, offsets] = entries
 
     # --- store side -------------------------------------------------------------------------
 
@@ -145,3 +129,15 @@ class PagedKVCache:
         """A host copy of block ``block_id`` as the store's Full Block bytes (safe to keep)."""
         data = self.kv[block_id].to("cpu", copy=True).view(torch.uint8)
         return data.numpy().reshape(self.layout.full_block_shape)
+
+
+def entry_bytes(entry_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of one token's cache entry in one layer."""
+    return math.prod(entry_shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def num_blocks_for_bytes(
+    num_layers: int, entry_shape: tuple[int, ...], block_size: int, dtype: torch.dtype, budget: int
+) -> int:
+    """How many blocks of the cache ``budget`` bytes hold."""
+    return budget // (block_size * num_layers * entry_bytes(entry_shape, dtype))

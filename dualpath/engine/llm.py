@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dualpath.config import EngineConfig, KVStoreConfig
-from dualpath.engine.kv_cache import PagedKVCache
+from dualpath.engine.kv_cache import PagedKVCache, num_blocks_for_bytes
 from dualpath.engine.kv_io import KVStoreIO, Mover, direct_move
 from dualpath.engine.runner import ModelRunner, ScheduledSeq
 from dualpath.engine.sampling import (
@@ -103,14 +103,19 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the checkpoint's "
                 f"max_position_embeddings {model_config.max_position_embeddings}"
             )
-        itemsize = torch.empty((), dtype=loaded.dtype).element_size()
-        num_blocks = config.num_device_blocks or PagedKVCache.num_blocks_for_bytes(
-            model_config, self.block_size, itemsize, config.kv_cache_bytes
+        entry_shape = loaded.model.cache_entry_shape
+        num_blocks = config.num_device_blocks or num_blocks_for_bytes(
+            model_config.num_layers,
+            entry_shape,
+            self.block_size,
+            loaded.dtype,
+            config.kv_cache_bytes,
         )
         if num_blocks <= 0:
             raise ValueError(f"kv_cache_bytes {config.kv_cache_bytes} holds no block")
         self.cache = PagedKVCache(
-            model_config,
+            num_layers=model_config.num_layers,
+            entry_shape=entry_shape,
             num_blocks=num_blocks,
             block_size=self.block_size,
             dtype=loaded.dtype,

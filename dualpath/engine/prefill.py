@@ -48,7 +48,7 @@ from dualpath.engine.sampling import (
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
-from dualpath.model.llama import DecoderModel, PackedBatch
+from dualpath.model.layerwise import LayerwiseModel, PackedBatch
 from dualpath.protocol import Assignment, DecodeReady, PrefillDone
 from dualpath.scheduler.attention_predictor import ConstantAttentionTimePredictor
 from dualpath.scheduler.batching import PrefillBatcher, PrefillChunk, PrefillWork
@@ -101,9 +101,9 @@ class PrefillRequest:
     decode_ready: DecodeReady | None = None
     # Set when the request joins the batcher: leading blocks whose KV was read (either side).
     num_hit: int | None = None
-    # Per layer, K and V of the tokens earlier chunks computed (device); empty until a chunk
+    # Per layer, the entries of the tokens earlier chunks computed (device); empty until a chunk
     # that is not the last one has run.
-    computed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    computed: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def request_id(self) -> int:
@@ -130,7 +130,7 @@ class PrefillRequest:
 class PrefillEngine:
     def __init__(
         self,
-        model: DecoderModel,
+        model: LayerwiseModel,
         identity: KVIdentity,
         store: KVStore | None,
         buffer: KVBuffer,
@@ -169,9 +169,8 @@ class PrefillEngine:
             min_chunk_tokens=self.block_size,
             chunk_align_tokens=self.block_size,
         )
-        config = model.config
-        self._kv_shape = (2, config.num_kv_heads, config.head_dim)
-        self._eos_token_ids = config.eos_token_ids
+        self._entry_shape = model.cache_entry_shape
+        self._eos_token_ids = model.config.eos_token_ids
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -303,12 +302,12 @@ class PrefillEngine:
         num_layers = self.model.num_layers
         past_of, loading = self._past_source(batch, remotes)
 
-        def on_layer(layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        def on_layer(layer: int, new: torch.Tensor) -> None:
             for i, (request, chunk) in enumerate(batch):
                 rows = slice(offsets[i], offsets[i + 1])
-                self._send_layer(request, chunk, remotes[i], layer, k_new[rows], v_new[rows])
+                self._send_layer(request, chunk, remotes[i], layer, new[rows])
                 if not chunk.is_last_chunk:
-                    self._keep_chunk(request, layer, k_new[rows], v_new[rows])
+                    self._keep_chunk(request, layer, new[rows])
             if between_layers is not None and layer + 1 < num_layers:
                 between_layers()
 
@@ -353,8 +352,8 @@ class PrefillEngine:
 
     def _past_source(
         self, batch: list[tuple[PrefillRequest, PrefillChunk]], remotes: list[RemoteBuffer]
-    ) -> tuple[Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]], list[Future]]:
-        """Each layer's past KV for ``forward_layers``, and the load in flight (if any).
+    ) -> tuple[Callable[[int], list[torch.Tensor]], list[Future]]:
+        """Each layer's past entries for ``forward_layers``, and the load in flight (if any).
 
         Layer-wise, layer l+1's hit KV loads (PE buffer, DE buffer over the CNIC, host ->
         device) while layer l computes: at most two layers of hit KV are resident. Otherwise
@@ -364,7 +363,7 @@ class PrefillEngine:
             return preloaded.__getitem__, []
         loading = [self._loader.submit(self._past_kv, batch, remotes, 0)]
 
-        def past_of(layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        def past_of(layer: int) -> list[torch.Tensor]:
             past = loading.pop().result()
             if layer + 1 < self.model.num_layers:
                 loading.append(self._loader.submit(self._past_kv, batch, remotes, layer + 1))
@@ -372,38 +371,33 @@ class PrefillEngine:
 
         return past_of, loading
 
-    def _keep_chunk(
-        self, request: PrefillRequest, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
-    ) -> None:
-        """Append a chunk's layer KV to what the request's later chunks attend over."""
+    def _keep_chunk(self, request: PrefillRequest, layer: int, new: torch.Tensor) -> None:
+        """Append a chunk's layer entries to what the request's later chunks attend over."""
         if len(request.computed) == layer:
-            request.computed.append((k_new.clone(), v_new.clone()))
+            request.computed.append(new.clone())
         else:
-            k, v = request.computed[layer]
-            request.computed[layer] = (torch.cat((k, k_new)), torch.cat((v, v_new)))
+            request.computed[layer] = torch.cat((request.computed[layer], new))
 
     def _past_kv(
         self,
         batch: list[tuple[PrefillRequest, PrefillChunk]],
         remotes: list[RemoteBuffer],
         layer: int,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Layer ``layer``'s KV before each request's chunk: its hit KV, then what its earlier
-        chunks computed."""
+    ) -> list[torch.Tensor]:
+        """Layer ``layer``'s entries before each request's chunk: its hit KV, then what its
+        earlier chunks computed."""
         requests = [request for request, _ in batch]
         past = self._hit_kv(requests, remotes, layer)
         for i, (request, chunk) in enumerate(batch):
             assert request.num_hit is not None, "a batched request has joined the batcher"
             if chunk.num_cached_tokens > request.num_hit * self.block_size:
-                k_hit, v_hit = past[i]
-                k, v = request.computed[layer]
-                past[i] = (torch.cat((k_hit, k)), torch.cat((v_hit, v)))
+                past[i] = torch.cat((past[i], request.computed[layer]))
         return past
 
     def _hit_kv(
         self, requests: list[PrefillRequest], remotes: list[RemoteBuffer], layer: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Layer ``layer``'s hit K and V of each request, on the device."""
+    ) -> list[torch.Tensor]:
+        """Layer ``layer``'s hit entries of each request, on the device."""
         past = []
         for request, remote in zip(requests, remotes, strict=True):
             num_hit = request.num_hit
@@ -417,8 +411,7 @@ class PrefillEngine:
                 de_slots = request.decode_ready.slots[num_pe:num_hit]
                 into = layer_blocks[num_pe:]
                 self.mover("cnic", into.nbytes, partial(remote.read_layer, de_slots, layer, into))
-            kv = self._to_device(layer_blocks)
-            past.append((kv[:, 0], kv[:, 1]))
+            past.append(self._to_device(layer_blocks))
         return past
 
     def _host_layer_blocks(self, num_blocks: int) -> np.ndarray:
@@ -432,8 +425,8 @@ class PrefillEngine:
     def _to_device(self, layer_blocks: np.ndarray) -> torch.Tensor:
         num_tokens = layer_blocks.shape[0] * self.block_size
         if num_tokens == 0:  # an empty array has stride 0, which a dtype view refuses
-            return torch.empty((0, *self._kv_shape), dtype=self.dtype, device=self.device)
-        host = torch.from_numpy(layer_blocks).view(self.dtype).view(num_tokens, *self._kv_shape)
+            return torch.empty((0, *self._entry_shape), dtype=self.dtype, device=self.device)
+        host = torch.from_numpy(layer_blocks).view(self.dtype).view(num_tokens, *self._entry_shape)
         if self.device.type == "cpu":
             return host
         return self.mover(
@@ -446,8 +439,7 @@ class PrefillEngine:
         chunk: PrefillChunk,
         remote: RemoteBuffer,
         layer: int,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
+        new: torch.Tensor,
     ) -> None:
         """Layer ``layer`` of what the DE lacks: the PE-side hit blocks (with the first chunk)
         and the chunk's new tokens, whose first block is fresh (chunks are block-aligned)."""
@@ -467,13 +459,14 @@ class PrefillEngine:
                 pe_blocks.nbytes,
                 lambda: remote.write_layer(slots[:num_pe], layer, pe_blocks),
             )
-        num_new = k_new.shape[0]
+        num_new = new.shape[0]
         num_new_blocks = -(-num_new // bs)
-        kv = torch.zeros((num_new_blocks * bs, *self._kv_shape), dtype=self.dtype)
-        kv[:num_new, 0] = k_new.to("cpu")
-        kv[:num_new, 1] = v_new.to("cpu")
+        entries = torch.zeros((num_new_blocks * bs, *self._entry_shape), dtype=self.dtype)
+        entries[:num_new] = new.to("cpu")
         new_blocks = (
-            kv.view(torch.uint8).numpy().reshape(num_new_blocks, *self.layout.layer_block_shape)
+            entries.view(torch.uint8)
+            .numpy()
+            .reshape(num_new_blocks, *self.layout.layer_block_shape)
         )
         first = chunk.num_cached_tokens // bs
         self.mover(

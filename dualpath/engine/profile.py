@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dualpath.model.llama import DecoderModel, PackedBatch
+from dualpath.model.layerwise import LayerwiseModel, PackedBatch
 from dualpath.scheduler.attention_predictor import (
     AttentionProfileSample,
     FittedAttentionTimePredictor,
@@ -38,7 +38,7 @@ _GRID = (
 
 @torch.inference_mode()
 def profile_layer_time(
-    model: DecoderModel,
+    model: LayerwiseModel,
     *,
     device: torch.device,
     max_context_tokens: int,
@@ -62,13 +62,8 @@ def profile_layer_time(
         )
         hidden = torch.randn(sum(n for _, n in chunks), config.hidden_size, device=device).to(dtype)
         rope = model.rope(batch.positions(device))
-        past = [
-            (
-                torch.randn(c, config.num_kv_heads, config.head_dim, device=device).to(dtype),
-                torch.randn(c, config.num_kv_heads, config.head_dim, device=device).to(dtype),
-            )
-            for c, _ in chunks
-        ]
+        entry_shape = model.cache_entry_shape
+        past = [torch.randn(c, *entry_shape, device=device).to(dtype) for c, _ in chunks]
         times_s = [_time_layer(model, hidden, rope, batch, past) for _ in range(num_repeats + 1)]
         samples.append(AttentionProfileSample(chunks, statistics.median(times_s[1:])))
     return FittedAttentionTimePredictor.fit(samples)

@@ -9,7 +9,7 @@ import torch
 
 from dualpath.engine.kv_cache import PagedKVCache
 from dualpath.engine.sequence import Sequence
-from dualpath.model.llama import DecoderModel, LayerPast, PackedBatch, PaddedPast
+from dualpath.model.layerwise import LayerPast, LayerwiseModel, PackedBatch, PaddedPast
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class ScheduledSeq:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, cache: PagedKVCache) -> None:
+    def __init__(self, model: LayerwiseModel, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
 
@@ -55,7 +55,7 @@ class ModelRunner:
             torch.tensor(input_ids, device=device),
             batch,
             self._gatherer(work, batch),
-            lambda layer, k_new, v_new: self.cache.scatter(layer, block_ids, offsets, k_new, v_new),
+            lambda layer, new: self.cache.scatter(layer, block_ids, offsets, new),
         )
         rows = [row for w, row in zip(work, batch.last_rows(), strict=True) if w.is_sampling]
         if not rows:
@@ -63,8 +63,8 @@ class ModelRunner:
         return self.model.logits(hidden[rows]).cpu()
 
     def _gatherer(self, work: list[ScheduledSeq], batch: PackedBatch) -> Callable[[int], LayerPast]:
-        """Each layer's cached KV for this step: padded for one attention call when every
-        sequence decodes one token after cached ones, else one (k, v) per sequence."""
+        """Each layer's cached entries for this step: padded for one attention call when every
+        sequence decodes one token after cached ones, else one tensor per sequence."""
         tables = [w.seq.block_table for w in work]
         if all(n == 1 for n in batch.num_new_tokens) and all(batch.num_cached_tokens):
             rows = self.cache.padded_rows(tables, batch.num_cached_tokens)

@@ -157,12 +157,14 @@ class ModelConfig:
         """Bytes of one token's K and V in one layer: ``2 * num_kv_heads * head_dim * itemsize``."""
         return 2 * self.num_kv_heads * self.head_dim * itemsize
 
+    def cache_entry_parts(self) -> tuple[tuple[str, int], ...]:
+        """What one token's entry in one layer holds: (name, values) in order."""
+        width = self.num_kv_heads * self.head_dim
+        return (("k", width), ("v", width))
+
     def architecture_dict(self) -> dict[str, Any]:
         """Every field that changes what the KV of a token is (for the store's fingerprint)."""
-        fields = asdict(self)
-        for name in ("eos_token_ids", "bos_token_id", "max_position_embeddings", "torch_dtype"):
-            fields.pop(name)
-        return fields
+        return architecture_fields(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -186,7 +188,7 @@ class ModelConfig:
             num_layers = int(need("num_hidden_layers"))
             max_position_embeddings = int(need("max_position_embeddings"))
             _check_implemented(raw, architecture, num_layers, max_position_embeddings)
-            rope = _rope_config(raw, max_position_embeddings)
+            rope = rope_config(raw, max_position_embeddings)
             head_dim = raw.get("head_dim", _DEFAULT_HEAD_DIM.get(architecture))
             num_kv_heads = raw.get("num_key_value_heads", _DEFAULT_NUM_KV_HEADS.get(architecture))
             attention_bias, o_proj_bias = _attention_biases(raw, architecture)
@@ -206,7 +208,7 @@ class ModelConfig:
                 attention_bias=attention_bias,
                 o_proj_bias=o_proj_bias,
                 has_qk_norm=architecture == "Qwen3ForCausalLM",
-                eos_token_ids=_eos_ids(raw.get("eos_token_id"), "config.json"),
+                eos_token_ids=eos_ids(raw.get("eos_token_id"), "config.json"),
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             )
@@ -215,24 +217,15 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
-        """Parse ``path`` (a config.json) and add the eos ids of a generation_config.json beside it.
-
-        The chat end token of Llama 3 instruct and SmolLM2-style checkpoints is only in
-        generation_config.json; vLLM stops on the union too.
-        """
-        config = cls.from_dict(_read_json_object(path))
-        generation_path = path.with_name("generation_config.json")
-        if not generation_path.is_file():
-            return config
-        raw = _read_json_object(generation_path)
-        extra_ids = _eos_ids(raw.get("eos_token_id"), str(generation_path))
-        eos_ids = config.eos_token_ids + tuple(
-            i for i in dict.fromkeys(extra_ids) if i not in config.eos_token_ids
-        )
-        return dataclasses.replace(config, eos_token_ids=eos_ids)
+        """Parse ``path`` (a config.json) and add the eos ids of a generation_config.json beside it
+        (``eos_ids_with_generation_config``)."""
+        config = cls.from_dict(read_json_object(path))
+        eos_token_ids = eos_ids_with_generation_config(path, config.eos_token_ids)
+        return dataclasses.replace(config, eos_token_ids=eos_token_ids)
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``CheckpointError`` if it is missing or not an object."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError as exc:
@@ -244,7 +237,24 @@ def _read_json_object(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _eos_ids(value: Any, where: str) -> tuple[int, ...]:
+def eos_ids_with_generation_config(
+    config_path: Path, eos_token_ids: tuple[int, ...]
+) -> tuple[int, ...]:
+    """``eos_token_ids`` followed by the others of a generation_config.json beside
+    ``config_path``, if there is one.
+
+    The chat end token of Llama 3 instruct and SmolLM2-style checkpoints is only in
+    generation_config.json; vLLM stops on the union too.
+    """
+    generation_path = config_path.with_name("generation_config.json")
+    if not generation_path.is_file():
+        return eos_token_ids
+    raw = read_json_object(generation_path)
+    extra_ids = eos_ids(raw.get("eos_token_id"), str(generation_path))
+    return eos_token_ids + tuple(i for i in dict.fromkeys(extra_ids) if i not in eos_token_ids)
+
+
+def eos_ids(value: Any, where: str) -> tuple[int, ...]:
     """An ``eos_token_id`` field (absent, an integer or a list of integers) as a tuple."""
     values = value if isinstance(value, list) else ([] if value is None else [value])
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
@@ -254,7 +264,8 @@ def _eos_ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _unsupported(field: str, value: Any, why: str) -> CheckpointError:
+def unsupported(field: str, value: Any, why: str) -> CheckpointError:
+    """The error refusing config.json's ``field``: its value and why it is not implemented."""
     return CheckpointError(f"config.json: {field}={json.dumps(value)} is not supported ({why})")
 
 
@@ -268,12 +279,12 @@ def _check_implemented(
     """
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act not in ("silu", "swish"):
-        raise _unsupported("hidden_act", hidden_act, "the MLP is SwiGLU (silu) only")
+        raise unsupported("hidden_act", hidden_act, "the MLP is SwiGLU (silu) only")
     if raw.get("mlp_bias"):
-        raise _unsupported("mlp_bias", raw["mlp_bias"], "the MLP projections have no bias")
+        raise unsupported("mlp_bias", raw["mlp_bias"], "the MLP projections have no bias")
     for field in _MUST_BE_ABSENT:
         if raw.get(field) is not None:
-            raise _unsupported(field, raw[field], "not implemented")
+            raise unsupported(field, raw[field], "not implemented")
     _check_full_attention(raw, architecture, num_layers, max_position_embeddings)
 
 
@@ -288,9 +299,7 @@ def _check_full_attention(
     layer_types = raw.get("layer_types")
     for i, layer_type in enumerate(layer_types or []):
         if layer_type != "full_attention":
-            raise _unsupported(
-                f"layer_types[{i}]", layer_type, "only full_attention is implemented"
-            )
+            raise unsupported(f"layer_types[{i}]", layer_type, "only full_attention is implemented")
     window = raw.get("sliding_window", _DEFAULT_SLIDING_WINDOW_TOKENS)
     is_narrow = window is not None and int(window) < max_position_embeddings
     if architecture in _QWEN:
@@ -299,7 +308,7 @@ def _check_full_attention(
         first = int(raw.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
         has_sliding_layers = layer_types is None and first < num_layers
         if raw.get("use_sliding_window") and has_sliding_layers and is_narrow:
-            raise _unsupported(
+            raise unsupported(
                 "use_sliding_window",
                 True,
                 f"with sliding_window={window} and max_window_layers={first}, layers "
@@ -308,16 +317,14 @@ def _check_full_attention(
             )
     elif architecture == "MistralForCausalLM":
         if is_narrow:
-            raise _unsupported(
+            raise unsupported(
                 "sliding_window",
                 window,
                 f"narrower than max_position_embeddings ({max_position_embeddings}); "
                 "sliding-window attention is not implemented",
             )
     elif raw.get("use_sliding_window"):
-        raise _unsupported(
-            "use_sliding_window", True, "sliding-window attention is not implemented"
-        )
+        raise unsupported("use_sliding_window", True, "sliding-window attention is not implemented")
 
 
 def _attention_biases(raw: dict[str, Any], architecture: str) -> tuple[bool, bool]:
@@ -330,7 +337,7 @@ def _attention_biases(raw: dict[str, Any], architecture: str) -> tuple[bool, boo
     return is_biased, is_biased  # Llama, Qwen3: one flag for all four projections
 
 
-def _rope_config(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
+def rope_config(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     """The rope of a config.json, in either spelling, as transformers 5.24 standardizes it.
 
     transformers takes ``rope_scaling`` (older files) over ``rope_parameters``; theta comes from
@@ -339,24 +346,24 @@ def _rope_config(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfi
     field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     params = raw.get(field) or {}
     if not isinstance(params, dict):
-        raise _unsupported(field, params, "expected an object")
+        raise unsupported(field, params, "expected an object")
     for key, value in params.items():
         if isinstance(value, dict):
-            raise _unsupported(f"{field}.{key}", value, "a rope per layer type is not implemented")
+            raise unsupported(f"{field}.{key}", value, "a rope per layer type is not implemented")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _ROPE_FILE_KEYS:
-        raise _unsupported(
+        raise unsupported(
             f"{field}.rope_type", rope_type, f"implemented: {', '.join(_ROPE_FILE_KEYS)}"
         )
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial is not None and float(partial) != 1.0:
-        raise _unsupported(
+        raise unsupported(
             "partial_rotary_factor", partial, "rope on part of a head is not implemented"
         )
     unknown = sorted(set(params) - _ROPE_COMMON_KEYS - _ROPE_FILE_KEYS[rope_type])
     if unknown:
         key = unknown[0]
-        raise _unsupported(
+        raise unsupported(
             f"{field}.{key}", params[key], f"not a parameter of rope_type {rope_type!r}"
         )
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
@@ -420,3 +427,12 @@ def _yarn_rope(
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def architecture_fields(config: Any) -> dict[str, Any]:
+    """A config dataclass's fields as JSON-able values (nested configs as dicts), but those
+    that leave every token's KV as it is: end and start ids, context length, stored dtype."""
+    fields = asdict(config)
+    for name in ("eos_token_ids", "bos_token_id", "max_position_embeddings", "torch_dtype"):
+        fields.pop(name)
+    return fields

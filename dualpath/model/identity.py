@@ -12,7 +12,7 @@ from pathlib import Path
 from dualpath.errors import CheckpointError
 from dualpath.kv.hashing import digest_files, model_fingerprint
 from dualpath.kv.layout import KVLayout
-from dualpath.model.config import ModelConfig
+from dualpath.model.registry import AnyModelConfig, read_config
 
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -37,7 +37,7 @@ class KVIdentity:
 
 
 def kv_identity(
-    config: ModelConfig, weights_digest: str, kv_dtype: str, block_size_tokens: int
+    config: AnyModelConfig, weights_digest: str, kv_dtype: str, block_size_tokens: int
 ) -> KVIdentity:
     if kv_dtype not in DTYPE_ITEMSIZE:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {kv_dtype!r}")
@@ -55,10 +55,25 @@ def kv_identity(
     return KVIdentity(fingerprint, layout, kv_dtype)
 
 
+def kv_facts(config: AnyModelConfig, kv_dtype: str | None = None) -> dict:
+    """What one token's KV is and costs, for result files: its entry's parts, its bytes per
+    layer and in all layers, in ``kv_dtype`` (default: the checkpoint's)."""
+    kv_dtype = kv_dtype or config.torch_dtype
+    per_layer = config.kv_bytes_per_token_per_layer(DTYPE_ITEMSIZE[kv_dtype])
+    return {
+        "architecture": config.architecture,
+        "num_layers": config.num_layers,
+        "kv_dtype": kv_dtype,
+        "cache_entry": dict(config.cache_entry_parts()),
+        "kv_bytes_per_token_per_layer": per_layer,
+        "kv_bytes_per_token": per_layer * config.num_layers,
+    }
+
+
 def checkpoint_kv_identity(
     path: Path, kv_dtype: str | None, block_size_tokens: int
-) -> tuple[ModelConfig, KVIdentity]:
+) -> tuple[AnyModelConfig, KVIdentity]:
     """Read a checkpoint directory's config and weights digest (no torch, no weights loaded)."""
-    config = ModelConfig.from_file(Path(path) / "config.json")
+    config = read_config(Path(path) / "config.json")
     digest = digest_files(weight_files(Path(path)))
     return config, kv_identity(config, digest, kv_dtype or config.torch_dtype, block_size_tokens)

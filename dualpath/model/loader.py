@@ -16,14 +16,23 @@ from safetensors.torch import load_file
 from dualpath.errors import CheckpointError
 from dualpath.kv.hashing import digest_files
 from dualpath.model.config import ModelConfig
+from dualpath.model.deepseek import DeepseekDecoderModel, stack_expert_weights
+from dualpath.model.deepseek_config import DeepseekConfig
 from dualpath.model.identity import weight_files
+from dualpath.model.layerwise import LayerwiseModel
 from dualpath.model.llama import DecoderModel
-from dualpath.model.rope import rope_inv_freq
+from dualpath.model.registry import AnyModelConfig, read_config
 from dualpath.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Each architecture's model class, by its config class (``registry.CONFIG_CLASSES``).
+MODEL_CLASSES: dict[type, type[LayerwiseModel]] = {
+    ModelConfig: DecoderModel,
+    DeepseekConfig: DeepseekDecoderModel,
+}
 
 
 @dataclass(frozen=True)
@@ -31,8 +40,8 @@ class LoadedModel:
     """A model ready to serve, with what identifies its KV (``weights_digest``)."""
 
     path: Path
-    config: ModelConfig
-    model: DecoderModel
+    config: AnyModelConfig
+    model: LayerwiseModel
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
@@ -44,7 +53,7 @@ def load_model(path: Path, *, device: str = "cpu", dtype: str | None = None) -> 
     """Load the checkpoint at ``path`` onto ``device`` in ``dtype`` (default: its stored dtype)."""
     path = Path(path)
     files = weight_files(path)
-    config = ModelConfig.from_file(path / "config.json")
+    config = read_config(path / "config.json")
     tokenizer_path = path / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise CheckpointError(f"{path}: no tokenizer.json")
@@ -60,13 +69,15 @@ def load_model(path: Path, *, device: str = "cpu", dtype: str | None = None) -> 
     torch_dtype = TORCH_DTYPES[dtype_name]
     torch_device = torch.device(device)
 
-    model = DecoderModel(config, device="meta")
+    model = MODEL_CLASSES[type(config)](config, device="meta")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             state.update(load_file(str(file)))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{file}: cannot load weights: {exc}") from exc
+    if isinstance(config, DeepseekConfig):
+        state = stack_expert_weights(state)  # per-expert tensors on disk, stacked in the model
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model.state_dict())
@@ -83,7 +94,7 @@ def load_model(path: Path, *, device: str = "cpu", dtype: str | None = None) -> 
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config).to(torch_device)  # built on meta: recompute
+    model.inv_freq = model.rope_inv_freq().to(torch_device)  # built on meta: recompute
     model.eval()
     digest = digest_files(files)
     logger.info(

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from dualpath.model.config import ModelConfig
-from dualpath.model.llama import DecoderModel
+from dualpath.model.layerwise import LayerwiseModel
+from dualpath.model.loader import MODEL_CLASSES
 from dualpath.model.presets import (
     CHAT_TEMPLATE,
     EOS_TOKEN,
@@ -35,6 +35,7 @@ from dualpath.model.presets import (
     Preset,
     preset_config,
 )
+from dualpath.model.registry import config_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def init_weights(model: DecoderModel, preset: Preset, seed: int) -> None:
+def init_weights(model: LayerwiseModel, preset: Preset, seed: int) -> None:
     """Seeded init: unit-variance activations through every layer, wide logits at the end."""
     gen = torch.Generator().manual_seed(seed)
     residual_scale = 1.0 / math.sqrt(2 * preset.num_layers)
@@ -68,16 +69,16 @@ def init_weights(model: DecoderModel, preset: Preset, seed: int) -> None:
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):  # a projection's, a norm's, a router's correction
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
             elif name == "model.embed_tokens.weight":
                 param.copy_(torch.randn(param.shape, generator=gen))
             elif name == "lm_head.weight":
                 std = preset.logit_std / math.sqrt(preset.hidden_size)
                 param.copy_(std * torch.randn(param.shape, generator=gen))
-            else:
-                std = 1.0 / math.sqrt(param.shape[1])
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
+            else:  # a projection (MoE experts' stacked: [experts, out, in])
+                std = 1.0 / math.sqrt(param.shape[-1])
+                if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
                     std *= residual_scale
                 param.copy_(std * torch.randn(param.shape, generator=gen))
 
@@ -134,9 +135,10 @@ def _write_checkpoint(preset: Preset, out: Path, seed: int) -> None:
     tokenizer = train_tokenizer(preset.vocab_size)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     raw_config = preset_config(preset, tokenizer.get_vocab_size(), eos_id)
-    model = DecoderModel(ModelConfig.from_dict(raw_config))
+    config = config_from_dict(raw_config)
+    model = MODEL_CLASSES[type(config)](config)
     init_weights(model, preset, seed)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.contiguous() for k, v in _published_names(model.state_dict()).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
@@ -153,3 +155,23 @@ def _write_checkpoint(preset: Preset, out: Path, seed: int) -> None:
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """MoE experts as checkpoints publish them, one tensor per expert and projection (what
+    transformers writes and ``deepseek.stack_expert_weights`` reads back); the rest as is."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
+                out[f"{prefix}.{e}.up_proj.weight"] = up[e]
+        elif name.endswith(".experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out

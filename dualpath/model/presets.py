@@ -76,7 +76,8 @@ CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
 
 @dataclass(frozen=True, slots=True)
 class Preset:
-    """Shape of a generated checkpoint. All presets are Qwen2 (Llama with QKV bias)."""
+    """Shape of a generated checkpoint: Qwen2 (Llama with QKV bias), or, with ``deepseek``,
+    DeepSeek-V3.2 (MLA, MoE, sparse attention) whose other fields it gives."""
 
     vocab_size: int
     hidden_size: int
@@ -91,6 +92,8 @@ class Preset:
     logit_std: float = 6.0
     rope_theta: float = 1_000_000.0
     description: str = ""
+    # config.json fields of DeepSeek-V3.2's own (its architecture then; None: Qwen2).
+    deepseek: tuple[tuple[str, object], ...] | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -114,10 +117,72 @@ PRESETS: dict[str, Preset] = {
         max_position_embeddings=16384,
         description="benchmarks: 8 layers, 32 KB of KV per token (float32), ~27M parameters",
     ),
+    # The paper's model family in miniature: every part of DeepSeek-V3.2 at a size one CPU
+    # core serves. A token caches 80 values per layer (latent 32 + rope key 16 + indexer key
+    # 32), 320 B in float32; the indexer keeps 64 keys per query, so prompts of a few hundred
+    # tokens attend sparsely. 8 indexer heads, not 2: a key scores exactly 0 when every head's
+    # relu is 0, and with 2 heads a quarter of them did, so the top 64 cut through ties.
+    "tiny-deepseek": Preset(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=4,
+        max_position_embeddings=16384,
+        rope_theta=10_000.0,
+        description="DeepSeek-V3.2 in miniature: MLA (latent 32, rope 16), 8 routed experts "
+        "(2 per token, 2 groups) + 1 shared after 1 dense layer, indexer top-64; 320 B of KV "
+        "per token per layer",
+        deepseek=(
+            ("moe_intermediate_size", 64),
+            ("first_k_dense_replace", 1),
+            ("n_routed_experts", 8),
+            ("n_shared_experts", 1),
+            ("num_experts_per_tok", 2),
+            ("n_group", 2),
+            ("topk_group", 1),
+            ("routed_scaling_factor", 2.5),
+            ("norm_topk_prob", True),
+            ("scoring_func", "sigmoid"),
+            ("topk_method", "noaux_tc"),
+            ("q_lora_rank", 64),
+            ("kv_lora_rank", 32),
+            ("qk_nope_head_dim", 32),
+            ("qk_rope_head_dim", 16),
+            ("v_head_dim", 32),
+            ("index_n_heads", 8),
+            ("index_head_dim", 32),
+            ("index_topk", 64),
+            ("rope_interleave", True),
+            ("attention_bias", False),
+        ),
+    ),
 }
 
 
 def preset_config(preset: Preset, vocab_size: int, eos_token_id: int) -> dict[str, object]:
+    if preset.deepseek is not None:
+        return {
+            "architectures": ["DeepseekV32ForCausalLM"],
+            "model_type": "deepseek_v32",
+            "vocab_size": vocab_size,
+            "hidden_size": preset.hidden_size,
+            "intermediate_size": preset.intermediate_size,
+            "num_hidden_layers": preset.num_layers,
+            "num_attention_heads": preset.num_attention_heads,
+            "num_key_value_heads": preset.num_kv_heads,
+            **dict(preset.deepseek),
+            "hidden_act": "silu",
+            "max_position_embeddings": preset.max_position_embeddings,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": preset.rope_theta,
+            "rope_scaling": None,
+            "tie_word_embeddings": False,
+            "bos_token_id": None,
+            "eos_token_id": eos_token_id,
+            "dtype": "float32",
+        }
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",

@@ -18,7 +18,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """float32 ``[head_dim // 2]``: how many radians dimension pair i turns per position."""
     rope, dim = config.rope, config.head_dim
     if rope.rope_type == "yarn":
-        return _yarn_inv_freq(rope, dim)
+        return yarn_inv_freq(rope, dim)
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -45,7 +45,7 @@ def _llama3_inv_freq(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
 
 
-def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     """YaRN: dims that turn fewer than ``beta_slow`` times over the pre-training context are
     interpolated (slowed by ``factor``), those turning more than ``beta_fast`` times are kept,
     with a linear ramp between. The attention factor is applied to cos/sin by the caller."""

@@ -192,7 +192,7 @@ MODELS: dict[str, ModelProfile] = {
     "deepseek-v3.2-660b": ModelProfile(
         name="deepseek-v3.2-660b",
         num_layers=61,
-        # 656 B: FP8 MLA latent 512 + scales + BF16 rope 64 (SPEC §7). The 128 B indexer key
+        # 656 B: FP8 MLA latent 512 + scales + BF16 rope 64 (SPEC §7). The 132 B indexer key
         # is not counted as stored or moved KV: with it, our FLOPs give cache-compute ratios of
         # 15-42 GB/PFLOP (16K-64K, append 429) against SPEC's 13-36 and "about 22"; without
         # it, 12.2-35.0 and 21.6 at 32K. Decode still reads it (``indexer_bytes_*`` below).
@@ -206,7 +206,9 @@ MODELS: dict[str, ModelProfile] = {
         attention_flops_per_pair=128 * (576 + 512) * 2,
         attention_top_k_tokens=2048,
         indexer_flops_per_pair=64 * 128 * 2,  # 64 indexer heads x 128 dims
-        indexer_bytes_per_token_per_layer=128,
+        # FP8 key 128 + one float32 scale: DeepSeek's indexer cache (tests/model/
+        # test_deepseek_preset.py checks both byte sizes against the published config).
+        indexer_bytes_per_token_per_layer=132,
         # 8 routed experts: FP8 dispatch (1 B) + BF16 combine (2 B) per hidden element.
         all_to_all_bytes_per_token_per_layer=7168 * 8 * 3,
         source="DeepSeek-V3.2-Exp config.json; SPEC §7 (656 B/token/layer + indexer keys)",
@@ -234,7 +236,7 @@ MODELS: dict[str, ModelProfile] = {
         attention_top_k_tokens=1024,
         # The indexer's size is not published for this model: V3.2's (64 heads x 128).
         indexer_flops_per_pair=64 * 128 * 2,
-        indexer_bytes_per_token_per_layer=128,
+        indexer_bytes_per_token_per_layer=132,
         all_to_all_bytes_per_token_per_layer=2560 * 6 * 3,  # 6 routed experts, FP8 + BF16
         source="SPEC §7 (30 layers, hidden 2560, 32 heads, 72 experts 6+2 active, top-k "
         "1024) = DeepSeek-VL2's language config + DSA; cache format and indexer assumed V3.2's",

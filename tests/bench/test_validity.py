@@ -107,3 +107,25 @@ def test_scripted_results_give_ratios_only_when_every_mode_is_clean() -> None:
     assert failed["valid"] is False and failed["ratios"] == {}
     assert failed["problems"][0].startswith("oracle: 1 of 2 requests failed")
     assert "session s0 turn 1: HTTP 500" in failed["problems"][0]
+
+
+def test_hit_kv_read_must_be_what_the_cached_tokens_hold() -> None:
+    same = {"s0/0": "a"}
+
+    def result(pe: int, de: int) -> dict:
+        return {**_result(2.0, same), "cached_tokens": 128, "path_bytes": {"pe": pe, "de": de}}
+
+    model = {"kv_bytes_per_token": 1280}
+    exact = finish_report(
+        {"model": model, "modes": {"basic": result(163840, 0), "dualpath": result(40960, 122880)}},
+        ["basic", "dualpath"],
+    )
+    assert exact["valid"] is True
+    short = finish_report(
+        {"model": model, "modes": {"basic": result(163840, 0), "dualpath": result(0, 81920)}},
+        ["basic", "dualpath"],
+    )
+    assert short["problems"] == [
+        "dualpath: the sides read 81920 B of hit KV, but 128 cached tokens hold 163840 B "
+        "(1280 B per token)"
+    ]

@@ -174,15 +174,29 @@ SPLITS = {
 def test_tokens_match_single_node_on_every_read_path(
     tiny_model_dir: Path, tmp_path: Path, side: str, layerwise: bool, remote: str
 ) -> None:
+    _check_read_path(tiny_model_dir, tmp_path, side, layerwise, remote)
+
+
+@pytest.mark.parametrize("side", list(SPLITS))
+def test_mla_tokens_match_single_node_on_every_read_path(
+    tiny_deepseek_dir: Path, tmp_path: Path, side: str
+) -> None:
+    """DeepSeek-V3.2's latent entries (with the indexer's keys) through the same paths."""
+    _check_read_path(tiny_deepseek_dir, tmp_path, side, layerwise=True, remote="transport")
+
+
+def _check_read_path(
+    model_dir: Path, tmp_path: Path, side: str, layerwise: bool, remote: str
+) -> None:
     params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
     turn1 = [random_ids(n, seed=n) for n in (130, 64, 200)]
-    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+    with LLM(model_dir, kv_store=tmp_path / "kv") as llm:
         first = llm.generate([{"prompt_token_ids": p} for p in turn1], params)
     turn2 = [p + o.token_ids + random_ids(37, seed=9) for p, o in zip(turn1, first, strict=True)]
-    with LLM(tiny_model_dir) as llm:  # no store: a full recompute
+    with LLM(model_dir) as llm:  # no store: a full recompute
         reference = llm.generate([{"prompt_token_ids": p} for p in turn2], params)
 
-    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=layerwise, remote=remote)
+    pair = Pair(model_dir, tmp_path / "kv", is_layerwise=layerwise, remote=remote)
     results = pair.generate(turn2, params, SPLITS[side])
     for p1, o1, ref, got, prompt in zip(turn1, first, reference, results, turn2, strict=True):
         expected_hit = BLOCK * ((len(p1) + len(o1.token_ids) - 1) // BLOCK)
@@ -195,18 +209,21 @@ def test_tokens_match_single_node_on_every_read_path(
         assert stored == (len(got) + params.max_tokens - 1) // BLOCK
 
 
-@pytest.mark.parametrize("side", ["pe", "de", "split"])
+@pytest.mark.parametrize(
+    ("model", "side"), [("tiny", "pe"), ("tiny", "de"), ("tiny", "split"), ("deepseek", "split")]
+)
 def test_chunked_prefill_across_batches_gives_the_same_tokens(
-    tiny_model_dir: Path, tmp_path: Path, side: str
+    tiny_model_dir: Path, tiny_deepseek_dir: Path, tmp_path: Path, model: str, side: str
 ) -> None:
     """A quota of 128 new tokens per batch cuts long prompts at block boundaries; the chunks
     attend over the hit KV and the earlier chunks, and the tokens stay the same."""
+    model_dir = tiny_deepseek_dir if model == "deepseek" else tiny_model_dir
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     turn1 = [random_ids(n, seed=n) for n in (150, 70)]
-    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+    with LLM(model_dir, kv_store=tmp_path / "kv") as llm:
         first = llm.generate([{"prompt_token_ids": p} for p in turn1], params)
     turn2 = [p + o.token_ids + random_ids(300, seed=3) for p, o in zip(turn1, first, strict=True)]
-    with LLM(tiny_model_dir) as llm:
+    with LLM(model_dir) as llm:
         reference = llm.generate([{"prompt_token_ids": p} for p in turn2], params)
 
     batcher = PrefillBatcher(
@@ -215,7 +232,7 @@ def test_chunked_prefill_across_batches_gives_the_same_tokens(
         min_chunk_tokens=BLOCK,
         chunk_align_tokens=BLOCK,
     )
-    pair = Pair(tiny_model_dir, tmp_path / "kv", is_layerwise=True, batcher=batcher)
+    pair = Pair(model_dir, tmp_path / "kv", is_layerwise=True, batcher=batcher)
     results = pair.generate(turn2, params, SPLITS[side])
     for ref, got, prompt in zip(reference, results, turn2, strict=True):
         assert_same_tokens(ref, _Out(got["token_ids"]), label=f"chunked, prompt {len(prompt)}")

@@ -34,11 +34,13 @@ def block_files(store: Path) -> list[Path]:
 PROMPT_LENGTHS = (1, 63, 64, 100, 128, 200)
 
 
-def test_tokens_identical_cold_warm_and_without_store(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_tokens_identical_cold_warm_and_without_store(
+    each_architecture_dir: Path, tmp_path: Path
+) -> None:
     prompts = [random_ids(n, seed=n) for n in PROMPT_LENGTHS]
-    disabled = run(tiny_model_dir, prompts, None)
-    cold = run(tiny_model_dir, prompts, tmp_path / "kv")
-    warm = run(tiny_model_dir, prompts, tmp_path / "kv")
+    disabled = run(each_architecture_dir, prompts, None)
+    cold = run(each_architecture_dir, prompts, tmp_path / "kv")
+    warm = run(each_architecture_dir, prompts, tmp_path / "kv")
     for n, ref, c, w in zip(PROMPT_LENGTHS, disabled, cold, warm, strict=True):
         assert c.num_cached_tokens == 0
         # Every full block of the prompt was stored by the cold run; the last token is always
@@ -129,16 +131,17 @@ def test_store_capacity_evicts_but_tokens_stay_right(tiny_model_dir: Path, tmp_p
 
 
 def test_chunked_prefill_preemption_and_batching_keep_tokens(
-    tiny_model_dir: Path, tmp_path: Path
+    each_architecture_dir: Path, tmp_path: Path
 ) -> None:
+    model_dir = each_architecture_dir
     prompts = [random_ids(n, seed=100 + n) for n in (60, 61, 62, 150)]
     params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
-    alone = [run(tiny_model_dir, [p], None, params)[0] for p in prompts]
-    batched = run(tiny_model_dir, prompts, None, params)
-    chunked = run(tiny_model_dir, prompts, None, params, max_num_batched_tokens=48)
+    alone = [run(model_dir, [p], None, params)[0] for p in prompts]
+    batched = run(model_dir, prompts, None, params)
+    chunked = run(model_dir, prompts, None, params, max_num_batched_tokens=48)
     # Three short prompts fit in 5 blocks but all grow past 64 tokens at the same step: the
     # newest is preempted and recomputed (its stored blocks hit).
-    with LLM(tiny_model_dir, kv_store=tmp_path / "kv", num_device_blocks=5) as llm:
+    with LLM(model_dir, kv_store=tmp_path / "kv", num_device_blocks=5) as llm:
         squeezed = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert llm.engine.pool.num_free_blocks == 5
     assert sum(o.num_preemptions for o in squeezed) > 0

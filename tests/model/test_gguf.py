@@ -14,7 +14,7 @@ from dualpath import LLM, SamplingParams
 from dualpath.errors import CheckpointError
 from dualpath.model.default import bundled_gguf_path
 from dualpath.model.gguf import convert_gguf
-from dualpath.model.llama import PackedBatch
+from dualpath.model.layerwise import PackedBatch
 from dualpath.model.loader import load_model
 from tests.test_cli import run_cli
 
@@ -76,9 +76,7 @@ def test_logits_on_real_weights_match_transformers_loading_the_gguf(
     """2,048 tokens: long enough that a wrong rope θ or a wrong q/k row order shows."""
     ours = load_model(smollm2_model_dir)
     ids = _corpus_ids(ours, 2048)
-    cfg = ours.config
-    empty = torch.empty(0, cfg.num_kv_heads, cfg.head_dim)
-    past = [[(empty, empty)]] * cfg.num_layers
+    past = ours.model.empty_past()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -9,16 +9,14 @@ import pytest
 import torch
 
 from dualpath import LLM, SamplingParams
-from dualpath.model.llama import PackedBatch
+from dualpath.model.layerwise import PackedBatch
 from dualpath.model.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
 
 def _no_past(loaded, num_seqs: int = 1):
-    cfg = loaded.config
-    empty = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype)
-    return [[(empty, empty)] * num_seqs for _ in range(cfg.num_layers)]
+    return loaded.model.empty_past(num_seqs)
 
 
 def _reference(path: Path):
@@ -68,12 +66,12 @@ def test_cached_prefix_forward_equals_full_forward(tiny_model_dir: Path) -> None
     ours = load_model(tiny_model_dir)
     ids = torch.randint(0, 1024, (90,), generator=torch.Generator().manual_seed(4))
     full_logits, full_kv = ours.model.forward_full(ids, PackedBatch((0,), (90,)), _no_past(ours))
-    past = [[(k[:70], v[:70])] for k, v in full_kv]
+    past = [[kv[:70]] for kv in full_kv]
     tail_logits, tail_kv = ours.model.forward_full(ids[70:], PackedBatch((70,), (20,)), past)
     torch.testing.assert_close(tail_logits, full_logits[70:], rtol=1e-5, atol=1e-5)
-    for (k, v), (k_tail, v_tail) in zip(full_kv, tail_kv, strict=True):
-        torch.testing.assert_close(k_tail, k[70:], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v_tail, v[70:], rtol=1e-5, atol=1e-5)
+    for kv, kv_tail in zip(full_kv, tail_kv, strict=True):
+        assert kv_tail.shape == (20, 2, ours.config.num_kv_heads, ours.config.head_dim)
+        torch.testing.assert_close(kv_tail, kv[70:], rtol=1e-5, atol=1e-5)
 
 
 def test_packed_sequences_do_not_see_each_other(tiny_model_dir: Path) -> None:

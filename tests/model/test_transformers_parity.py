@@ -18,7 +18,7 @@ import torch
 
 from dualpath import LLM, SamplingParams
 from dualpath.model.config import ModelConfig
-from dualpath.model.llama import PackedBatch
+from dualpath.model.layerwise import PackedBatch
 from dualpath.model.loader import LoadedModel, load_model
 
 # Checkpoints as transformers 5 writes them (rope_parameters); 4.x reads none of that.
@@ -168,14 +168,14 @@ def _logit_rows(num_tokens: int) -> torch.Tensor:
 
 def _our_logits(loaded: LoadedModel, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Our layer-wise forward over the whole prompt, logits only at ``rows``."""
-    model, cfg = loaded.model, loaded.config
+    model = loaded.model
     batch = PackedBatch((0,), (len(ids),))
-    empty = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=loaded.dtype)
+    (empty,) = model.empty_past()[0]
     with torch.inference_mode():
         hidden = model.embed(ids)
         rope = model.rope(batch.positions())
         for layer_idx in range(model.num_layers):
-            hidden, _, _ = model.forward_layer(layer_idx, hidden, rope, batch, [(empty, empty)])
+            hidden, _ = model.forward_layer(layer_idx, hidden, rope, batch, [empty])
         return model.logits(hidden[rows])
 
 
