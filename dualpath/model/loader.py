@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from dualpath.errors import CheckpointError
 from dualpath.kv.hashing import digest_files
 from dualpath.model.config import ModelConfig
-from dualpath.model.deepseek import DeepseekDecoderModel, stack_expert_weights
+from dualpath.model.deepseek import DeepseekDecoderModel
 from dualpath.model.deepseek_config import DeepseekConfig
+from dualpath.model.deepseek_moe import stack_expert_weights
 from dualpath.model.identity import weight_files
 from dualpath.model.layerwise import LayerwiseModel
 from dualpath.model.llama import DecoderModel

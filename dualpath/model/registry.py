@@ -11,14 +11,13 @@ model class (``layerwise.LayerwiseModel``) and one entry in each table.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from dualpath.errors import CheckpointError
 from dualpath.model import config as dense
 from dualpath.model import deepseek_config as deepseek
-from dualpath.model.config import ModelConfig
+from dualpath.model.config import ModelConfig, read_json_object
 from dualpath.model.deepseek_config import DeepseekConfig
 
 AnyModelConfig = ModelConfig | DeepseekConfig
@@ -47,10 +46,5 @@ def config_from_dict(raw: dict[str, Any]) -> AnyModelConfig:
 
 def read_config(path: Path) -> AnyModelConfig:
     """The architecture of the checkpoint whose ``config.json`` is at ``path``."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read the config: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
+    raw = read_json_object(Path(path))
     return config_class(raw, str(path)).from_file(path)

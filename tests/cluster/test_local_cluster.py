@@ -356,3 +356,39 @@ def test_a_turn_sent_at_once_still_hits_the_blocks_being_written(
     assert first.error is None and second.error is None
     assert second.num_cached_tokens == BLOCK * ((len(context) + len(first.token_ids) - 1) // BLOCK)
     assert num_waits >= 1
+
+
+def test_an_mla_model_serves_a_conversation_reading_through_both_sides(
+    tiny_deepseek_dir: Path, tmp_path: Path
+) -> None:
+    """DeepSeek-V3.2's latent entries (indexer keys with them) between engine processes over
+    NIXL: split reads put each hit on both sides, and the tokens are the single-node engine's;
+    the sides read exactly the cached tokens' entries (4 layers x 320 B a token)."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    contexts = [random_ids(n, seed=n) for n in (300, 200)]
+    with LocalCluster(
+        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=1, read_path="split"),
+        model_dir=tiny_deepseek_dir,
+        store=KVStoreConfig(root_dir=tmp_path / "kv"),
+        log_dir=tmp_path / "logs",
+    ) as cluster:
+        first = cluster.generate(contexts, params, timeout_s=120)
+        prompts = [
+            c + o.token_ids + random_ids(40, seed=5) for c, o in zip(contexts, first, strict=True)
+        ]
+        second = cluster.generate(prompts, params, timeout_s=120)
+        expected_bytes = sum(o.num_cached_tokens for o in second) * 4 * 320
+        deadline_s = time.monotonic() + 10
+        while True:  # the engines' reports carry their read counters
+            links = cluster.coordinator.link_bytes()
+            read_bytes = [links[e].get("store_read_bytes", 0) for e in (0, 1)]
+            if sum(read_bytes) >= expected_bytes or time.monotonic() > deadline_s:
+                break
+            time.sleep(0.05)
+    with LLM(tiny_deepseek_dir) as llm:
+        expected = llm.generate([{"prompt_token_ids": p} for p in contexts + prompts], params)
+    assert [o.error for o in first + second] == [None] * 4
+    for got, want in zip(first + second, expected, strict=True):
+        assert got.token_ids == list(want.token_ids)
+    assert expected_bytes > 0 and all(n > 0 for n in read_bytes), read_bytes
+    assert sum(read_bytes) == expected_bytes

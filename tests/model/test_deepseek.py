@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from dualpath.errors import CheckpointError
-from dualpath.model.deepseek import DeepseekDecoderModel, stack_expert_weights
+from dualpath.model.deepseek import DeepseekDecoderModel
 from dualpath.model.deepseek_config import DeepseekConfig, cache_entry_spec
+from dualpath.model.deepseek_moe import stack_expert_weights
 from dualpath.model.layerwise import PackedBatch, PaddedPast
 from tests.model.published import PUBLISHED_V3, PUBLISHED_V32, dequantized
 

@@ -25,6 +25,9 @@ from dualpath.sim.experiments import V32, ExperimentResult
 from dualpath.sim.online import OnlineProbe
 from dualpath.sim.runner import RunSpec, map_runs, run_simulation
 
+# Minutes of simulation from the sources: run by `make test-compiled` (compiled, in CI).
+pytestmark = pytest.mark.paper
+
 SCALE_DOWN = 8
 
 

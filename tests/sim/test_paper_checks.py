@@ -24,6 +24,9 @@ import pytest
 
 from dualpath.sim.runner import RunSpec, run_simulation
 
+# Minutes of simulation from the sources: run by `make test-compiled` (compiled, in CI).
+pytestmark = pytest.mark.paper
+
 SEEDS = (0, 1, 2, 3, 4, 5)
 
 
