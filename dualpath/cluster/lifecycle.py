@@ -2,17 +2,7 @@
 finished, failed or placed again (SPEC §2, §6, §8). Every event for the caller is a
 ``RequestEvent`` under the caller's id (``drain_events``).
 
-**Re-placement** (SPEC §8). A request whose engine dies is placed again (at most
-``MAX_PLACEMENTS`` times in all) under a fresh internal id, so that a late message about the
-lost attempt finds nothing; the caller keeps its id. One that has not produced a token yet
-starts over. One that is streaming goes on where the client's stream stands: its prompt and
-the tokens sent so far are prefilled on a PE (what the store holds of them is a hit) and a DE
-continues from there (``Assignment.num_output_tokens``), so the client gets each token once
-and the same tokens as without the loss (greedy, or seeded: token i has its own seed). Once
-prefilled a request no longer needs its PE. Those a PE gave up on because their DE failed
-mid-transfer (``RequestFailed.is_retryable``) are placed again one heartbeat timeout later,
-when a dead peer is known. With no engine of a role left, the requests that need one fail at
-once as unavailable.
+**Re-placement** (SPEC §8) of a request whose engine died: ``replacement.py`` says how.
 
 **Persist waits.** A request whose hit prefix stops at a block a DE is still writing (an agent's
 next turn, sent the moment the last one finished) waits for that write rather than being placed
@@ -30,12 +20,8 @@ from collections.abc import Callable, Sequence
 from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
-from dualpath.cluster.request_state import (
-    MAX_COLLATERAL,
-    Delays,
-    RequestState,
-    may_place_again,
-)
+from dualpath.cluster.replacement import DelayedPlacements, retry_after_failure
+from dualpath.cluster.request_state import Delays, RequestState, may_place_again
 from dualpath.control.codec import check_encodable, encode
 from dualpath.errors import PeerUnavailable
 from dualpath.protocol import (
@@ -76,9 +62,7 @@ class RequestLifecycle:
         self._requests: dict[int, RequestState] = {}
         # Caller's id -> current placement's id, for re-placed requests only.
         self._client_id_to_request_id: dict[int, int] = {}
-        # (when, request, peer): re-placements that wait for a lost peer to be declared dead,
-        # at most until ``when``.
-        self._delayed_placements: list[tuple[float, RequestState, int | None]] = []
+        self._delayed = DelayedPlacements()
         self._submissions: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[RequestEvent] = queue.SimpleQueue()
         self._request_ids = itertools.count()
@@ -184,8 +168,8 @@ class RequestLifecycle:
     def release_due(self) -> None:
         """Re-placements whose delay is over, and requests whose persist wait expired."""
         now_s = self.clock()
-        if any(at_s <= now_s for at_s, _, _ in self._delayed_placements):
-            self._release_delayed(lambda at_s, peer: at_s <= now_s)
+        for state in self._delayed.due(now_s):
+            self._enqueue_again(state)
         if self.persisting:
             self._enqueue_all(self.persisting.expire(now_s))
 
@@ -288,22 +272,16 @@ class RequestLifecycle:
     def on_failed(self, msg: RequestFailed, now_s: float) -> None:
         state = self._requests.get(msg.request_id)
         if msg.is_retryable and state is not None and may_place_again(state):
-            # The PE lost a DE. A request whose own DE it was is placed again once that DE is
-            # known dead (so that nothing is placed on it again), or a heartbeat timeout
-            # later if it is not declared dead; one that only shared the failed batch, at once.
-            # The failed DE is suspected (``suspect``: nothing more placed on it until it
-            # reports again), and a collateral placement does not count toward the limit.
-            peer = state.decode_engine_id
+            # The PE lost a DE (``replacement.retry_after_failure``); that DE is suspected:
+            # nothing more is placed on it until it reports again.
             if msg.peer_engine_id >= 0:
                 self._suspect(msg.peer_engine_id)
-            is_own_peer = msg.peer_engine_id in (-1, peer)
-            if is_own_peer and peer is not None and self.membership.is_alive(peer):
-                self._place_again(state, msg.reason, at_s=now_s + self.retry_after_s, peer=peer)
+            retry = retry_after_failure(state, msg, self.membership.is_alive)
+            if retry.wait_for_peer is not None:
+                at_s = now_s + self.retry_after_s  # if it is not declared dead before
+                self._place_again(state, msg.reason, at_s=at_s, peer=retry.wait_for_peer)
             else:
-                # (Collateral losses are bounded too, so that no request loops forever.)
-                state.num_collateral += not is_own_peer
-                counts = is_own_peer or state.num_collateral > MAX_COLLATERAL
-                self._place_again(state, msg.reason, counts=counts)
+                self._place_again(state, msg.reason, counts=retry.counts)
         else:
             self._fail(msg.request_id, msg.reason)
 
@@ -371,17 +349,10 @@ class RequestLifecycle:
                     self._place_again(request, why)
                 else:
                     self._fail(request_id, why)
-        self._release_delayed(lambda at_s, peer: peer == engine_id)  # known dead now
+        for state in self._delayed.waiting_for(engine_id):  # known dead now
+            self._enqueue_again(state)
         self._enqueue_all(self.persisting.engine_lost(engine_id))
         self._fail_unplaceable()
-
-    def _release_delayed(self, is_due: Callable[[float, int | None], bool]) -> None:
-        delayed, self._delayed_placements = self._delayed_placements, []
-        for entry in delayed:
-            if is_due(entry[0], entry[2]):
-                self._enqueue_again(entry[1])
-            else:
-                self._delayed_placements.append(entry)
 
     def _fail_unplaceable(self) -> None:
         """With no live engine of a role left, every request that still needs one fails now
@@ -393,7 +364,7 @@ class RequestLifecycle:
         for request_id, request in list(self._requests.items()):
             if needs_decode or not request.is_prefill_done:  # (a re-placed one is not)
                 self._fail(request_id, reason, is_unavailable=True)
-        self._delayed_placements.clear()
+        self._delayed.clear()
 
     def _place_again(
         self,
@@ -425,7 +396,7 @@ class RequestLifecycle:
         )
         self.num_replaced += 1
         if at_s > self.clock():
-            self._delayed_placements.append((at_s, state, peer))
+            self._delayed.add(at_s, state, peer)
         else:
             self._enqueue_again(state)
 
