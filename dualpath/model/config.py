@@ -17,9 +17,11 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dualpath.errors import CheckpointError
+
+ConfigT = TypeVar("ConfigT")  # a frozen config dataclass with eos_token_ids
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -218,10 +220,8 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
         """Parse ``path`` (a config.json) and add the eos ids of a generation_config.json beside it
-        (``eos_ids_with_generation_config``)."""
-        config = cls.from_dict(read_json_object(path))
-        eos_token_ids = eos_ids_with_generation_config(path, config.eos_token_ids)
-        return dataclasses.replace(config, eos_token_ids=eos_token_ids)
+        (``with_generation_config_eos``)."""
+        return with_generation_config_eos(cls.from_dict(read_json_object(path)), path)
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -237,21 +237,21 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return raw
 
 
-def eos_ids_with_generation_config(
-    config_path: Path, eos_token_ids: tuple[int, ...]
-) -> tuple[int, ...]:
-    """``eos_token_ids`` followed by the others of a generation_config.json beside
-    ``config_path``, if there is one.
+def with_generation_config_eos(config: ConfigT, config_path: Path) -> ConfigT:
+    """``config`` (of any architecture) with the eos ids of a generation_config.json beside
+    ``config_path`` after its own, if there is one.
 
     The chat end token of Llama 3 instruct and SmolLM2-style checkpoints is only in
     generation_config.json; vLLM stops on the union too.
     """
     generation_path = config_path.with_name("generation_config.json")
     if not generation_path.is_file():
-        return eos_token_ids
+        return config
     raw = read_json_object(generation_path)
     extra_ids = eos_ids(raw.get("eos_token_id"), str(generation_path))
-    return eos_token_ids + tuple(i for i in dict.fromkeys(extra_ids) if i not in eos_token_ids)
+    own = config.eos_token_ids
+    eos_token_ids = own + tuple(i for i in dict.fromkeys(extra_ids) if i not in own)
+    return dataclasses.replace(config, eos_token_ids=eos_token_ids)
 
 
 def eos_ids(value: Any, where: str) -> tuple[int, ...]:

@@ -14,7 +14,6 @@ implemented is refused with a ``CheckpointError`` that names it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +24,10 @@ from dualpath.model.config import (
     RopeConfig,
     architecture_fields,
     eos_ids,
-    eos_ids_with_generation_config,
     read_json_object,
     rope_config,
     unsupported,
+    with_generation_config_eos,
 )
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
@@ -266,9 +265,7 @@ class DeepseekConfig:
     def from_file(cls, path: Path) -> DeepseekConfig:
         """Parse ``path`` (a config.json) and add the eos ids of a generation_config.json beside it,
         as ``ModelConfig.from_file`` does."""
-        config = cls.from_dict(read_json_object(path))
-        eos_token_ids = eos_ids_with_generation_config(path, config.eos_token_ids)
-        return dataclasses.replace(config, eos_token_ids=eos_token_ids)
+        return with_generation_config_eos(cls.from_dict(read_json_object(path)), path)
 
 
 def _check_implemented(raw: dict[str, Any], architecture: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from dualpath.errors import CheckpointError
 from dualpath.model import config as dense
 from dualpath.model import deepseek_config as deepseek
-from dualpath.model.config import ModelConfig, read_json_object
+from dualpath.model.config import ModelConfig, read_json_object, with_generation_config_eos
 from dualpath.model.deepseek_config import DeepseekConfig
 
 AnyModelConfig = ModelConfig | DeepseekConfig
@@ -46,5 +46,6 @@ def config_from_dict(raw: dict[str, Any]) -> AnyModelConfig:
 
 def read_config(path: Path) -> AnyModelConfig:
     """The architecture of the checkpoint whose ``config.json`` is at ``path``."""
-    raw = read_json_object(Path(path))
-    return config_class(raw, str(path)).from_file(path)
+    raw = read_json_object(Path(path))  # read once: the class it names parses it
+    config = config_class(raw, str(path)).from_dict(raw)
+    return with_generation_config_eos(config, Path(path))
