@@ -28,6 +28,7 @@ from dualpath.model.deepseek_config import DeepseekConfig, cache_entry_spec
 from dualpath.model.deepseek_moe import stack_expert_weights
 from dualpath.model.layerwise import PackedBatch, PaddedPast
 from tests.model.published import PUBLISHED_V3, PUBLISHED_V32, dequantized
+from tests.model.weights import randomize_weights
 
 transformers = pytest.importorskip("transformers", minversion="5.24")
 from transformers.initialization import no_init_weights  # noqa: E402
@@ -117,29 +118,18 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def _randomize(model: torch.nn.Module) -> None:
     """Weights large enough that attention, routing and the indexer's top-k are far from uniform,
     and a final norm near 10 so logits spread and greedy picks win by wide margins."""
+    randomize_weights(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name == "model.norm.weight":
-                param.normal_(10.0, 2.0)
-            elif name.endswith("norm.weight"):
-                param.normal_(1.0, 0.2)
-            else:
-                param.normal_(0.0, 0.2)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # transformers inits it to zeros
                 buffer.normal_(0.0, 0.1)
-
-
-def _empty_past(model: DeepseekDecoderModel, num_seqs: int) -> list[list[torch.Tensor]]:
-    empty = torch.empty(0, model.cache_entry_spec.dim)
-    return [[empty] * num_seqs for _ in range(model.num_layers)]
 
 
 def _prefill(
     model: DeepseekDecoderModel, ids: torch.Tensor, num_cached: int = 0, past: list | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     batch = PackedBatch((num_cached,), (len(ids),))
-    return model.forward_full(ids, batch, past or _empty_past(model, 1))
+    return model.forward_full(ids, batch, past or model.empty_past(1))
 
 
 def _greedy(model: DeepseekDecoderModel, prompts: list[torch.Tensor]) -> list[list[int]]:
@@ -147,7 +137,7 @@ def _greedy(model: DeepseekDecoderModel, prompts: list[torch.Tensor]) -> list[li
     ``PaddedPast``, one token per sequence per step."""
     lengths = tuple(len(p) for p in prompts)
     batch = PackedBatch((0,) * len(prompts), lengths)
-    logits, new = model.forward_full(torch.cat(prompts), batch, _empty_past(model, len(prompts)))
+    logits, new = model.forward_full(torch.cat(prompts), batch, model.empty_past(len(prompts)))
     offsets = batch.row_offsets
     caches = [[e[offsets[i] : offsets[i + 1]] for i in range(len(prompts))] for e in new]
     tokens = [[int(logits[row].argmax())] for row in batch.last_rows()]

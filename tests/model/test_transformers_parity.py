@@ -20,6 +20,7 @@ from dualpath import LLM, SamplingParams
 from dualpath.model.config import ModelConfig
 from dualpath.model.layerwise import PackedBatch
 from dualpath.model.loader import LoadedModel, load_model
+from tests.model.weights import randomize_weights
 
 # Checkpoints as transformers 5 writes them (rope_parameters); 4.x reads none of that.
 transformers = pytest.importorskip("transformers", minversion="5")
@@ -137,14 +138,7 @@ def _write_checkpoint(config: object, out: Path, tokenizer_dir: Path) -> Path:
     with no_init_weights():  # every weight is drawn below; transformers' own init takes seconds
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # what from_config does after its init: a tied lm_head is not saved
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name == "model.norm.weight":
-                param.normal_(10.0, 2.0)
-            elif name.endswith("norm.weight"):
-                param.normal_(1.0, 0.2)
-            else:
-                param.normal_(0.0, 0.2)
+    randomize_weights(model)
     model.save_pretrained(out)
     shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
     return out
