@@ -23,7 +23,3 @@ def bytes_per_s_to_gbps(rate_bytes_per_s: float) -> float:
 
 def gb_to_bytes(size_gb: float) -> int:
     return int(size_gb * GB)
-
-
-def bytes_to_gb(size_bytes: float) -> float:
-    return size_bytes / GB

@@ -61,10 +61,6 @@ class PromptHits:
             logger.warning("store lookup failed, treating the block as a miss: %s", exc)
             return False
 
-    def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-
 
 def open_store_for_lookups(root_dir: Path | None, identity: KVIdentity) -> FileKVStore | None:
     """The scheduler's store: lookups only, to size each request's hit."""

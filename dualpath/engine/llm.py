@@ -40,7 +40,7 @@ from dualpath.engine.sampling import (
 )
 from dualpath.engine.sequence import Sequence, SequenceStatus
 from dualpath.kv.block_pool import BlockPool
-from dualpath.kv.store import FileKVStore, StoreStats
+from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import LoadedModel, load_model
 
@@ -470,9 +470,6 @@ class LLMEngine:
         """Wait until every full block computed so far is in the store."""
         if self.store_io is not None:
             self.store_io.flush()
-
-    def store_stats(self) -> StoreStats | None:
-        return None if self.store_io is None else self.store_io.store.stats()
 
     def close(self) -> None:
         if self.store_io is not None:

@@ -352,15 +352,6 @@ class CacheEntrySpec:
     def dim(self) -> int:
         return sum(width for _, width in self.parts)
 
-    def slice_of(self, name: str) -> slice:
-        """Where part ``name`` lies in an entry."""
-        start = 0
-        for part, width in self.parts:
-            if part == name:
-                return slice(start, start + width)
-            start += width
-        raise ValueError(f"no part {name!r} in {self.parts}")
-
 
 def cache_entry_spec(config: DeepseekConfig) -> CacheEntrySpec:
     """The entry layout of ``config``, from the config alone (576 values for DeepSeek-V3, 704
