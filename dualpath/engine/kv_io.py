@@ -63,8 +63,6 @@ class KVStoreIO:
         # Keys queued or being written, with how many writes of each are outstanding.
         self._pending_keys: Counter[BlockKey] = Counter()
         self._num_unfinished_writes = 0  # the Counter's total: writes queued or running
-        self.num_failed_reads = 0
-        self.num_failed_writes = 0
 
     def lookup(self, keys: list[BlockKey]) -> int:
         """Number of leading blocks of ``keys`` the store holds (no data moves)."""
@@ -91,8 +89,6 @@ class KVStoreIO:
             data = self._mover("snic", nbytes, lambda: self.store.read(key, out=host))
         except KVStoreError as exc:
             logger.warning("block %s unreadable, recomputing from it: %s", key, exc)
-            with self._lock:
-                self.num_failed_reads += 1
             return False
         if host is None:
             self.cache.load_full_block(block_id, data)
@@ -120,8 +116,6 @@ class KVStoreIO:
             return self._mover("snic", data.nbytes, lambda: self.store.write(key, data))
         except KVStoreError as exc:
             logger.warning("block %s not persisted: %s", key, exc)
-            with self._lock:
-                self.num_failed_writes += 1
             return False
         finally:
             with self._lock:

@@ -108,7 +108,6 @@ class LinkCounter:
                 f"window_s and num_buckets must be > 0, got {window_s} and {num_buckets}"
             )
         self.spec = spec
-        self._window_s = window_s
         self._num_buckets = num_buckets
         self._bucket_s = window_s / num_buckets
         self._class_to_num_moves = dict.fromkeys(TrafficClass, 0)
