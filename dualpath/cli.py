@@ -479,7 +479,13 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--snic-gbps", type=float, default=0.0, help="node SNIC cap, Gbps (0 = none)")
     p.add_argument("--cnic-gbps", type=float, default=0.0, help="engine CNIC cap, Gbps (0 = none)")
-    p.add_argument("--buffer-gb", type=float, default=0.25, help="host KV buffer, GB")
+    p.add_argument(
+        "--buffer-gb",
+        type=positive_float,
+        default=None,
+        help="host KV buffer, GB (default: sized at start to hold two requests of the model's "
+        "whole context; a size that cannot hold one is refused, naming the size needed)",
+    )
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="device KV cache, GB")
     p.add_argument(
         "--max-num-batched-tokens", type=_positive_int, default=8192, help="tokens per step"
@@ -510,11 +516,29 @@ def _run_engine(args: argparse.Namespace) -> int:
     if not token:
         raise ValueError(f"set ${TOKEN_ENV} to the cluster token the scheduler was started with")
     config = engine_process_config(args)
+    _check_engine_capacity(config)
     if args.restart:
         return run_supervised(config, token)
     from dualpath.cluster.engine_process import run_engine
 
     return run_engine(config, token)
+
+
+def _check_engine_capacity(config) -> None:  # config: EngineProcessConfig
+    """Refuse, before the engine starts, a buffer or KV cache too small for one request of the
+    model's context (exit 2: a refused configuration is never restarted)."""
+    from dualpath.engine.capacity import check_capacity
+    from dualpath.model.identity import kv_layout
+    from dualpath.model.registry import read_config
+
+    model_config = read_config(Path(config.model_dir) / "config.json")
+    engine = config.engine
+    check_capacity(
+        config.cluster,
+        engine,
+        kv_layout(model_config, engine.dtype, engine.block_size_tokens),
+        engine.max_model_len or model_config.max_position_embeddings,
+    )
 
 
 # Flags that may come with --config, where they must agree with it: they name the engine in a
@@ -570,7 +594,7 @@ def _engine_config_from_flags(args: argparse.Namespace):
         TrafficConfig,
     )
 
-    buffer_bytes = gb_to_bytes(args.buffer_gb)
+    buffer_bytes = None if args.buffer_gb is None else gb_to_bytes(args.buffer_gb)
     return EngineProcessConfig(
         role=args.role,
         engine_id=args.engine_id,
@@ -714,7 +738,7 @@ def _serve_cluster_config(s: argparse.Namespace):  # -> ClusterConfig
     from dualpath.config import ClusterConfig, TrafficConfig, parse_node_shape
 
     num_prefill_nodes, num_decode_nodes = parse_node_shape(s.nodes)
-    buffer_bytes = gb_to_bytes(s.buffer_gb)
+    buffer_bytes = None if s.buffer_gb is None else gb_to_bytes(s.buffer_gb)
     return ClusterConfig(
         num_prefill_nodes=num_prefill_nodes,
         num_decode_nodes=num_decode_nodes,

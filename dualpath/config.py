@@ -286,8 +286,10 @@ class ClusterConfig:
     # Link caps (SNIC per node, CNIC per engine) and the traffic classes' weights.
     traffic: TrafficConfig = TrafficConfig()
     # Host-DRAM KV buffer per engine; a full buffer delays loads (back-pressure), never drops.
-    prefill_buffer_bytes: int = 256 << 20
-    decode_buffer_bytes: int = 256 << 20
+    # None = sized at start from the model and its context: two requests of the whole context
+    # (engine/capacity.py). A size that cannot hold one such request is refused at start.
+    prefill_buffer_bytes: int | None = None
+    decode_buffer_bytes: int | None = None
     # Where the scheduler listens. Loopback unless told otherwise; a token is always required.
     control_endpoint: str = "tcp://127.0.0.1:0"
     # An engine that has not reported for this long is declared dead; an engine that has not
@@ -309,8 +311,9 @@ class ClusterConfig:
         mode_settings(self.mode)  # validates the name
         if self.read_path is not None and self.read_path not in READ_PATHS:
             raise ValueError(f"read_path must be one of {READ_PATHS}, got {self.read_path!r}")
-        _require_positive("prefill_buffer_bytes", self.prefill_buffer_bytes)
-        _require_positive("decode_buffer_bytes", self.decode_buffer_bytes)
+        for name in ("prefill_buffer_bytes", "decode_buffer_bytes"):
+            if getattr(self, name) is not None:
+                _require_positive(name, getattr(self, name))
         _require_positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
         if self.persist_wait_s < 0:
             raise ValueError(f"persist_wait_s must be >= 0, got {self.persist_wait_s}")

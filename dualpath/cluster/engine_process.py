@@ -31,12 +31,12 @@ from dualpath.config import EngineProcessConfig, TrafficConfig
 from dualpath.control.channel import ControlClient, Rejected
 from dualpath.control.codec import encode
 from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.capacity import role_buffer_bytes
 from dualpath.errors import TransferTimeout
 from dualpath.lifetime import die_with_parent
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
 from dualpath.protocol import (
-    PREFILL,
     Assignment,
     CancelRequest,
     DecodeReady,
@@ -116,9 +116,9 @@ class _EngineProcess:
         )
         self.traffic, self._link_names, self._limiter = _make_traffic(config, token)
         self.transport = create_transport(config.transport, f"engine-{config.engine_id}")
-        cluster = config.cluster
-        buffer_bytes = (
-            cluster.prefill_buffer_bytes if config.role == PREFILL else cluster.decode_buffer_bytes
+        max_model_len = engine_config.max_model_len or loaded.config.max_position_embeddings
+        buffer_bytes = role_buffer_bytes(
+            config.cluster, config.role, self.identity.layout, max_model_len
         )
         is_cuda = loaded.device.type == "cuda"
         self.buffer = KVBuffer(

@@ -39,6 +39,7 @@ from dualpath.config import (
     SchedulerConfig,
 )
 from dualpath.control.channel import new_cluster_token
+from dualpath.engine.capacity import check_capacity
 from dualpath.errors import ClusterUnavailable
 from dualpath.model.identity import checkpoint_kv_identity
 from dualpath.protocol import DECODE, PREFILL, RequestEvent
@@ -98,6 +99,11 @@ class LocalCluster:
         model_config, self.identity = checkpoint_kv_identity(
             self.model_dir, self.engine_config.dtype, self.engine_config.block_size_tokens
         )
+        self.max_model_len = (
+            self.engine_config.max_model_len or model_config.max_position_embeddings
+        )
+        # Refused here, before any engine starts, rather than by the first long request.
+        check_capacity(cluster, self.engine_config, self.identity.layout, self.max_model_len)
         self.scheduler_config = scheduler or SchedulerConfig(
             scheduler=settings.scheduler,
             read_path=settings.read_path,
@@ -133,9 +139,6 @@ class LocalCluster:
             open_store_for_lookups(store.root_dir, self.identity),
             self.token,
             storage_read_tokens_per_s=read_bytes_per_s / bytes_per_token,
-        )
-        self.max_model_len = (
-            self.engine_config.max_model_len or model_config.max_position_embeddings
         )
         self.engine_id_to_role = {
             engine_id: PREFILL if node.role.name == "PREFILL" else DECODE

@@ -9,6 +9,11 @@ A buffer is one numpy array ``[num_slots, num_layers, block_size, bytes_per_toke
 ``allocate`` returns None when the buffer cannot hold a request right now: the caller keeps
 the request queued and retries after a ``free`` (back-pressure; nothing is dropped). A request
 larger than the whole buffer is refused up front, so waiting can never deadlock.
+
+Every buffer holds the longest request the model accepts (``capacity.buffer_capacity_bytes``,
+checked when a cluster or an engine starts): sized from the model and its context unless a size is
+configured, and a configured size too small for one such request is refused at start, so no
+request within the context is ever refused here.
 """
 
 from __future__ import annotations
@@ -78,8 +83,8 @@ class KVBuffer:
         """``ValueError`` if ``num_slots`` could never be held at once (would wait forever)."""
         if num_slots > self.num_slots:
             raise ValueError(
-                f"request needs {num_slots} buffer slots but the buffer has {self.num_slots}; "
-                "raise the buffer size"
+                f"request needs {num_slots} buffer slots but the buffer has {self.num_slots}: "
+                "longer than the context the buffer was sized for"
             )
 
     def allocate(self, num_slots: int) -> list[int] | None:

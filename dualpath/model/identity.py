@@ -36,16 +36,21 @@ class KVIdentity:
     kv_dtype: str
 
 
-def kv_identity(
-    config: AnyModelConfig, weights_digest: str, kv_dtype: str, block_size_tokens: int
-) -> KVIdentity:
+def kv_layout(config: AnyModelConfig, kv_dtype: str, block_size_tokens: int) -> KVLayout:
+    """The Full Block layout of ``config``'s KV in ``kv_dtype`` (no weights read)."""
     if kv_dtype not in DTYPE_ITEMSIZE:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {kv_dtype!r}")
-    layout = KVLayout(
+    return KVLayout(
         num_layers=config.num_layers,
         block_size_tokens=block_size_tokens,
         bytes_per_token_per_layer=config.kv_bytes_per_token_per_layer(DTYPE_ITEMSIZE[kv_dtype]),
     )
+
+
+def kv_identity(
+    config: AnyModelConfig, weights_digest: str, kv_dtype: str, block_size_tokens: int
+) -> KVIdentity:
+    layout = kv_layout(config, kv_dtype, block_size_tokens)
     fingerprint = model_fingerprint(
         weights_digest=weights_digest,
         architecture=config.architecture_dict(),

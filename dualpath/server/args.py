@@ -168,8 +168,11 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) ->
     group.add_argument(
         "--buffer-gb",
         type=positive_float,
-        default=0.25,
-        help="host KV buffer per engine (PE and DE buffers), GB (default 0.25)",
+        default=None,
+        help="host KV buffer per engine (PE and DE buffers), GB (default: sized at start to "
+        "hold two requests of the model's whole context, e.g. 0.755 GB for the float32 "
+        "SmolLM2-135M at 8,192 tokens; a size that cannot hold one such request is refused "
+        "at start, naming the size needed)",
     )
     group.add_argument(
         "--kv-cache-gb",

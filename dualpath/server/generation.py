@@ -223,9 +223,7 @@ class Generation:
             self.context.metrics.running.inc()
         if event.error is not None:
             self._finish(choice, "error", now_s)
-            if event.is_unavailable:
-                raise APIError(503, f"generation failed: {event.error}")
-            raise APIError(500, f"generation failed: {event.error}")
+            raise _generation_failed(event, len(choice.token_ids))
         logprobs = _logprobs_of(choice, event)
         num_before = len(choice.token_ids)
         text = choice.detokenizer.push(event.token_ids)
@@ -280,6 +278,27 @@ class Generation:
             "total_tokens": num_prompt_tokens + num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(num_cached)},
         }
+
+
+def _generation_failed(event: RequestEvent, num_sent_tokens: int) -> APIError:
+    """What a client reads when a generation fails (before its stream opened, or in it): what
+    happened, what it already has, and what to do."""
+    sent = (
+        f"the {num_sent_tokens} token(s) sent before it stand"
+        if num_sent_tokens
+        else "no token was generated"
+    )
+    if event.is_unavailable:
+        return APIError(
+            503,
+            f"generation failed: {event.error}. No engine could go on with it; {sent}. Retry "
+            "the request once /health reports the engines back.",
+        )
+    return APIError(
+        500,
+        f"generation failed: {event.error}. {sent[0].upper()}{sent[1:]}. Retrying the "
+        "request may succeed; the server's log says more.",
+    )
 
 
 def _hand_over(
