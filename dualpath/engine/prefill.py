@@ -21,8 +21,8 @@ A chunk attends over the hit KV (loaded again, layer by layer) and over the KV i
 chunks computed, which the PE keeps on its device until the request's last chunk; each chunk's
 new blocks go to the DE buffer as they are computed, so the DE still receives every block once.
 
-The DE buffer is reached through a ``RemoteBuffer`` (a transport in a cluster, direct memory
-in one process), so this module does no networking of its own.
+The DE buffer is reached through a ``RemoteBuffer`` (a transport in a cluster; the tests pass
+one that copies within the process), so this module does no networking of its own.
 """
 
 from __future__ import annotations
@@ -71,24 +71,6 @@ class RemoteBuffer(Protocol):
     def flush(self) -> None:
         """Block until every posted write has landed."""
         ...
-
-
-class LocalRemoteBuffer:
-    """A DE buffer in this process: plain copies (tests, and one-process clusters)."""
-
-    def __init__(self, buffer: KVBuffer) -> None:
-        self.buffer = buffer
-
-    def read_layer(self, slots: Sequence[int], layer: int, out: np.ndarray) -> None:
-        for i, slot in enumerate(slots):
-            out[i] = self.buffer.layer_block(slot, layer)
-
-    def write_layer(self, slots: Sequence[int], layer: int, data: np.ndarray) -> None:
-        for i, slot in enumerate(slots):
-            self.buffer.layer_block(slot, layer)[...] = data[i]
-
-    def flush(self) -> None:
-        """Writes land as they are made."""
 
 
 @dataclass(eq=False)

@@ -4,8 +4,10 @@ single-node engine's whichever side read the hit KV (SPEC §2 correctness)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from dualpath.config import EngineConfig, KVStoreConfig
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.decode import DecodeEngine
 from dualpath.engine.llm import LLMEngine
-from dualpath.engine.prefill import LocalRemoteBuffer, PrefillEngine
+from dualpath.engine.prefill import PrefillEngine
 from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
 from dualpath.errors import TransferTimeout
 from dualpath.kv.hashing import block_keys
@@ -33,6 +35,24 @@ BLOCK = 64
 
 def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class LocalRemoteBuffer:
+    """A ``RemoteBuffer`` over a DE buffer in this process: plain copies, no transport."""
+
+    def __init__(self, buffer: KVBuffer) -> None:
+        self.buffer = buffer
+
+    def read_layer(self, slots: Sequence[int], layer: int, out: np.ndarray) -> None:
+        for i, slot in enumerate(slots):
+            out[i] = self.buffer.layer_block(slot, layer)
+
+    def write_layer(self, slots: Sequence[int], layer: int, data: np.ndarray) -> None:
+        for i, slot in enumerate(slots):
+            self.buffer.layer_block(slot, layer)[...] = data[i]
+
+    def flush(self) -> None:
+        """Writes land as they are made."""
 
 
 class Pair:
