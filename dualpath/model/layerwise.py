@@ -88,18 +88,6 @@ class PaddedPast:
 
     entries: torch.Tensor
 
-    @classmethod
-    def pad(cls, cached: Sequence[torch.Tensor]) -> PaddedPast:
-        """Per-sequence entries ``[c_i, *shape]`` copied into one new padded tensor (each
-        sequence's filler repeats its token 0)."""
-        width = max(c.shape[0] for c in cached) + 1
-        first = cached[0]
-        entries = first.new_empty(len(cached), width, *first.shape[1:])
-        for i, c in enumerate(cached):
-            entries[i, : c.shape[0]] = c
-            entries[i, c.shape[0] :] = c[:1]
-        return cls(entries)
-
 
 # Per sequence: its cached entries [c_i, *cache_entry_shape]; or, for a decode step, padded.
 LayerPast = Sequence[torch.Tensor] | PaddedPast
