@@ -2,8 +2,9 @@
 
 ``KVStore`` is the interface the engine uses; ``FileKVStore`` keeps one plain file per Full Block
 on a local directory or any distributed POSIX mount (NFS, CephFS, GlusterFS, 3FS), and
-``MemoryKVStore`` is an in-process dict with the same semantics (the test fake and the I/O-free
-oracle). Layout on disk::
+``MemoryKVStore`` is an in-process dict with the same semantics, the fake for tests of code
+that uses a ``KVStore`` (the ``oracle`` mode uses a ``FileKVStore`` too, on /dev/shm in the
+benchmarks). Layout on disk::
 
     root_dir/<fingerprint>/namespace.json          human-readable description, never read back
     root_dir/<fingerprint>/<key[:2]>/<key>.kvb     one Full Block: header + payload
@@ -624,7 +625,8 @@ class FileKVStore(KVStore):
 
 
 class MemoryKVStore(KVStore):
-    """An in-process dict with ``FileKVStore``'s semantics; the test fake and the oracle.
+    """An in-process dict with ``FileKVStore``'s semantics (the same LRU eviction, errors and
+    statistics): the fake for tests of code that uses a ``KVStore``.
 
     ``capacity_bytes`` counts payload bytes (``full_block_bytes`` per block).
     """
