@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -43,6 +45,9 @@ NUM_SLOTS = 12
 FULL = SlotLayout.full_blocks(LAYOUT)
 LAYER = SlotLayout.layer_blocks(LAYOUT)
 TIMEOUT_S = 10.0
+# For what must happen but comes from another thread or process (a closed or killed peer is
+# noticed): far above what it takes on a loaded machine; spending it means a real hang.
+NOTICE_BUDGET_S = 30.0
 
 
 def random_bytes(num_bytes: int, seed: int) -> np.ndarray:
@@ -260,8 +265,8 @@ def test_real_transport_in_one_process_and_closed_peer(kind: str) -> None:
     np.testing.assert_array_equal(full_blocks(de_data)[[2, 3], 3], full_blocks(pe_data)[:2, 3])
     de.close()
     # NIXL learns of the closed agent from UCX's progress thread, a few ms later; the
-    # shared-memory transport at once. Either way it must show within a bounded time.
-    deadline_s = time.monotonic() + 2.0
+    # shared-memory transport at once. The budget only stops a transport that never notices.
+    deadline_s = time.monotonic() + NOTICE_BUDGET_S
     with pytest.raises(PeerUnavailable):
         while time.monotonic() < deadline_s:
             pe.wait(pe.write(de.name, pe_buffer, de_buffer, regions), timeout_s=TIMEOUT_S)
@@ -277,30 +282,6 @@ def test_shm_registers_only_its_shared_memory() -> None:
         shared = transport.allocate_host_buffer(4096)
         descriptor = transport.register("view", shared[1024:2048])  # a view inside a segment
         assert descriptor.num_bytes == 1024
-
-
-@pytest.mark.skipif(not HAS_NIXL, reason="nixl-cu12 missing")
-def test_nixl_wait_times_out_and_cancels(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Over TCP a READ posts at once and then takes 0.1-0.7 s per 64 MiB here; CMA (the default
-    # on one host) would copy inside the post, leaving nothing to time out.
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
-    num_bytes = 64 << 20
-    with create_transport("nixl", "tcp-pe") as pe, create_transport("nixl", "tcp-de") as de:
-        pe_buffer = pe.register("pe-buffer", pe.allocate_host_buffer(num_bytes))
-        de_data = de.allocate_host_buffer(num_bytes)
-        de_data[:] = 7
-        de_buffer = de.register("de-buffer", de_data)
-        pe.connect("tcp-de", de.metadata())
-        handle = pe.read("tcp-de", pe_buffer, de_buffer, [Region(0, 0, num_bytes)])
-        with pytest.raises(TransferTimeout, match="not done in 0.001s"):
-            pe.wait(handle, timeout_s=0.001)
-        with pytest.raises(TransferTimeout):
-            pe.wait(handle, timeout_s=TIMEOUT_S)  # a cancelled handle stays failed
-        # The agent is still usable after the cancel.
-        local = pe.allocate_host_buffer(4096)
-        local_buffer = pe.register("small", local)
-        pe.wait(pe.read("tcp-de", local_buffer, de_buffer, [Region(0, 0, 4096)]), TIMEOUT_S)
-        assert (local == 7).all()
 
 
 @pytest.mark.gpu
@@ -430,14 +411,16 @@ def test_killed_peer_fails_fast_and_a_restarted_one_reconnects(kind: str) -> Non
         local.connect(peer.descriptor.owner_name, peer.metadata)
         buffer = local.register("pe-buffer", local.allocate_host_buffer(num_bytes))
         regions = layer_block_regions(0, FULL, [0], FULL, [0])
-        local.wait(local.write(peer.descriptor.owner_name, buffer, peer.descriptor, regions), 5.0)
+        local.wait(
+            local.write(peer.descriptor.owner_name, buffer, peer.descriptor, regions), TIMEOUT_S
+        )
         peer.kill()
-        start_s = time.monotonic()
         # PeerUnavailable; NIXL may say TransferError if the post beats UCX's disconnect.
-        with pytest.raises(TransferError):
+        # Failing fast means failing on the death, not on the wait's timeout.
+        with pytest.raises(TransferError) as error:
             handle = local.write(peer.descriptor.owner_name, buffer, peer.descriptor, regions)
-            local.wait(handle, timeout_s=5.0)
-        assert time.monotonic() - start_s < 5.0
+            local.wait(handle, timeout_s=NOTICE_BUDGET_S)
+        assert not isinstance(error.value, TransferTimeout), error.value
         # The engine restarts under the same name: connecting again with its metadata works.
         restarted = start_peer(kind, f"{kind}-doomed", num_bytes)
         try:
@@ -446,11 +429,48 @@ def test_killed_peer_fails_fast_and_a_restarted_one_reconnects(kind: str) -> Non
             handle = local.write(
                 restarted.descriptor.owner_name, buffer, restarted.descriptor, regions
             )
-            local.wait(handle, timeout_s=5.0)
+            local.wait(handle, timeout_s=TIMEOUT_S)
             expected[0, 0] = 0  # our buffer is zeros
             np.testing.assert_array_equal(full_blocks(restarted.get()), expected)
         finally:
             restarted.stop()
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl-cu12 missing")
+def test_nixl_wait_times_out_and_cancels(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A READ from a peer whose process is stopped (SIGSTOP) cannot finish, however fast the
+    # machine: over TCP only the peer's UCX worker can send its bytes. (CMA, UCX's default on
+    # one host, would copy a stopped process's memory inside the post: TCP only, both sides.)
+    tcp_only = {"UCX_TLS": "tcp,self"}
+    monkeypatch.setenv("UCX_TLS", tcp_only["UCX_TLS"])
+    num_bytes = NUM_SLOTS * LAYOUT.full_block_bytes
+    peer = start_peer("nixl", "nixl-stopped", num_bytes, env=tcp_only)
+    name = peer.descriptor.owner_name
+    try:
+        with create_transport("nixl", "nixl-waiter") as local:
+            local.connect(name, peer.metadata)
+            expected = peer.fill(seed=12)
+            data = local.allocate_host_buffer(num_bytes)
+            buffer = local.register("pe-buffer", data)
+            # One transfer while the peer runs: UCX has wired up both sides before the stop.
+            local.wait(local.read(name, buffer, peer.descriptor, [Region(0, 0, 64)]), TIMEOUT_S)
+            os.kill(peer.process.pid, signal.SIGSTOP)
+            try:
+                handle = local.read(name, buffer, peer.descriptor, [Region(0, 0, num_bytes)])
+                with pytest.raises(TransferTimeout, match="not done in 0.05s"):
+                    local.wait(handle, timeout_s=0.05)
+                with pytest.raises(TransferTimeout):
+                    local.wait(handle, timeout_s=TIMEOUT_S)  # a cancelled handle stays failed
+            finally:
+                os.kill(peer.process.pid, signal.SIGCONT)
+            # The agent is still usable after the cancel, with the same peer.
+            small = local.allocate_host_buffer(4096)
+            small_buffer = local.register("small", small)
+            regions = [Region(0, 4096, 4096)]
+            local.wait(local.read(name, small_buffer, peer.descriptor, regions), TIMEOUT_S)
+            np.testing.assert_array_equal(small, expected[4096:8192])
+    finally:
+        peer.stop()
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl-cu12 missing")
