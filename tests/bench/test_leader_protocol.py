@@ -14,7 +14,6 @@ import pytest
 
 from dualpath.bench.leader_protocol import GroupInfo, GroupReport, LeaderCoordinator
 from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.control.channel import ControlClient
 from dualpath.control.codec import decode, encode
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import MemoryKVStore
@@ -30,7 +29,7 @@ from dualpath.protocol import (
     Shutdown,
 )
 from dualpath.types import SamplingParams
-from tests.cluster.scripted import IDENTITY, LAYOUT, TOKEN, FakeClock, Inbox, pump, spin
+from tests.cluster.scripted import IDENTITY, LAYOUT, TOKEN, FakeClock, Inbox, settle
 
 GROUPS = {0: (PREFILL, 0, (0, 1)), 1: (DECODE, 1, (2, 3)), 2: (DECODE, 2, (4, 5))}
 
@@ -45,13 +44,11 @@ class ScriptedLeader(Inbox):
     def __init__(
         self, coordinator: LeaderCoordinator, group_id: int, client_engine_id=None
     ) -> None:
-        super().__init__()
         role, node_id, engine_ids = GROUPS[group_id]
+        client_engine_id = engine_ids[0] if client_engine_id is None else client_engine_id
+        super().__init__(coordinator, f"engine-{client_engine_id}")
         self.group_id = group_id
         self.engine_ids = engine_ids
-        client_engine_id = engine_ids[0] if client_engine_id is None else client_engine_id
-        self.client = ControlClient(coordinator.endpoint, f"engine-{client_engine_id}", TOKEN)
-        pump(coordinator, lambda: self.client.connect(timeout_s=2.0))
         self.client.send(GroupInfo(tuple(_info(e, role, node_id) for e in engine_ids)))
 
     def report(self, num_seqs=(0, 0), num_tokens=(0, 0), read_queue=(0, 0)) -> None:
@@ -89,7 +86,7 @@ def cluster():
     store = MemoryKVStore(LAYOUT, IDENTITY.fingerprint)
     coordinator = _coordinator(clock, store)
     leaders = [ScriptedLeader(coordinator, group_id) for group_id in GROUPS]
-    spin(coordinator)
+    settle(coordinator, leaders)
     yield coordinator, leaders, clock, store
     coordinator.close()
     for leader in leaders:
@@ -111,23 +108,24 @@ def test_group_report_columns_round_trip() -> None:
 
 
 def test_leaders_join_their_groups_and_place_from_group_reports(cluster) -> None:
-    coordinator, (prefill, decode_1, decode_2), _, store = cluster
+    coordinator, leaders, _, store = cluster
+    prefill, decode_1, decode_2 = leaders
     assert coordinator.is_ready() and coordinator.num_live_engines == 6
     assert [info.engine_id for info in prefill.receive(PeerTable)[-1].engines] == [0, 1, 2, 3, 4, 5]
     prompt = list(range(1, 14))  # 13 tokens: 3 full blocks of 4, the first 2 stored
     for key in block_keys(prompt[:8], 4, IDENTITY.fingerprint):
         store.write(key, bytes(LAYOUT.full_block_bytes))
     request_id = coordinator.submit(prompt, SamplingParams(max_tokens=3))
-    spin(coordinator, 2)
+    settle(coordinator, leaders)
 
     # Engine 0 is busier: Algorithm 1 picks engine 1. Node 0's read_q sums both engines'.
     prefill.report(num_tokens=(5000, 0), read_queue=(300, 200))
-    spin(coordinator, 5)
+    settle(coordinator, leaders)
     # Phase 1 sends the request to the less loaded DE group (1); phase 2 to its DE with the
     # fewest sequences (3), whose node's read_q (0) is shorter than node 0's (500).
     decode_2.report(num_seqs=(1, 1), num_tokens=(900, 900))
     decode_1.report(num_seqs=(1, 0), num_tokens=(100, 0))
-    spin(coordinator, 5)
+    settle(coordinator, leaders)
 
     (pe_view,) = prefill.receive(Assignment)
     (de_view,) = decode_1.receive(Assignment)
@@ -151,22 +149,23 @@ def test_leaders_join_their_groups_and_place_from_group_reports(cluster) -> None
 
     # Messages for a group's engine go to its leader's client.
     decode_1.client.send(DecodeReady(request_id, (5, 6, 7, 8), 2))
-    spin(coordinator, 5)
+    settle(coordinator, leaders)
     assert prefill.receive(DecodeReady) == [DecodeReady(request_id, (5, 6, 7, 8), 2)]
 
 
 def test_every_report_reaches_the_policy_even_when_most_loads_repeat(cluster) -> None:
     # The coordinator reuses an engine's snapshot while its load is unchanged; a change in
     # one engine's seq_e must still be seen. Phase 2 picks the DE with the fewest sequences.
-    coordinator, (prefill, decode_1, decode_2), _, _ = cluster
+    coordinator, leaders, _, _ = cluster
+    prefill, decode_1, decode_2 = leaders
     for num_seqs, expected_decode_engine_id in [((1, 0), 3), ((1, 0), 3), ((1, 2), 2)]:
         coordinator.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
-        spin(coordinator, 2)
+        settle(coordinator, leaders)
         prefill.report()
-        spin(coordinator, 5)
+        settle(coordinator, leaders)
         decode_2.report(num_seqs=(5, 5), num_tokens=(9000, 9000))
         decode_1.report(num_seqs=num_seqs, num_tokens=(1000, 1000))
-        spin(coordinator, 5)
+        settle(coordinator, leaders)
         (assignment,) = decode_1.receive(Assignment)
         assert assignment.decode_engine_id == expected_decode_engine_id
 
@@ -191,17 +190,18 @@ def test_an_assignment_carries_its_prompt_packed() -> None:
 
 
 def test_a_group_report_keeps_all_its_engines_alive(cluster) -> None:
-    coordinator, (prefill, decode_1, decode_2), clock, _ = cluster
+    coordinator, leaders, clock, _ = cluster
+    prefill, decode_1, decode_2 = leaders
     prefill.receive(PeerTable)
     decode_2.receive(PeerTable)
     clock.now_s = 3.0
     prefill.report()
     decode_1.report()
-    spin(coordinator, 5)
+    settle(coordinator, leaders)
     assert len(prefill.receive(Heartbeat)) == 1  # once per leader, not once per engine
     assert len(decode_2.receive(Heartbeat)) == 1
     clock.now_s = 6.0  # group 2 has been silent for 6 s > 5 s; the others for 3 s
-    spin(coordinator, 5)
+    settle(coordinator, leaders)
     assert coordinator.num_live_engines == 4
     (table,) = prefill.receive(PeerTable)  # one announcement for both deaths
     assert [info.engine_id for info in table.engines] == [0, 1, 2, 3]
@@ -213,17 +213,16 @@ def test_a_group_joins_only_through_its_leader_and_whole() -> None:
     coordinator = _coordinator(FakeClock())
     try:
         impostor = ScriptedLeader(coordinator, 0, client_engine_id=1)
-        spin(coordinator, 5)
+        settle(coordinator, [impostor])
         assert impostor.receive(Shutdown) == [Shutdown("group 0 joins through its leader engine-0")]
-        partial = ControlClient(coordinator.endpoint, "engine-2", TOKEN)
-        pump(coordinator, lambda: partial.connect(timeout_s=2.0))
-        partial.send(GroupInfo((_info(2, DECODE, 1),)))
-        spin(coordinator, 5)
-        assert [m for m in partial.poll(0.2) if isinstance(m, Shutdown)] == [
+        partial = Inbox(coordinator, "engine-2")
+        partial.client.send(GroupInfo((_info(2, DECODE, 1),)))
+        settle(coordinator, [impostor, partial])
+        assert partial.receive(Shutdown) == [
             Shutdown("engines (2,) are not one group of the topology")
         ]
         assert coordinator.num_live_engines == 0
         impostor.client.close()
-        partial.close()
+        partial.client.close()
     finally:
         coordinator.close()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
 from dualpath.cluster.coordinator import Coordinator
-from dualpath.control.channel import ControlClient
+from dualpath.control.channel import ControlClient, Hello, Welcome
 from dualpath.kv.layout import KVLayout
 from dualpath.model.identity import KVIdentity
 
@@ -14,6 +15,9 @@ from dualpath.model.identity import KVIdentity
 LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
 IDENTITY = KVIdentity("0" * 32, LAYOUT, "float32")
 TOKEN = "secret"
+# For what must come over loopback (a handshake, a round trip): waits end as soon as it has,
+# so this only bounds a real hang, however loaded the machine.
+SETTLE_BUDGET_S = 30.0
 
 
 class FakeClock:
@@ -43,21 +47,50 @@ def pump(coordinator: Coordinator, action: Callable[[], object]) -> None:
         thread.join()
 
 
-def spin(coordinator: Coordinator, n: int = 20) -> None:
-    for _ in range(n):
-        coordinator.run_once(0.01)
-
-
 class Inbox:
-    """What a scripted client received, taken out by message type."""
+    """A real control client, welcomed by the coordinator, and what it received, taken out
+    by message type."""
 
-    client: ControlClient
-
-    def __init__(self) -> None:
+    def __init__(self, coordinator: Coordinator, client_id: str) -> None:
+        self.client = ControlClient(coordinator.endpoint, client_id, TOKEN)
+        pump(coordinator, lambda: self.client.connect(timeout_s=SETTLE_BUDGET_S))
         self.inbox: list[object] = []
 
     def receive(self, kind: type) -> list:
-        self.inbox += self.client.poll(0.2)
+        """The messages of ``kind`` received so far (all of them, after ``settle``)."""
+        self.inbox += self.client.poll(0)
         found = [m for m in self.inbox if isinstance(m, kind)]
         self.inbox = [m for m in self.inbox if not isinstance(m, kind)]
         return found
+
+    def take_until_welcome(self) -> bool:
+        """Move what arrived into the inbox; whether the answer to a hello was among it."""
+        received = self.client.poll(0)
+        self.inbox += [m for m in received if not isinstance(m, Welcome)]
+        return any(isinstance(m, Welcome) for m in received)
+
+
+def settle(coordinator: Coordinator, clients: Iterable[Inbox]) -> None:
+    """Turn the coordinator's loop until it has handled every message ``clients`` sent before
+    this call, and each client's inbox holds every message the coordinator sent it by then.
+
+    Loopback takes its time (more on a loaded machine), but ZeroMQ keeps each connection's
+    order, so a round trip on it marks a point in both directions: each client says hello
+    again, and the channel answers ``Welcome`` (the coordinator never sees a hello, and a
+    welcomed client stays welcomed). Two rounds: what the loop sends after handling the first
+    hellos (its fetches, announcements) arrives before the second answers. One loop turn
+    first, so that deaths the clock or an exit brought are declared before: a client they made
+    the channel forget is left out, since a hello would welcome it back.
+    """
+    clients = list(clients)
+    coordinator.run_once(0)
+    for _ in range(2):
+        known = coordinator.server.client_ids
+        pending = [c for c in clients if c.client.client_id in known]
+        for inbox in pending:
+            inbox.client.send(Hello(inbox.client.client_id, TOKEN))
+        deadline_s = time.monotonic() + SETTLE_BUDGET_S
+        while pending:
+            assert time.monotonic() < deadline_s, "the coordinator did not answer a hello"
+            coordinator.run_once(0.01)
+            pending = [c for c in pending if not c.take_until_welcome()]

@@ -6,7 +6,7 @@ import pytest
 
 from dualpath.cluster.coordinator import Coordinator
 from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.control.channel import ControlClient, Rejected
+from dualpath.control.channel import Rejected
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import MemoryKVStore
 from dualpath.protocol import (
@@ -25,17 +25,15 @@ from dualpath.protocol import (
     TokenUpdate,
 )
 from dualpath.types import SamplingParams
-from tests.cluster.scripted import IDENTITY, LAYOUT, TOKEN, FakeClock, Inbox, pump, spin
+from tests.cluster.scripted import IDENTITY, LAYOUT, TOKEN, FakeClock, Inbox, settle
 
 
 class ScriptedEngine(Inbox):
     """A real control client that plays an engine's part by hand."""
 
     def __init__(self, coordinator: Coordinator, engine_id: int, role: str, node_id: int) -> None:
-        super().__init__()
+        super().__init__(coordinator, f"engine-{engine_id}")
         self.engine_id = engine_id
-        self.client = ControlClient(coordinator.endpoint, f"engine-{engine_id}", TOKEN)
-        pump(coordinator, lambda: self.client.connect(timeout_s=2.0))
         self.client.send(
             EngineInfo(engine_id, role, node_id, "fake", b"", b"", 16, 64 if role == DECODE else 0)
         )
@@ -64,7 +62,7 @@ def cluster():
         ScriptedEngine(coordinator, 1, DECODE, 1),
         ScriptedEngine(coordinator, 2, DECODE, 2),
     ]
-    spin(coordinator)
+    settle(coordinator, engines)
     yield coordinator, engines, clock, store
     coordinator.close()
     for engine in engines:
@@ -73,12 +71,12 @@ def cluster():
 
 def _place(coordinator, engines, prompt, params, de_loads=(0, 0)):
     request_id = coordinator.submit(prompt, params)
-    spin(coordinator, 2)
+    settle(coordinator, engines)
     engines[0].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[1].report(num_tokens=de_loads[0])
     engines[2].report(num_tokens=de_loads[1])
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     return request_id
 
 
@@ -100,13 +98,13 @@ def test_request_is_placed_relayed_and_finished(cluster) -> None:
     assert pe_view.prompt_token_ids.tolist() == prompt
 
     engines[2].client.send(DecodeReady(request_id, (5, 6, 7, 8), 2))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     assert engines[0].receive(DecodeReady) == [DecodeReady(request_id, (5, 6, 7, 8), 2)]
     engines[0].client.send(PrefillDone(request_id, 42, None, 8))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     assert [m.first_token_id for m in engines[2].receive(PrefillDone)] == [42]
     engines[2].client.send(TokenUpdate(request_id, (7, 9), "length", 8))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     events = coordinator.drain_events()
     assert [(e.token_ids, e.finish_reason, e.num_cached_tokens) for e in events] == [
         ((42,), None, 8),
@@ -119,9 +117,9 @@ def test_the_scheduler_fetches_for_idle_groups_until_they_are_given_work(cluster
     coordinator, engines, _, _ = cluster
     for engine in engines:  # each says once that it is idle, then stays silent
         engine.report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     first = coordinator.submit(list(range(1, 10)), SamplingParams(max_tokens=2))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (assignment,) = engines[0].receive(Assignment)  # placed with no further report
     assert assignment.request_id == first
     first_de = assignment.decode_engine_id
@@ -129,10 +127,10 @@ def test_the_scheduler_fetches_for_idle_groups_until_they_are_given_work(cluster
     # The PE was given work since its report: its entry is out of date, so the next request
     # waits for the PE's next report rather than being placed from the old one.
     second = coordinator.submit(list(range(20, 29)), SamplingParams(max_tokens=2))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     assert engines[0].receive(Assignment) == []
     engines[0].report(num_tokens=9)  # the PE's report is its group's fetch
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (assignment,) = engines[0].receive(Assignment)
     # The DE given the first request is out of date too; the other one is idle and current.
     assert (assignment.request_id, assignment.decode_engine_id) == (second, 3 - first_de)
@@ -144,9 +142,9 @@ def _silence(coordinator, engines, clock, dead_engine_id: int) -> None:
     for engine in engines:
         if engine.engine_id != dead_engine_id:
             engine.report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     clock.now_s = 6.0
-    spin(coordinator, 5)
+    settle(coordinator, engines)
 
 
 def test_a_silent_engine_is_declared_dead_and_its_streaming_requests_go_on(cluster) -> None:
@@ -156,9 +154,9 @@ def test_a_silent_engine_is_declared_dead_and_its_streaming_requests_go_on(clust
     de = assignment.decode_engine_id
     other_de = 3 - de
     engines[0].client.send(PrefillDone(request_id, 42, None, 0))  # the first token is out
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[de].client.send(TokenUpdate(request_id, (43, 44), None, 0))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     _silence(coordinator, engines, clock, de)
     events = coordinator.drain_events()
     assert [(e.token_ids, e.finish_reason) for e in events] == [((42,), None), ((43, 44), None)]
@@ -170,9 +168,9 @@ def test_a_silent_engine_is_declared_dead_and_its_streaming_requests_go_on(clust
     # Placed again from the tokens sent: the prompt and them are prefilled, the next token
     # is the request's fourth output.
     engines[0].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[other_de].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (again,) = engines[0].receive(Assignment)
     assert engines[other_de].receive(Assignment) == [again]
     assert again.request_id != request_id and again.decode_engine_id == other_de
@@ -180,9 +178,9 @@ def test_a_silent_engine_is_declared_dead_and_its_streaming_requests_go_on(clust
     assert again.num_output_tokens == 3
     clock.now_s = 6.5
     engines[0].client.send(PrefillDone(again.request_id, 45, None, 4))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[other_de].client.send(TokenUpdate(again.request_id, (46, 47), "length", 4))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     events = coordinator.drain_events()
     # Each token once, under the caller's id; the cached count the caller was first told.
     assert [(e.request_id, e.token_ids, e.finish_reason, e.num_cached_tokens) for e in events] == [
@@ -206,9 +204,9 @@ def test_a_request_whose_first_token_ends_it_finishes_when_its_decode_engine_die
     request_id = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=1))
     (assignment,) = engines[0].receive(Assignment)
     engines[0].client.send(PrefillDone(request_id, 42, None, 0, "length"))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     coordinator.on_engine_exited(assignment.decode_engine_id, -9)  # before its finish
-    spin(coordinator, 2)
+    settle(coordinator, engines)
     events = coordinator.drain_events()
     # Only the finish was lost: it is sent, and no token more (max_tokens is 1).
     assert [(e.token_ids, e.finish_reason) for e in events] == [((42,), None), ((), "length")]
@@ -221,11 +219,11 @@ def test_a_prefilled_request_does_not_need_its_prefill_engine(cluster) -> None:
     (assignment,) = engines[0].receive(Assignment)
     de = assignment.decode_engine_id
     engines[0].client.send(PrefillDone(request_id, 42, None, 0))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     coordinator.on_engine_exited(0, -9)  # the PE dies once the DE holds the prompt's KV
-    spin(coordinator, 2)
+    settle(coordinator, engines)
     engines[de].client.send(TokenUpdate(request_id, (43, 44), "length", 0))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     events = coordinator.drain_events()
     assert [(e.token_ids, e.finish_reason) for e in events] == [((42,), None), ((43, 44), "length")]
     assert coordinator.num_replaced == 0
@@ -245,9 +243,9 @@ def test_a_request_without_output_is_placed_again_when_its_engine_dies(cluster) 
     assert coordinator.num_replaced == 1
     assert engines[0].receive(CancelRequest) == [CancelRequest(request_id)]  # PE frees it
     engines[0].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[other_de].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (again,) = engines[0].receive(Assignment)
     assert engines[other_de].receive(Assignment) == [again]
     assert again.request_id != request_id  # a fresh id: late messages about the first match nothing
@@ -257,10 +255,10 @@ def test_a_request_without_output_is_placed_again_when_its_engine_dies(cluster) 
     # caller's id.
     engines[0].client.send(PrefillDone(request_id, 99, None, 0))
     engines[0].client.send(PrefillDone(again.request_id, 42, None, 4))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     assert [m.first_token_id for m in engines[other_de].receive(PrefillDone)] == [42]
     engines[other_de].client.send(TokenUpdate(again.request_id, (7,), "length", 4))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     events = coordinator.drain_events()
     assert [(e.request_id, e.token_ids, e.finish_reason) for e in events] == [
         (request_id, (42,), None),
@@ -278,7 +276,7 @@ def test_a_retryable_prefill_failure_is_placed_again_and_others_fail(cluster) ->
     assert set(first) == {retried, failed}
     engines[0].client.send(RequestFailed(retried, "prefill failed: DE timed out", True))
     engines[0].client.send(RequestFailed(failed, "bad request"))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (event,) = coordinator.drain_events()
     assert (event.request_id, event.finish_reason, event.error) == (failed, "error", "bad request")
     assert coordinator.num_replaced == 1
@@ -286,13 +284,13 @@ def test_a_retryable_prefill_failure_is_placed_again_and_others_fail(cluster) ->
     clock.now_s = 4.0
     for engine in engines:
         engine.report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     assert engines[0].receive(Assignment) == []
     clock.now_s = 5.0
     for _ in range(2):
         for engine in engines:
             engine.report()
-        spin(coordinator, 5)
+        settle(coordinator, engines)
     (again,) = engines[0].receive(Assignment)
     assert again.request_id not in (retried, failed)
     assert again.prompt_token_ids.tolist() == list(range(10))
@@ -306,13 +304,13 @@ def test_a_retryable_failure_is_placed_again_at_once_when_its_decode_engine_is_d
     (first,) = engines[0].receive(Assignment)
     de = first.decode_engine_id
     engines[0].client.send(RequestFailed(request_id, "prefill failed: DE disconnected", True))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     coordinator.on_engine_exited(de, -9)  # the PE's notice came first; the clock stands still
-    spin(coordinator, 2)
+    settle(coordinator, engines)
     engines[0].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[3 - de].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (again,) = engines[0].receive(Assignment)  # no heartbeat timeout waited for
     assert again.decode_engine_id == 3 - de and again.request_id != request_id
     assert coordinator.drain_events() == []
@@ -326,10 +324,10 @@ def test_a_request_that_only_shared_a_failed_batch_is_placed_again_at_once(clust
     # The PE's batch failed on the other DE's transfer: this request's own DE is fine.
     failure = RequestFailed(request_id, "prefill failed: peer gone", True, peer_engine_id=3 - de)
     engines[0].client.send(failure)
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     for engine in engines:
         engine.report()
-        spin(coordinator, 5)
+        settle(coordinator, engines)
     (again,) = engines[0].receive(Assignment)  # the clock has not moved: no timeout waited
     assert again.request_id != request_id
     assert coordinator.num_replaced == 1 and coordinator.drain_events() == []
@@ -343,15 +341,15 @@ def test_a_decode_engine_a_transfer_failed_with_gets_nothing_until_it_reports(cl
     suspect = 3 - de  # the PE's batch failed writing to the other DE
     failure = RequestFailed(request_id, "prefill failed: timed out", True, peer_engine_id=suspect)
     engines[0].client.send(failure)
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[0].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[de].report(num_tokens=5000)  # busier than the suspect last said it was
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (again,) = engines[0].receive(Assignment)
     assert again.decode_engine_id == de  # not the suspect, though it reported less load
     engines[suspect].report()  # it answers: chosen again
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     loads = (0, 9000) if suspect == 1 else (9000, 0)  # the suspect is the less loaded now
     _place(coordinator, engines, list(range(20)), SamplingParams(max_tokens=2), loads)
     assert [a.decode_engine_id for a in engines[0].receive(Assignment)] == [suspect]
@@ -364,12 +362,12 @@ def test_a_re_placed_request_is_cancelled_under_the_callers_id(cluster) -> None:
     _silence(coordinator, engines, clock, first.decode_engine_id)
     engines[0].receive(CancelRequest)
     engines[0].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[3 - first.decode_engine_id].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (again,) = engines[0].receive(Assignment)
     coordinator.cancel(request_id)
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     assert engines[0].receive(CancelRequest) == [CancelRequest(again.request_id)]
 
 
@@ -378,7 +376,7 @@ def test_cancel_reaches_both_engines(cluster) -> None:
     request_id = _place(coordinator, engines, list(range(6)), SamplingParams(max_tokens=2))
     (assignment,) = engines[0].receive(Assignment)
     coordinator.cancel(request_id)
-    spin(coordinator, 2)
+    settle(coordinator, engines)
     de = engines[assignment.decode_engine_id]
     assert engines[0].receive(CancelRequest) == [CancelRequest(request_id)]
     assert de.receive(CancelRequest) == [CancelRequest(request_id)]
@@ -391,7 +389,7 @@ def _finish_turn(coordinator, engines, prompt, persisting_keys):
     de = engines[assignment.decode_engine_id]
     de.receive(Assignment)
     de.client.send(TokenUpdate(request_id, (), "length", 0, None, tuple(persisting_keys)))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     coordinator.drain_events()
     return request_id, de
 
@@ -411,12 +409,12 @@ def test_a_turn_waits_for_the_blocks_its_last_turn_is_still_writing(cluster) -> 
     for key in keys[1:]:
         store.write(key, bytes(LAYOUT.full_block_bytes))
     de.client.send(KVPersisted((first_id,)))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     engines[0].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     for engine in engines[1:]:
         engine.report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     (assignment,) = engines[0].receive(Assignment)
     assert assignment.request_id == second_id
     assert assignment.num_hit_blocks == 3
@@ -452,9 +450,9 @@ def test_an_engine_process_that_exits_is_dead_at_once(cluster) -> None:
     (assignment,) = engines[0].receive(Assignment)
     de = assignment.decode_engine_id
     engines[0].client.send(PrefillDone(streaming, 42, None, 0))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     coordinator.on_engine_exited(de, -9)  # no heartbeat timeout: the clock has not moved
-    spin(coordinator, 2)
+    settle(coordinator, engines)
     (first,) = coordinator.drain_events()  # the request goes on: no error
     assert first.token_ids == (42,)
     assert coordinator.num_replaced == 1
@@ -468,11 +466,11 @@ def test_an_engine_that_joins_again_before_its_death_is_noticed_loses_nothing(cl
     (assignment,) = engines[0].receive(Assignment)
     de = assignment.decode_engine_id
     engines[0].client.send(PrefillDone(streaming, 42, None, 0))
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     # Restarted at once under its id: no heartbeat timeout passed, no exit was seen here.
     engines[de].client.close()
     engines[de] = ScriptedEngine(coordinator, de, DECODE, de)
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     assert coordinator.num_replaced == 1  # what its earlier process held goes on elsewhere
     assert coordinator.dead_engines() == {}
     assert coordinator.num_live_engines == 3  # counted once
@@ -481,25 +479,25 @@ def test_an_engine_that_joins_again_before_its_death_is_noticed_loses_nothing(cl
     assert first.token_ids == (42,)
     # The new process is welcome: its reports are heard and it is given work.
     engines[de].report()
-    spin(coordinator, 5)
+    settle(coordinator, engines)
     assert engines[de].receive(Rejected) == []
 
 
 def test_with_no_engine_of_a_role_left_requests_fail_at_once(cluster) -> None:
     coordinator, engines, _, _ = cluster
     queued = coordinator.submit(list(range(10)), SamplingParams(max_tokens=2))
-    spin(coordinator, 2)  # queued for a PE: no report yet
+    settle(coordinator, engines)  # queued for a PE: no report yet
     coordinator.on_engine_exited(0, 1)
-    spin(coordinator, 2)
+    settle(coordinator, engines)
     (event,) = coordinator.drain_events()
     assert event.request_id == queued and event.is_unavailable
     assert coordinator.unavailable_reason == "no prefill engine is alive"
     # A new request fails on its first loop turn instead of waiting for a PE that is gone.
     later = coordinator.submit(list(range(10)), SamplingParams(max_tokens=2))
-    spin(coordinator, 1)
+    settle(coordinator, engines)
     (event,) = coordinator.drain_events()
     assert (event.request_id, event.error) == (later, "no prefill engine is alive")
     coordinator.on_engine_exited(1, 1)
     coordinator.on_engine_exited(2, 1)
-    spin(coordinator, 1)
+    settle(coordinator, engines)
     assert coordinator.unavailable_reason == "no prefill and no decode engine is alive"

@@ -21,7 +21,7 @@ from tests.bench.test_leader_protocol import (
     ScriptedLeader,
     _coordinator,
 )
-from tests.cluster.scripted import spin
+from tests.cluster.scripted import settle
 
 
 def test_reports_carry_write_q_and_a_report_without_it_has_none_queued() -> None:
@@ -65,14 +65,14 @@ def test_a_request_is_read_on_the_prefill_side_while_its_decode_node_writes() ->
     coordinator = _coordinator(clock, store)
     prefill, decode_1, decode_2 = leaders = [ScriptedLeader(coordinator, g) for g in (0, 1, 2)]
     try:
-        spin(coordinator)
+        settle(coordinator, leaders)
         prompt = list(range(1, 14))  # 13 tokens: 3 full blocks of 4, the first 2 stored
         for key in block_keys(prompt[:8], 4, IDENTITY.fingerprint):
             store.write(key, bytes(LAYOUT.full_block_bytes))
         request_id = coordinator.submit(prompt, SamplingParams(max_tokens=3))
-        spin(coordinator, 2)
+        settle(coordinator, leaders)
         prefill.report()  # node 0: nothing queued
-        spin(coordinator, 5)
+        settle(coordinator, leaders)
         # DE group 1 is the less loaded: it takes the request. Its node reads nothing but
         # has 512 tokens of KV to write: SPEC §6's read_q alone (0 against 0) would read on
         # the DE side, behind those writes.
@@ -80,7 +80,7 @@ def test_a_request_is_read_on_the_prefill_side_while_its_decode_node_writes() ->
         decode_1.client.send(
             GroupReport(1, (2, 3), (0, 0), (0, 0), (64, 64), (0, 0), (), (0, 0), (512, 0))
         )
-        spin(coordinator, 5)
+        settle(coordinator, leaders)
         (assignment,) = decode_1.receive(Assignment)
         assert assignment.request_id == request_id
         assert (assignment.num_prefill_side_blocks, assignment.num_decode_side_blocks) == (2, 0)
