@@ -21,7 +21,6 @@ class Tokenizer:
             self._tokenizer = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception for a bad file
             raise CheckpointError(f"{path}: cannot load tokenizer: {exc}") from exc
-        self.chat_template = read_chat_templates(path.parent).get(DEFAULT_TEMPLATE_NAME)
 
     @property
     def vocab_size(self) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.errors import CheckpointError
-from dualpath.model.tokenizer import Tokenizer, read_chat_templates
+from dualpath.model.tokenizer import read_chat_templates
 from dualpath.server.chat import ChatRenderer, ChatTemplateError
 from dualpath.server.errors import APIError
 from dualpath.server.protocol import ChatMessage
@@ -186,14 +186,6 @@ def test_named_templates_and_the_tool_use_one(tmp_path: Path) -> None:
     (tmp_path / "additional_chat_templates").mkdir()
     (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("tools 2")
     assert read_chat_templates(tmp_path) == {"default": "plain 2", "tool_use": "tools 2"}
-
-
-def test_the_tokenizer_reads_the_same_template(tmp_path: Path, tiny_model_dir: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
-    assert Tokenizer(tmp_path / "tokenizer.json").chat_template == ChatRenderer(None).source
-    (tmp_path / "chat_template.jinja").write_text("jinja")
-    assert Tokenizer(tmp_path / "tokenizer.json").chat_template == "jinja"
 
 
 def test_an_unreadable_tokenizer_config_is_a_checkpoint_error(tmp_path: Path) -> None:
