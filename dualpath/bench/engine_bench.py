@@ -38,13 +38,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from dualpath.bench.hardware import hardware_info
 from dualpath.model.identity import kv_facts
+
+if TYPE_CHECKING:  # imported where it runs: building the CLI's parser must not import torch
+    import torch
 
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("ours", "transformers")
@@ -129,6 +132,8 @@ def workloads(config: EngineBenchConfig) -> list[Workload]:
 
 def run_engine_bench(config: EngineBenchConfig, *, show_progress: bool = False) -> dict:
     """Measure every (workload, dtype, engine) side by side; a JSON-able dict (module doc)."""
+    import torch
+
     from dualpath.model.registry import read_config
 
     model_config = read_config(config.model_dir / "config.json")
@@ -236,6 +241,7 @@ class TransformersEngine:
     each token's time (it runs once per token, right after that token's forward)."""
 
     def __init__(self, config: EngineBenchConfig, dtype: str) -> None:
+        import torch
         import transformers
 
         transformers.logging.set_verbosity_error()  # generation-config notes, not results
@@ -247,6 +253,7 @@ class TransformersEngine:
         self.pad_token_id = eos[0] if isinstance(eos, list) else eos
 
     def run(self, prompts: list[list[int]], workload: Workload) -> Timing:
+        import torch
         import transformers
 
         input_ids = torch.tensor(prompts)
@@ -279,6 +286,8 @@ def _load(engine: str, config: EngineBenchConfig, dtype: str) -> OurEngine | Tra
 
 
 def _copy_buffers(num_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     source = torch.ones(num_bytes, dtype=torch.uint8)
     destination = torch.empty(num_bytes, dtype=torch.uint8)
     destination.copy_(source)  # first-touch page faults, once
@@ -302,6 +311,8 @@ def _report(
     weight_bytes: dict[str, int],
     model_config,
 ) -> dict:
+    import torch
+
     copy_bytes_per_s = 2 * _COPY_BYTES / statistics.median(copy_samples_s)
     by_dtype = {
         dtype: _dtype_result(

@@ -24,14 +24,14 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
 
 from dualpath.errors import CheckpointError
-from dualpath.model.make import write_dir_atomically
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 # (see `dualpath bench engine`); bfloat16 halves the file and the memory traffic where a CPU
 # or GPU has fast bf16 matmuls.
 DEFAULT_DTYPE = "float32"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Names, not torch dtypes: the CLI lists them, and building its parser must not import torch.
+DTYPES = ("float32", "bfloat16")
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -98,12 +99,14 @@ def convert_gguf(
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists")
+    from dualpath.model.make import write_dir_atomically  # lazy: it imports torch
+
     reader = _open(gguf_path)
     metadata = _metadata(reader)
     config = _config(metadata, gguf_path, dtype)
 
     def write(tmp: Path) -> None:
-        _write_weights(reader, config, tmp / "model.safetensors", DTYPES[dtype], gguf_path)
+        _write_weights(reader, config, tmp / "model.safetensors", dtype, gguf_path)
         _write_tokenizer(metadata, tmp, gguf_path)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(metadata))
@@ -242,7 +245,10 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_weights(reader, config: dict[str, Any], out: Path, dtype: torch.dtype, path: Path):
+def _write_weights(reader, config: dict[str, Any], out: Path, dtype: str, path: Path):
+    import torch
+    from safetensors.torch import save_file
+
     state: dict[str, torch.Tensor] = {}
     for name, values in _tensors(reader, path):
         hf_name = _hf_name(name)
@@ -252,7 +258,8 @@ def _write_weights(reader, config: dict[str, Any], out: Path, dtype: torch.dtype
             values = _unpermute_rope(values, config["num_attention_heads"])
         elif name.endswith("attn_k.weight"):
             values = _unpermute_rope(values, config["num_key_value_heads"])
-        state[hf_name] = torch.from_numpy(np.require(values, requirements=["C", "W"])).to(dtype)
+        weight = torch.from_numpy(np.require(values, requirements=["C", "W"]))
+        state[hf_name] = weight.to(getattr(torch, dtype))
     config["tie_word_embeddings"] = "lm_head.weight" not in state
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{name}"
