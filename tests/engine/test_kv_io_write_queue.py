@@ -24,7 +24,7 @@ class GatedStore(MemoryKVStore):
         self.permits = threading.Semaphore(0)
 
     def write(self, key, full_block) -> bool:
-        assert self.permits.acquire(timeout=10), "test bug: a write was never released"
+        assert self.permits.acquire(timeout=60), "test bug: a write was never released"
         return super().write(key, full_block)
 
 
@@ -45,13 +45,13 @@ def test_unfinished_writes_count_until_each_is_written_not_until_it_is_reaped() 
             io.persist(f"{block_id:032x}", block_id)
         assert io.num_unfinished_writes == 3
         store.permits.release(2)
-        deadline_s = time.monotonic() + 5.0
+        deadline_s = time.monotonic() + 30.0  # ends when they are written: bounds a hang only
         while io.num_unfinished_writes > 1 and time.monotonic() < deadline_s:
             time.sleep(0.005)
         # Two are written (and no longer load the SNIC), though nothing has reaped them yet.
         assert io.num_unfinished_writes == 1 and store.stats().writes == 2
         store.permits.release(1)
-        assert io.flush(timeout_s=5.0) == 0
+        assert io.flush(timeout_s=30.0) == 0
         assert io.num_unfinished_writes == 0
     finally:
         store.permits.release(10)

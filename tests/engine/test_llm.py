@@ -248,7 +248,13 @@ def test_a_finished_request_names_the_blocks_still_being_written(
         store_io = llm.engine.store_io
         gate = threading.Event()
         write = store_io.store.write
-        store_io.store.write = lambda key, data: gate.wait(10.0) and write(key, data)
+
+        def held_write(key, data):
+            # However long the generation takes: a write that gave up would be lost.
+            assert gate.wait(120.0), "test bug: the store was never released"
+            return write(key, data)
+
+        store_io.store.write = held_write
         prompt = random_ids(150, seed=3)  # 2 full blocks, then 1 more filled by the output
         llm.engine.add_request(prompt, SamplingParams(max_tokens=60, ignore_eos=True))
         outputs = []
