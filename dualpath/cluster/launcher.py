@@ -41,6 +41,7 @@ from dualpath.config import (
 from dualpath.control.channel import new_cluster_token
 from dualpath.engine.capacity import check_capacity
 from dualpath.errors import ClusterUnavailable
+from dualpath.kv.layout import KVLayout
 from dualpath.model.identity import checkpoint_kv_identity
 from dualpath.protocol import DECODE, PREFILL, RequestEvent
 from dualpath.transfer.links import check_pd_ratio
@@ -69,6 +70,44 @@ class ClusterOutput:
     finish_s: float
 
 
+def _scheduler_config(
+    cluster: ClusterConfig, engine: EngineConfig, prefill_tokens_per_s: float
+) -> SchedulerConfig:
+    """The scheduler's config when none is given: the mode's policies, Full Block chunks."""
+    settings = cluster.settings
+    return SchedulerConfig(
+        scheduler=settings.scheduler,
+        read_path=settings.read_path,
+        block_size_tokens=engine.block_size_tokens,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        # The PEs cut prompts at Full Blocks, one block at least.
+        min_prefill_chunk_tokens=engine.block_size_tokens,
+    )
+
+
+def _storage_read_tokens_per_s(cluster: ClusterConfig, layout: KVLayout) -> float:
+    """A node's storage read rate in tokens (for alpha): its SNIC cap, else the default."""
+    snic_gbps = cluster.traffic.snic_bandwidth_gbps
+    read_bytes_per_s = (
+        gbps_to_bytes_per_s(snic_gbps) if snic_gbps > 0 else DEFAULT_STORE_READ_BYTES_PER_S
+    )
+    return read_bytes_per_s / (layout.full_block_bytes / layout.block_size_tokens)
+
+
+def _warn_of_pd_ratio(cluster: ClusterConfig) -> None:
+    """Log SPEC §5's warnings: some link may congest at this P/D ratio."""
+    traffic = cluster.traffic
+    for warning in check_pd_ratio(
+        cluster.num_prefill_nodes,
+        cluster.num_decode_nodes,
+        num_gpus_per_node=cluster.engines_per_node,
+        snic_bandwidth_gbps=traffic.snic_bandwidth_gbps,
+        cnic_bandwidth_gbps=traffic.cnic_bandwidth_gbps,
+        host_memory_bandwidth_gbps=traffic.host_memory_bandwidth_gbps,
+    ):
+        logger.warning("%s", warning)
+
+
 class LocalCluster:
     def __init__(
         self,
@@ -95,42 +134,19 @@ class LocalCluster:
         self.transport = transport
         self.log_dir = log_dir
         self.spawn_engines = spawn_engines
-        settings = cluster.settings
         model_config, self.identity = checkpoint_kv_identity(
             self.model_dir, self.engine_config.dtype, self.engine_config.block_size_tokens
         )
+        self.model_config = model_config
         self.max_model_len = (
             self.engine_config.max_model_len or model_config.max_position_embeddings
         )
         # Refused here, before any engine starts, rather than by the first long request.
         check_capacity(cluster, self.engine_config, self.identity.layout, self.max_model_len)
-        self.scheduler_config = scheduler or SchedulerConfig(
-            scheduler=settings.scheduler,
-            read_path=settings.read_path,
-            block_size_tokens=self.engine_config.block_size_tokens,
-            prefill_tokens_per_s=prefill_tokens_per_s,
-            # The PEs cut prompts at Full Blocks, one block at least.
-            min_prefill_chunk_tokens=self.engine_config.block_size_tokens,
+        self.scheduler_config = scheduler or _scheduler_config(
+            cluster, self.engine_config, prefill_tokens_per_s
         )
-        bytes_per_token = (
-            self.identity.layout.full_block_bytes / self.identity.layout.block_size_tokens
-        )
-        read_bytes_per_s = (
-            gbps_to_bytes_per_s(cluster.traffic.snic_bandwidth_gbps)
-            if cluster.traffic.snic_bandwidth_gbps > 0
-            else DEFAULT_STORE_READ_BYTES_PER_S
-        )
-        traffic = cluster.traffic
-        for warning in check_pd_ratio(
-            cluster.num_prefill_nodes,
-            cluster.num_decode_nodes,
-            num_gpus_per_node=cluster.engines_per_node,
-            snic_bandwidth_gbps=traffic.snic_bandwidth_gbps,
-            cnic_bandwidth_gbps=traffic.cnic_bandwidth_gbps,
-            host_memory_bandwidth_gbps=traffic.host_memory_bandwidth_gbps,
-        ):
-            logger.warning("%s", warning)  # SPEC §5: some link may congest at this P/D ratio
-        self.model_config = model_config
+        _warn_of_pd_ratio(cluster)
         self.token = token or new_cluster_token()
         self.coordinator = Coordinator(
             cluster,
@@ -138,7 +154,7 @@ class LocalCluster:
             self.identity,
             open_store_for_lookups(store.root_dir, self.identity),
             self.token,
-            storage_read_tokens_per_s=read_bytes_per_s / bytes_per_token,
+            storage_read_tokens_per_s=_storage_read_tokens_per_s(cluster, self.identity.layout),
         )
         self.engine_id_to_role = {
             engine_id: PREFILL if node.role.name == "PREFILL" else DECODE
