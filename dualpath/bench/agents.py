@@ -31,6 +31,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
@@ -76,6 +77,30 @@ def digest_tokens(token_ids: list[int]) -> str:
     return hashlib.blake2b(repr(token_ids).encode(), digest_size=8).hexdigest()
 
 
+class AgentClock(Protocol):
+    """The agents' time: seconds, and a way to wait for them inside the event loop."""
+
+    def now_s(self) -> float:
+        """The current time in seconds; never decreases."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` (>= 0) of this clock's time."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class MonotonicAgentClock:
+    """Real time: ``time.monotonic`` and ``asyncio.sleep`` (tests pass a clock of their own,
+    so the gaps between turns are exact there)."""
+
+    def now_s(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
 class TurnFailed(Exception):
     """A turn ended without its exact output: the agent stops there (its record says why)."""
 
@@ -91,13 +116,16 @@ async def run_agents(
     stop_after_s: float | None = None,
     gap_scale: float | None = None,
     max_gap_s: float | None = None,
+    clock: AgentClock | None = None,
 ) -> list[TurnRecord]:
     """Replay every session, each starting its ``arrival_s`` after the call; every turn's
     record, in completion order. An agent whose turn fails stops (later turns depend on it).
     With ``stop_after_s``, agents still running then are cancelled (their open requests
     disconnect, which cancels them on the server) and the records so far are returned. With
     ``gap_scale``, turns keep the trace's gaps between requests, each at most ``max_gap_s``
-    (module docstring)."""
+    (module docstring). The records' times and the gaps are on ``clock`` (default:
+    ``MonotonicAgentClock``); only ``stop_after_s`` runs on the event loop's own clock."""
+    clock = clock if clock is not None else MonotonicAgentClock()
     if gap_scale is not None and not gap_scale >= 0:
         raise ValueError(f"gap_scale must be >= 0, got {gap_scale}")
     if max_gap_s is not None and not max_gap_s >= 0:
@@ -125,11 +153,18 @@ async def run_agents(
         timeout=httpx.Timeout(timeout_s, connect=30.0),
         limits=limits,
     ) as client:
-        start_s = time.monotonic()
+        start_s = clock.now_s()
         agents = asyncio.gather(
             *(
                 _run_agent(
-                    client, model, index, session, start_s + session.arrival_s, record, gap_of
+                    client,
+                    model,
+                    index,
+                    session,
+                    start_s + session.arrival_s,
+                    record,
+                    gap_of,
+                    clock,
                 )
                 for index, session in enumerate(sessions)
             )
@@ -147,19 +182,22 @@ async def _run_agent(
     start_at_s: float,
     record: Callable[[TurnRecord], None],
     gap_of: Callable[[Turn], float | None],
+    clock: AgentClock,
 ) -> None:
-    await asyncio.sleep(max(0.0, start_at_s - time.monotonic()))
+    await clock.sleep(max(0.0, start_at_s - clock.now_s()))
     prompt = session.first_prompt()
     generated: list[int] = []
-    sent_s = time.monotonic()
+    sent_s = clock.now_s()
     for turn in range(session.num_turns):
         if turn:
             prompt = session.next_prompt(turn, prompt, generated)
             gap_s = gap_of(session.turns[turn])
             if gap_s is not None:
-                await asyncio.sleep(max(0.0, sent_s + gap_s - time.monotonic()))
+                await clock.sleep(max(0.0, sent_s + gap_s - clock.now_s()))
         num_output_tokens = session.turns[turn].output_tokens
-        result = await complete_turn(client, model, index, turn, prompt, num_output_tokens)
+        result = await complete_turn(
+            client, model, index, turn, prompt, num_output_tokens, clock=clock
+        )
         sent_s = result.record.arrival_s
         record(result.record)
         if result.record.error is not None:
@@ -180,8 +218,12 @@ async def complete_turn(
     turn: int,
     prompt: list[int],
     num_output_tokens: int,
+    *,
+    clock: AgentClock | None = None,
 ) -> _Completion:
-    """One streamed completion of exactly ``num_output_tokens`` tokens, timed."""
+    """One streamed completion of exactly ``num_output_tokens`` tokens, timed on ``clock``
+    (default: ``MonotonicAgentClock``)."""
+    clock = clock if clock is not None else MonotonicAgentClock()
     body = {
         "model": model,
         "prompt": prompt,
@@ -193,7 +235,7 @@ async def complete_turn(
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
-    arrival_s = time.monotonic()
+    arrival_s = clock.now_s()
     token_times_s: list[float] = []
     token_ids: list[int] = []
     num_cached_tokens = 0
@@ -214,7 +256,7 @@ async def complete_turn(
                     raise TurnFailed(f"server error: {chunk['error']}")
                 for choice in chunk.get("choices", ()):
                     new_ids = choice.get("token_ids") or []
-                    now_s = time.monotonic()
+                    now_s = clock.now_s()
                     token_times_s.extend([now_s] * len(new_ids))
                     token_ids.extend(new_ids)
                 usage = chunk.get("usage")
@@ -234,7 +276,7 @@ async def complete_turn(
         arrival_s=arrival_s,
         first_token_s=token_times_s[0] if token_times_s else None,
         second_token_s=token_times_s[1] if len(token_times_s) > 1 else None,
-        finish_s=time.monotonic(),
+        finish_s=clock.now_s(),
         num_prompt_tokens=len(prompt),
         num_cached_tokens=num_cached_tokens,
         num_output_tokens=len(token_ids),
