@@ -95,7 +95,6 @@ def test_an_online_run_reports_slo_attainment(tiny_model_dir: Path) -> None:
 
 def test_agents_stop_when_told_and_keep_what_finished() -> None:
     import asyncio
-    import time
 
     from dualpath.bench.agents import run_agents
     from dualpath.workload import PRESETS, generate_trajectories
@@ -104,19 +103,19 @@ def test_agents_stop_when_told_and_keep_what_finished() -> None:
         PRESETS["64k"], 2, seed=0, vocab_size=512, length_scale=0.01, turn_scale=0.05
     ).sessions
 
-    async def main() -> tuple[list, float]:
+    async def main() -> list:
         async def never_answer(reader, writer) -> None:  # a server that hangs every request
             await reader.read(1 << 16)
-            await asyncio.sleep(30)
+            await asyncio.Event().wait()
 
         server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        start_s = time.monotonic()
         async with server:
-            records = await run_agents(
-                f"http://127.0.0.1:{port}", "m", sessions, stop_after_s=0.5, timeout_s=60
+            # No answer and an hour's request timeout: stop_after_s is the only way out. The
+            # guard (60 s) ends a run that ignores it instead of hanging the suite.
+            agents = run_agents(
+                f"http://127.0.0.1:{port}", "m", sessions, stop_after_s=0.5, timeout_s=3600
             )
-        return records, time.monotonic() - start_s
+            return await asyncio.wait_for(agents, 60)
 
-    records, elapsed_s = asyncio.run(main())
-    assert records == [] and elapsed_s < 10
+    assert asyncio.run(main()) == []

@@ -105,20 +105,37 @@ def test_the_agentic_preset_replays_packaged_real_sessions() -> None:
     assert 0.85 < stats.ideal_hit_ratio < 0.95  # real sessions' reuse, at 64-token blocks
 
 
+class StepClock:
+    """Agent time that moves only when an agent sleeps: a sleep of d moves it by d at once."""
+
+    def __init__(self) -> None:
+        self.time_s = 0.0
+
+    def now_s(self) -> float:
+        return self.time_s
+
+    async def sleep(self, seconds: float) -> None:
+        self.time_s += seconds
+        await asyncio.sleep(0)  # still a turn of the event loop, as a real sleep is
+
+
 def test_online_agents_can_keep_the_traces_gaps_between_turns() -> None:
     session = Session(
         "s", 0.0, (Turn(np.arange(8), 2), Turn(np.arange(3), 2, gap_s=10.0), Turn([9], 1))
     )
+
+    def sent_s(**gaps) -> list[float]:
+        # Time moves only when an agent waits, so each turn's send time is exact.
+        records = asyncio.run(run_agents(server.url, "m", [session], clock=StepClock(), **gaps))
+        assert [r.error for r in records] == [None] * 3
+        return [r.arrival_s for r in records]
+
     with fake_completions_server(max_prompt_tokens=100) as server:
-        records = asyncio.run(run_agents(server.url, "m", [session], gap_scale=0.1))
-        back_to_back = asyncio.run(run_agents(server.url, "m", [session]))
-        capped = asyncio.run(run_agents(server.url, "m", [session], gap_scale=1, max_gap_s=1))
-    assert all(r.error is None for r in records + back_to_back + capped)
-    sent_s = [t for t, _ in server.requests]
-    assert sent_s[1] - sent_s[0] >= 0.95  # 0.1 x the trace's 10 s (from the client's send)
-    assert sent_s[2] - sent_s[1] < 0.8  # no gap recorded: as soon as turn 1 ends
-    assert sent_s[4] - sent_s[3] < 0.8  # without gap_scale, back to back
-    assert 0.95 <= sent_s[7] - sent_s[6] < 3.0  # 10 s, capped at 1 s
+        # 0.1 x the trace's 10 s after turn 0 was sent; turn 2 has no gap: as soon as 1 ends.
+        assert sent_s(gap_scale=0.1) == [0.0, 1.0, 1.0]
+        assert sent_s() == [0.0, 0.0, 0.0]  # without gap_scale, back to back
+        assert sent_s(gap_scale=1, max_gap_s=1) == [0.0, 1.0, 1.0]  # 10 s, capped at 1 s
+    assert len(server.requests) == 9  # each turn reached the server
 
 
 def test_the_servers_get_the_prompt_limit_the_workload_was_checked_against() -> None:
