@@ -3,9 +3,11 @@ sizes: a prompt of context - 1 tokens, and one of context - 64 that generates up
 are served on the PE, DE and split read paths, cold and warm (hits read from the store), with
 the single-node engine's tokens. A buffer too small for one of them is refused at start.
 
-The context is cut to 2,048 tokens (``--max-model-len``) so that the tiny model prefills it
-fast; buffers are sized from it exactly as from SmolLM2's 8,192 (two whole-context requests),
-so a request is the same share of its buffer as there.
+In `make test` the context is cut to 2,048 tokens (``--max-model-len``) so that the tiny model
+prefills it fast; buffers are sized from it exactly as from SmolLM2's 8,192 (two whole-context
+requests), so a request is the same share of its buffer as there. The embedded default at its
+whole 8,192-token context runs the same (``slow``: eight whole-context prefills, about 15
+minutes on two cores): ``pytest -m slow tests/server/test_long_context.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tests.server.serving import MODEL, Server, random_ids, start_server
 
 CONTEXT = 2048
 BLOCK = 64
+PREFILL_TIMEOUT_S = 900
 
 
 def whole_context_requests(context: int) -> tuple[tuple[int, int], ...]:
@@ -73,11 +76,13 @@ def _complete(server: Server, prompt: list[int], max_tokens: int, *, stream: boo
     """(token ids, cached tokens) of a greedy completion."""
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
     extra = {"ignore_eos": True, "return_token_ids": True}
+    # A whole-context prefill of the real model takes minutes on a loaded 2-core machine.
+    client = server.client.with_options(timeout=PREFILL_TIMEOUT_S)
     if not stream:
-        out = server.client.completions.create(**kwargs, extra_body=extra)
+        out = client.completions.create(**kwargs, extra_body=extra)
         return out.choices[0].token_ids, out.usage.prompt_tokens_details.cached_tokens
     token_ids, cached = [], None
-    chunks = server.client.completions.create(
+    chunks = client.completions.create(
         **kwargs, stream=True, stream_options={"include_usage": True}, extra_body=extra
     )
     for chunk in chunks:
@@ -88,16 +93,36 @@ def _complete(server: Server, prompt: list[int], max_tokens: int, *, stream: boo
     return token_ids, cached
 
 
+READ_PATHS = ["pe", "de", "split"]
+DEFAULT_MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's
+
+
 @pytest.fixture(scope="module")
 def references(tiny_model_dir: Path) -> list:
     return reference_outputs(tiny_model_dir, CONTEXT)
 
 
-@pytest.mark.parametrize("read_path", ["pe", "de", "split"])
+@pytest.mark.parametrize("read_path", READ_PATHS)
 def test_whole_context_requests_are_served_on_every_read_path(
     read_path: str, tiny_model_dir: Path, references: list, tmp_path: Path
 ) -> None:
     serve_whole_context(tiny_model_dir, tmp_path, read_path, CONTEXT, references)
+
+
+@pytest.fixture(scope="module")
+def default_model_references(smollm2_model_dir: Path) -> list:
+    return reference_outputs(smollm2_model_dir, DEFAULT_MODEL_CONTEXT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("read_path", READ_PATHS)
+def test_the_default_model_serves_its_whole_context_on_every_read_path(
+    read_path: str, smollm2_model_dir: Path, default_model_references: list, tmp_path: Path
+) -> None:
+    serve_whole_context(
+        smollm2_model_dir, tmp_path, read_path, DEFAULT_MODEL_CONTEXT, default_model_references
+    )
 
 
 def _refused(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
