@@ -22,7 +22,6 @@ import msgpack
 from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.decode import DecodeEngine
-from dualpath.engine.kv_io import Mover
 from dualpath.engine.llm import LLMEngine
 from dualpath.engine.prefill import PrefillEngine
 from dualpath.engine.profile import profile_layer_time
@@ -45,6 +44,7 @@ from dualpath.protocol import (
 )
 from dualpath.scheduler.attention_predictor import AttentionTimePredictor
 from dualpath.scheduler.batching import PrefillBatcher
+from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import BufferDescriptor, Transport
 
 logger = logging.getLogger(__name__)

@@ -32,13 +32,11 @@ from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.hashing import BlockKey
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore
+from dualpath.transfer.traffic import Mover
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
-
-# (link name, number of bytes, the movement) -> what the movement returns (see kv_io.Mover).
-_Mover = Callable[[str, int, Callable[[], object]], object]
 
 
 class KVBuffer:
@@ -153,7 +151,7 @@ class StoreReader:
         self,
         store: KVStore | None,
         buffer: KVBuffer,
-        mover: _Mover,
+        mover: Mover,
         *,
         num_threads: int,
         name: str,

@@ -26,7 +26,6 @@ from functools import partial
 import numpy as np
 
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
-from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.llm import LLMEngine
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.protocol import (
@@ -36,6 +35,7 @@ from dualpath.protocol import (
     PrefillDone,
     TokenUpdate,
 )
+from dualpath.transfer.traffic import Mover, direct_move
 from dualpath.types import SamplingParams, TokenLogprob, sampling_params_from_dict
 
 logger = logging.getLogger(__name__)

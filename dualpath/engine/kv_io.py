@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -29,16 +29,9 @@ from dualpath.engine.kv_cache import PagedKVCache
 from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import BlockKey
 from dualpath.kv.store import KVStore
+from dualpath.transfer.traffic import Mover, direct_move
 
 logger = logging.getLogger(__name__)
-
-# (link name, number of bytes, the movement) -> what the movement returns. In a cluster it is
-# the engine's traffic manager (accounting and pacing, SPEC §4); alone, a plain call.
-Mover = Callable[[str, int, Callable[[], object]], object]
-
-
-def direct_move(link: str, num_bytes: int, do_move: Callable[[], object]) -> object:
-    return do_move()
 
 
 class KVStoreIO:

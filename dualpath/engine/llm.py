@@ -27,7 +27,7 @@ import torch
 
 from dualpath.config import EngineConfig, KVStoreConfig
 from dualpath.engine.kv_cache import PagedKVCache, num_blocks_for_bytes
-from dualpath.engine.kv_io import KVStoreIO, Mover, direct_move
+from dualpath.engine.kv_io import KVStoreIO
 from dualpath.engine.runner import ModelRunner, ScheduledSeq
 from dualpath.engine.sampling import (
     SamplingParams,
@@ -43,6 +43,7 @@ from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import LoadedModel, load_model
+from dualpath.transfer.traffic import Mover, direct_move
 
 logger = logging.getLogger(__name__)
 

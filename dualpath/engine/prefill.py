@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
-from dualpath.engine.kv_io import Mover, direct_move
 from dualpath.engine.sampling import (
     banned_token_ids,
     make_generator,
@@ -52,6 +51,7 @@ from dualpath.model.layerwise import LayerwiseModel, PackedBatch
 from dualpath.protocol import Assignment, DecodeReady, PrefillDone
 from dualpath.scheduler.attention_predictor import ConstantAttentionTimePredictor
 from dualpath.scheduler.batching import PrefillBatcher, PrefillChunk, PrefillWork
+from dualpath.transfer.traffic import Mover, direct_move
 from dualpath.types import SamplingParams, sampling_params_from_dict
 
 logger = logging.getLogger(__name__)

@@ -59,6 +59,17 @@ DEFAULT_GAP_FILL_S = 0.001
 # --- the pure policy of one capped link ---------------------------------------------------
 
 
+# How KV code charges a movement to a link: (link name, number of bytes, the movement) -> what
+# the movement returns. In an engine process it is the engine's KV traffic (accounting and
+# pacing, SPEC §4: ``TrafficManager.move`` in the KV class); alone, a plain call.
+Mover = Callable[[str, int, Callable[[], object]], object]
+
+
+def direct_move(link: str, num_bytes: int, do_move: Callable[[], object]) -> object:
+    """The ``Mover`` of an engine with no links: the movement, uncounted."""
+    return do_move()
+
+
 @dataclass(frozen=True, slots=True)
 class ServedSegment:
     """``num_bytes`` of one transfer carried evenly over ``duration_s`` from ``offset_s``.
