@@ -22,23 +22,46 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 
-from dualpath.engine.kv_cache import PagedKVCache
 from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import BlockKey
+from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore
 from dualpath.transfer.traffic import Mover, direct_move
 
 logger = logging.getLogger(__name__)
 
 
+class BlockCache(Protocol):
+    """What ``KVStoreIO`` needs of an engine's paged KV cache: blocks addressed by id, each
+    one Full Block of ``layout`` in the store's byte order. Our ``PagedKVCache`` is one; a
+    cache another engine owns (vLLM's) can be another, converting to and from its own order.
+    """
+
+    layout: KVLayout
+
+    def host_view(self, block_id: int) -> np.ndarray | None:
+        """A zero-copy uint8 Full Block view of block ``block_id`` for the store to read into,
+        or None when the block's bytes are not host memory in the store's order."""
+        ...
+
+    def load_full_block(self, block_id: int, full_block: np.ndarray) -> None:
+        """Copy a Full Block read from the store into block ``block_id``."""
+        ...
+
+    def copy_full_block(self, block_id: int) -> np.ndarray:
+        """Block ``block_id`` as a new host Full Block (the caller may keep it)."""
+        ...
+
+
 class KVStoreIO:
     def __init__(
         self,
         store: KVStore,
-        cache: PagedKVCache,
+        cache: BlockCache,
         *,
         num_io_threads: int,
         max_pending_write_bytes: int,
