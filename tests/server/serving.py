@@ -4,6 +4,7 @@ metrics, stop it. Each test module that needs a server starts its own (``start_s
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -135,6 +136,20 @@ def is_running(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+@contextmanager
+def paused(*pids: int) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) for the block, then continued: whatever they would do
+    cannot happen meanwhile, on any machine. Keep the block shorter than the server's
+    heartbeat timeout, or the scheduler declares them dead."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def engine_pids(server: Server) -> dict[int, int]:

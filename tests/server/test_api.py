@@ -21,9 +21,11 @@ from tests.server.serving import (
     Server,
     auth,
     child_pids,
+    engine_pids,
     http_count,
     is_running,
     metric_values,
+    paused,
     random_ids,
     start_server,
 )
@@ -32,7 +34,14 @@ pytest.importorskip("nixl_cu12")
 
 MAX_WAITING = 4
 MAX_REQUEST_BYTES = 200_000
-LONG_PROMPT_TOKENS = 2000  # long enough that prefills queue behind each other
+LONG_PROMPT_TOKENS = 2000
+PREFILL_ENGINE_ID = 0  # 1P2D: engine 0 is the PE
+# Tests pause an engine (SIGSTOP) for a moment to hold requests back; the scheduler must not
+# declare it dead meanwhile, however slow the machine.
+HEARTBEAT_TIMEOUT_S = 120
+# For what must happen (a metric reaching its value, engines going idle): waits end as soon
+# as it has, so this only bounds a real hang.
+BUDGET_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +52,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         root,
         "--max-waiting-requests", str(MAX_WAITING),
         "--max-request-bytes", str(MAX_REQUEST_BYTES),
+        "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
     ) as started:  # fmt: skip
         yield started
 
@@ -314,10 +324,12 @@ def test_a_full_waiting_queue_answers_429_and_counts_it(server: Server) -> None:
     # Alone too big for the queue: refused at once.
     with pytest.raises(openai.RateLimitError, match="waiting queue is full"):
         server.client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=MAX_WAITING + 1)
-    # Long prompts arriving together: the first ones wait for the prefill engine; the rest
-    # find the queue full. (Streamed, so that the statuses come at admission.)
-    statuses = asyncio.run(open_streams_together(server, num_requests=2 * MAX_WAITING))
-    assert statuses.count(429) >= 1 and set(statuses) <= {200, 429}, statuses
+    # Requests arriving while the prefill engine is paused: none can get a first token, so
+    # the first MAX_WAITING wait and the rest find the queue full, however fast the machine.
+    # (Streamed, so that the statuses come at admission.)
+    with paused(engine_pids(server)[PREFILL_ENGINE_ID]):
+        statuses = asyncio.run(open_streams_together(server, num_requests=2 * MAX_WAITING))
+    assert sorted(statuses) == [200] * MAX_WAITING + [429] * MAX_WAITING, statuses
     after = metric_values(server)
     num_429 = 1 + statuses.count(429)
     route = "/v1/completions"
@@ -350,7 +362,7 @@ async def open_streams_together(server: Server, num_requests: int) -> list[int]:
         return list(await asyncio.gather(*(open_stream(100 + i) for i in range(num_requests))))
 
 
-def wait_for_metric(server: Server, key: tuple, value: float, timeout_s: float = 10) -> dict:
+def wait_for_metric(server: Server, key: tuple, value: float, timeout_s: float = BUDGET_S) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         values = metric_values(server)
@@ -372,22 +384,46 @@ def test_a_client_that_disconnects_cancels_its_request(server: Server) -> None:
         "ignore_eos": True,
         "stream": True,
     }
+    num_blocks_before = num_stored_blocks(server)
     with server.http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
-    # Non-streaming too: the client gives up after a second.
-    with pytest.raises(httpx.ReadTimeout):
-        server.http.post("/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    # Non-streaming too: the client gives up while the prefill engine is paused, so the
+    # request cannot have finished first, however fast the machine.
+    with paused(engine_pids(server)[PREFILL_ENGINE_ID]), pytest.raises(httpx.ReadTimeout):
+        server.http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
     cancelled = ("dualpath_generations_total", (("finish_reason", "cancelled"),))
-    after = wait_for_metric(server, cancelled, before.get(cancelled, 0.0) + 2)
-    assert after[("dualpath_requests_running", ())] == 0
-    assert after[("dualpath_requests_waiting", ())] == 0
-    # The engines stopped decoding it: no new block of its output reaches the store.
-    time.sleep(0.5)
-    num_blocks = len(list((server.root / "kv").rglob("*.kvb")))
-    time.sleep(3.0)
-    assert len(list((server.root / "kv").rglob("*.kvb"))) == num_blocks
+    wait_for_metric(server, cancelled, before.get(cancelled, 0.0) + 2)
+    wait_for_metric(server, ("dualpath_requests_running", ()), 0)
+    wait_for_metric(server, ("dualpath_requests_waiting", ()), 0)
+    # The engines stopped decoding it: once they are idle, the store does not hold the 63
+    # blocks of 4000 output tokens (an engine decoding on would stay busy until it did).
+    wait_until_engines_are_idle(server)
+    assert num_stored_blocks(server) - num_blocks_before < 32
+
+
+def num_stored_blocks(server: Server) -> int:
+    return len(list((server.root / "kv").rglob("*.kvb")))
+
+
+def wait_until_engines_are_idle(server: Server) -> None:
+    """Until no engine's busy time grows between two scrapes 1 s apart (engines report it
+    every 0.25 s when idle)."""
+    deadline_s = time.monotonic() + BUDGET_S
+
+    def busy_s() -> dict:
+        values = metric_values(server)
+        return {k: v for k, v in values.items() if k[0] == "dualpath_engine_busy_seconds_total"}
+
+    last = busy_s()
+    while True:
+        time.sleep(1.0)
+        now = busy_s()
+        if now == last:
+            return
+        assert time.monotonic() < deadline_s, f"engines still busy: {now}"
+        last = now
 
 
 def test_metrics_count_requests_and_tokens(server: Server) -> None:
@@ -435,7 +471,7 @@ def test_sigterm_ends_requests_stops_every_child_and_exits_0(server: Server) -> 
         "the server is shutting down"
     )
     assert server.process.wait(timeout=30) == 0, server.log[-3000:]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + BUDGET_S  # ends once they are gone
     while any(is_running(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in children if is_running(p)]
