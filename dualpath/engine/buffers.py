@@ -2,7 +2,8 @@
 
 A buffer is one numpy array ``[num_slots, num_layers, block_size, bytes_per_token_per_layer]``
 (uint8), registered once with the transport, so a slot is one contiguous Full Block and
-``(slot, layer)`` is one contiguous Layer Block at a fixed byte offset::
+``(slot, layer)`` is one contiguous Layer Block at a fixed byte offset (the transport's
+``SlotLayout.full_blocks``, which peers address it by)::
 
     offset(slot, layer) = (slot * num_layers + layer) * layer_block_bytes
 
@@ -100,9 +101,6 @@ class KVBuffer:
 
     def layer_block(self, slot: int, layer: int) -> np.ndarray:
         return self.array[slot, layer]
-
-    def layer_offset_bytes(self, slot: int, layer: int) -> int:
-        return (slot * self.layout.num_layers + layer) * self.layout.layer_block_bytes
 
 
 class SlotQueue(Generic[R]):

@@ -5,6 +5,7 @@ import pytest
 
 from dualpath.engine.buffers import KVBuffer
 from dualpath.kv.layout import KVLayout
+from dualpath.transfer.transport import SlotLayout
 
 LAYOUT = KVLayout(num_layers=3, block_size_tokens=4, bytes_per_token_per_layer=8)
 
@@ -22,13 +23,16 @@ def test_back_pressure_then_release() -> None:
         buffer.allocate(6)  # could never fit: refused, not queued forever
 
 
-def test_layer_offsets_address_the_layer_block_views() -> None:
+def test_the_transports_offsets_address_the_layer_block_views() -> None:
+    """A peer writes ``(slot, layer)`` at ``SlotLayout.full_blocks``' offset: the same bytes
+    the engine reads through ``layer_block``."""
     buffer = KVBuffer(LAYOUT, capacity_bytes=4 * LAYOUT.full_block_bytes)
     flat = buffer.array.reshape(-1)
+    slots = SlotLayout.full_blocks(LAYOUT)
     for slot in range(4):
         for layer in range(3):
             view = buffer.layer_block(slot, layer)
-            offset = buffer.layer_offset_bytes(slot, layer)
+            offset = slots.offset_bytes(slot, layer)
             view[...] = slot * 3 + layer + 1
             assert np.all(flat[offset : offset + LAYOUT.layer_block_bytes] == slot * 3 + layer + 1)
             assert np.shares_memory(view, buffer.full_block(slot))
