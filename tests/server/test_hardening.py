@@ -36,8 +36,11 @@ PREFILL_ENGINE_ID = 0  # 1P2D: engine 0 is the PE, 1 and 2 the DEs
 DECODE_ENGINE_IDS = (1, 2)
 NUM_STREAMS = 8
 STREAM_TOKENS = 200
-# How soon after a kill its streams must end and /health must show it (the bound).
-DETECTION_BOUND_S = 1.0
+# Silence is not how a killed engine is found: it is seen by its exit, "at once". With a
+# heartbeat timeout far beyond BUDGET_S, a death shown within the budget was seen that way
+# (its reason says so too), however slow the machine; no wall-clock bound is needed.
+HEARTBEAT_TIMEOUT_S = 600
+BUDGET_S = 60  # for what must happen; waits end as soon as it has
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     root = tmp_path_factory.mktemp("hardening")
     # Killed engines stay dead here (the restart has its own tests).
     with start_server(
-        tiny_model_dir, root, "--no-restart-engines", has_engine_log_dir=False
+        tiny_model_dir,
+        root,
+        "--no-restart-engines",
+        "--heartbeat-timeout-s",
+        str(HEARTBEAT_TIMEOUT_S),
+        has_engine_log_dir=False,
     ) as started:
         yield started
 
@@ -216,7 +224,7 @@ async def stream_until_killed(server: Server, victim_pid: int) -> tuple[float, f
         await asyncio.wait_for(started.wait(), timeout=60)
         kill_s = time.monotonic()
         os.kill(victim_pid, signal.SIGKILL)
-        health_s = await asyncio.wait_for(health_changed(client), timeout=10)
+        health_s = await asyncio.wait_for(health_changed(client), timeout=BUDGET_S)
         return kill_s, health_s - kill_s, list(await asyncio.gather(*tasks))
 
 
@@ -226,7 +234,7 @@ def health_after(server: Server, since_s: float, predicate) -> tuple[float, http
         response = server.health()
         if predicate(response):
             return time.monotonic() - since_s, response
-        assert time.monotonic() - since_s < 10, response.text
+        assert time.monotonic() - since_s < BUDGET_S, response.text
         time.sleep(0.02)
 
 
@@ -242,11 +250,10 @@ def test_a_killed_decode_engines_streams_go_on_with_the_same_tokens(server: Serv
     assert all(s["status"] == 200 for s in streams)
     assert [s["error"] for s in streams] == [None] * NUM_STREAMS  # none failed: they went on
     assert all(len(s["token_ids"]) == STREAM_TOKENS for s in streams)
-    assert health_s < DETECTION_BOUND_S
     body = health.json()
     assert health.status_code == 200  # one DE serves on
     assert body["num_live_engines_by_role"] == {"prefill": 1, "decode": 1}
-    assert "exited" in body["dead_engines"][str(victim_id)]
+    assert "exited" in body["dead_engines"][str(victim_id)]  # seen by its exit, not silence
     assert not is_running(victim)  # reaped, not a zombie
     metrics = dict(
         line.rsplit(" ", 1)
@@ -272,10 +279,10 @@ def test_with_the_prefill_engine_gone_health_and_requests_are_503_at_once(
     os.kill(engine_pids(server)[PREFILL_ENGINE_ID], signal.SIGKILL)
     health_s, health = health_after(server, kill_s, lambda r: r.status_code == 503)
     print(f"\nPE killed: /health 503 after {health_s:.3f} s")
-    assert health_s < DETECTION_BOUND_S
     assert health.json()["reason"] == "no prefill engine is alive"
-    start_s = time.monotonic()
+    assert "exited" in health.json()["dead_engines"][str(PREFILL_ENGINE_ID)]
+    # Refused, not queued: with no restart, a queued request would wait for a PE that never
+    # comes, until the client's timeout.
     response = complete(server, prompt="x", max_tokens=2)
     assert_openai_error(response, 503)
     assert "no prefill engine" in response.json()["error"]["message"]
-    assert time.monotonic() - start_s < DETECTION_BOUND_S
