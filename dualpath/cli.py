@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from dualpath import __version__
 from dualpath.errors import DualPathError
@@ -1257,8 +1258,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 # --- main ------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (and its subcommands'), whose usage errors read as every other
+    error of the command does: one ``dualpath: error:`` line, exit 2, and where to look."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("dualpath").strip()
+        where = f"{command}: " if command else ""
+        self.exit(2, f"dualpath: error: {where}{message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dualpath",
         description="DualPath LLM serving for agentic, multi-turn workloads.",
     )
