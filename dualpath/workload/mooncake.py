@@ -126,35 +126,48 @@ def packaged_trace_path(name: str) -> Path:
 def read_trace_rows(
     path: str | Path, *, block_size_tokens: int = TRACE_BLOCK_SIZE_TOKENS
 ) -> list[TraceRow]:
-    """Every row of the file, validated; ``TraceFormatError`` at the first bad line."""
+    """Every row of the file, validated; ``TraceFormatError`` at the first bad line, and
+    ``ValueError`` naming the path for a file that cannot be read (missing, a directory)."""
     if block_size_tokens < 1:
         raise ValueError(f"block_size_tokens must be >= 1, got {block_size_tokens}")
     rows: list[TraceRow] = []
     next_turn: dict[str, int] = {}
-    with open(path, encoding="utf-8") as file:
-        for line_no, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            row = _parse_row(line, line_no, where, block_size_tokens)
-            if rows and (row.session_id is None) != (rows[0].session_id is None):
-                raise TraceFormatError(
-                    f"{where}: rows with and without session_id/turn are mixed "
-                    f"(line {rows[0].line_no} sets the file's format)"
-                )
-            if row.session_id is not None:
-                expected = next_turn.get(row.session_id, 0)
-                if row.turn != expected:
-                    problem = "duplicate or out-of-order" if row.turn < expected else "skips to"
-                    raise TraceFormatError(
-                        f"{where}: session {row.session_id!r} {problem} turn {row.turn}; "
-                        f"expected turn {expected}"
-                    )
-                next_turn[row.session_id] = expected + 1
-            rows.append(row)
+    try:
+        with open(path, encoding="utf-8") as file:
+            for line_no, line in enumerate(file, start=1):
+                if not line.strip():
+                    continue
+                row = _parse_row(line, line_no, f"{path}:{line_no}", block_size_tokens)
+                _check_order(row, rows, next_turn, f"{path}:{line_no}")
+                rows.append(row)
+    except OSError as exc:  # missing, a directory, unreadable: the path is the input's fault
+        raise ValueError(f"trace {path}: cannot be read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{path}: not UTF-8 text, so not a JSONL trace ({exc})") from exc
     if not rows:
         raise TraceFormatError(f"{path}: no rows")
     return rows
+
+
+def _check_order(
+    row: TraceRow, rows: list[TraceRow], next_turn: dict[str, int], where: str
+) -> None:
+    """``TraceFormatError`` unless ``row`` may follow ``rows``: one format for the whole file,
+    and each session's turns 0, 1, 2, ... in order (``next_turn``: each session's next)."""
+    if rows and (row.session_id is None) != (rows[0].session_id is None):
+        raise TraceFormatError(
+            f"{where}: rows with and without session_id/turn are mixed "
+            f"(line {rows[0].line_no} sets the file's format)"
+        )
+    if row.session_id is not None:
+        expected = next_turn.get(row.session_id, 0)
+        if row.turn != expected:
+            problem = "duplicate or out-of-order" if row.turn < expected else "skips to"
+            raise TraceFormatError(
+                f"{where}: session {row.session_id!r} {problem} turn {row.turn}; "
+                f"expected turn {expected}"
+            )
+        next_turn[row.session_id] = expected + 1
 
 
 def _parse_row(line: str, line_no: int, where: str, block_size_tokens: int) -> TraceRow:
