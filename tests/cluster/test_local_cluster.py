@@ -23,6 +23,11 @@ from tests.helpers import assert_same_tokens
 pytest.importorskip("nixl_cu12")
 
 BLOCK = 64
+# For what must happen (a death noticed, a report arriving, processes exiting): waits end as
+# soon as it has, so these only bound a real hang, however loaded the machine. An engine
+# coming back loads its model again: more.
+BUDGET_S = 60
+RESTART_BUDGET_S = 120
 
 
 def random_ids(n: int, seed: int) -> list[int]:
@@ -93,11 +98,17 @@ def test_idle_engines_only_keep_alive_and_requests_still_place_at_once(
 ) -> None:
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     cluster.generate([random_ids(100, seed=7)], params, timeout_s=60)
-    time.sleep(1.0)  # the engines settle (last writes, last changed reports)
-    before = cluster.coordinator.num_reports
-    time.sleep(1.0)
-    # Three engines at 10 ms would send ~300; idle, each keeps alive every 0.25 s.
-    assert cluster.coordinator.num_reports - before <= 20
+    # Three engines at 10 ms would send ~300 a second; idle, each keeps alive every 0.25 s.
+    # The engines settle first (last writes, last changed reports), however long that takes:
+    # a second with few reports must come, and never does if they report on regardless.
+    deadline_s = time.monotonic() + BUDGET_S
+    while True:
+        before = cluster.coordinator.num_reports
+        time.sleep(1.0)
+        num_reports = cluster.coordinator.num_reports - before
+        if num_reports <= 20:
+            break
+        assert time.monotonic() < deadline_s, f"{num_reports} reports in the last second"
     (out,) = cluster.generate([random_ids(100, seed=8)], params, timeout_s=60)
     assert out.error is None and len(out.token_ids) == 2
 
@@ -125,7 +136,7 @@ def test_engines_exit_when_the_launcher_is_killed(tiny_model_dir: Path, tmp_path
     assert len(pids) == 3
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + BUDGET_S
     alive = pids
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -198,11 +209,19 @@ def test_streaming_requests_go_on_with_the_same_tokens_when_their_decode_engine_
         assert_same_tokens(streamed, undisturbed, label=f"request {i}")
 
 
-def _restarting(tiny_model_dir: Path, tmp_path: Path, *, num_decode_nodes: int) -> LocalCluster:
-    """1P-N-D with a 2 s heartbeat timeout that starts an engine that died again."""
+def _restarting(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    *,
+    num_decode_nodes: int,
+    heartbeat_timeout_s: float = 2.0,
+) -> LocalCluster:
+    """1P-N-D (a 2 s heartbeat timeout unless told) that starts an engine that died again."""
     return LocalCluster(
         ClusterConfig(
-            num_prefill_nodes=1, num_decode_nodes=num_decode_nodes, heartbeat_timeout_s=2.0
+            num_prefill_nodes=1,
+            num_decode_nodes=num_decode_nodes,
+            heartbeat_timeout_s=heartbeat_timeout_s,
         ),
         model_dir=tiny_model_dir,
         store=KVStoreConfig(root_dir=tmp_path / "kv"),
@@ -220,10 +239,10 @@ def test_a_dead_engine_is_restarted_and_rejoins_the_running_scheduler(
         kill_s = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         while 2 not in cluster.snapshot().dead_engines:
-            assert time.monotonic() - kill_s < 5, "the death was not noticed"
+            assert time.monotonic() - kill_s < BUDGET_S, "the death was not noticed"
             time.sleep(0.01)
         while not cluster.snapshot().is_ready:
-            assert time.monotonic() - kill_s < 60, "engine 2 did not come back"
+            assert time.monotonic() - kill_s < RESTART_BUDGET_S, "engine 2 did not come back"
             time.sleep(0.05)
         print(f"\nengine 2 back {time.monotonic() - kill_s:.1f} s after the kill")
         snapshot = cluster.snapshot()
@@ -250,12 +269,12 @@ def test_an_engine_declared_dead_while_alive_leaves_and_rejoins_afresh(
         stall_s = time.monotonic()
         try:
             while 2 not in cluster.snapshot().dead_engines:
-                assert time.monotonic() - stall_s < 10, "the stall was not noticed"
+                assert time.monotonic() - stall_s < BUDGET_S, "the stall was not noticed"
                 time.sleep(0.05)
         finally:
             os.kill(stalled, signal.SIGCONT)
         while not cluster.snapshot().is_ready:
-            assert time.monotonic() - stall_s < 60, "engine 2 did not come back"
+            assert time.monotonic() - stall_s < RESTART_BUDGET_S, "engine 2 did not come back"
             time.sleep(0.05)
         snapshot = cluster.snapshot()
         assert snapshot.engine_restarts == {2: 1} and snapshot.dead_engines == {}
@@ -268,18 +287,22 @@ def test_without_a_prefill_engine_requests_fail_at_once_until_it_is_back(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    with _restarting(tiny_model_dir, tmp_path, num_decode_nodes=1) as cluster:
+    # Silence is not how the loss is found: with a heartbeat timeout far beyond the budget, a
+    # loss seen within it was seen by the exit, "at once", however slow the machine.
+    with _restarting(
+        tiny_model_dir, tmp_path, num_decode_nodes=1, heartbeat_timeout_s=600.0
+    ) as cluster:
         kill_s = time.monotonic()
         os.kill(cluster.engine_pids[0], signal.SIGKILL)
         while cluster.snapshot().unavailable_reason is None:
-            assert time.monotonic() - kill_s < 2, "the loss of the only PE was not seen"
+            assert time.monotonic() - kill_s < BUDGET_S, "the loss of the only PE was not seen"
             time.sleep(0.01)
-        start_s = time.monotonic()
-        (failed,) = cluster.generate([random_ids(100, seed=1)], params, timeout_s=10)
+        assert "exited" in cluster.snapshot().dead_engines[0]
+        # Failed, not queued until the PE is back (a restart loads the model: seconds).
+        (failed,) = cluster.generate([random_ids(100, seed=1)], params, timeout_s=BUDGET_S)
         assert failed.error == "no prefill engine is alive"
-        assert time.monotonic() - start_s < 2
         while not cluster.snapshot().is_ready:  # restarted: the server recovers on its own
-            assert time.monotonic() - kill_s < 60, "the prefill engine did not come back"
+            assert time.monotonic() - kill_s < RESTART_BUDGET_S, "the PE did not come back"
             time.sleep(0.05)
         (served,) = cluster.generate([random_ids(100, seed=1)], params, timeout_s=60)
         assert served.error is None and len(served.token_ids) == 4
@@ -333,17 +356,20 @@ def test_a_turn_sent_at_once_still_hits_the_blocks_being_written(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """An agent's next turn arrives while the DE is still writing the last turn's blocks
-    through a slow SNIC (0.02 Gbps: ~50 ms a block): it waits for them, no recompute."""
+    through a slow SNIC (0.004 Gbps: ~0.25 s a block): it waits for them, no recompute."""
     from dualpath.config import TrafficConfig
 
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    context = random_ids(640, seed=21)  # 10 blocks: ~0.5 s of writes
+    # 10 blocks: ~2.5 s of writes from when the DE got them, while the next turn is sent as
+    # soon as this one ends (4 tokens later); a wait that long is allowed for.
+    context = random_ids(640, seed=21)
     with LocalCluster(
         ClusterConfig(
             num_prefill_nodes=1,
             num_decode_nodes=1,
             mode="dualpath",
-            traffic=TrafficConfig(snic_bandwidth_gbps=0.02),
+            traffic=TrafficConfig(snic_bandwidth_gbps=0.004),
+            persist_wait_s=60.0,
         ),
         model_dir=tiny_model_dir,
         store=KVStoreConfig(root_dir=tmp_path / "kv"),
@@ -378,7 +404,7 @@ def test_an_mla_model_serves_a_conversation_reading_through_both_sides(
         ]
         second = cluster.generate(prompts, params, timeout_s=120)
         expected_bytes = sum(o.num_cached_tokens for o in second) * 4 * 320
-        deadline_s = time.monotonic() + 10
+        deadline_s = time.monotonic() + BUDGET_S
         while True:  # the engines' reports carry their read counters
             links = cluster.coordinator.link_bytes()
             read_bytes = [links[e].get("store_read_bytes", 0) for e in (0, 1)]
