@@ -5,6 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Hypothesis fails an example that runs over 200 ms (its default deadline) and data generation
+# it finds slow (a health check): both are wall-clock bounds a loaded machine can break, and no
+# property here is about speed.
+settings.register_profile("dualpath", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("dualpath")
 
 
 @pytest.fixture(scope="session", autouse=True)
