@@ -38,7 +38,7 @@ class Server:
         return (self.root / "server.log").read_text()
 
     def health(self) -> httpx.Response:
-        return httpx.get(f"{self.url}/health", timeout=5)
+        return httpx.get(f"{self.url}/health", timeout=30)  # as long as every other request
 
 
 def auth(key: str = API_KEY) -> dict[str, str]:
