@@ -68,7 +68,7 @@ from dualpath.model.identity import kv_facts
 from dualpath.model.registry import read_config
 from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import bytes_per_s_to_gbps
-from dualpath.workload import Misfit, Workload, first_misfit, workload_stats
+from dualpath.workload import Misfit, Workload, first_misfit, ideal_hit_ratio, workload_stats
 
 # The servers' KV block (serve --block-size's default): hits are whole blocks of it.
 BLOCK_SIZE_TOKENS = EngineConfig().block_size_tokens
@@ -222,6 +222,9 @@ def run_offline(
     workload = load_workload(
         shape, model_dir=model_dir, seed=seed, max_prompt_tokens=max_prompt_tokens
     )
+    if preset.snic_bandwidth_gbps is None:
+        what = f"--preset {preset_name}" if rho is None else f"--rho {rho:g}"
+        check_calibration_workload(workload, what)
     base = oracle_run(
         preset,
         model_dir,
@@ -267,6 +270,30 @@ def run_offline(
     report["modes"] = {mode: results[mode] for mode in modes}
     finish_report(report, modes)
     return report
+
+
+def check_calibration_workload(workload: Workload, what: str) -> None:
+    """``ValueError`` before any server starts when ``calibrate`` could not work on
+    ``workload``: the caps come from the hit KV the calibration run reads from the store, and
+    a workload whose turns never reuse a whole block of an earlier turn reads none. ``what``
+    names the flag that asked for calibration (``--preset paper-ratio``, ``--rho 2``)."""
+    if ideal_hit_ratio(workload, block_size_tokens=BLOCK_SIZE_TOKENS) > 0:
+        return
+    max_turns = max(session.num_turns for session in workload.sessions)
+    reason = (
+        f"every one of its {workload.num_sessions} sessions has a single turn"
+        if max_turns == 1
+        else f"none of its {workload.num_sessions} sessions' turns starts with a whole "
+        f"{BLOCK_SIZE_TOKENS}-token block of an earlier turn (a larger --length-scale makes "
+        "prompts longer)"
+    )
+    fixed = ", ".join(name for name, p in PRESETS.items() if p.snic_bandwidth_gbps is not None)
+    raise ValueError(
+        f"{what} calibrates the SNIC caps on the hit KV a prefill engine reads from the KV "
+        f"store, but this workload has no hits: {reason}; replay multi-turn sessions (a "
+        f"--trace whose turns extend earlier ones, or leave --trace out), or use a preset with "
+        f"fixed caps ({fixed}) without --rho"
+    )
 
 
 def calibrate(oracle: dict, rho: float, model_dir: Path) -> dict:
@@ -409,10 +436,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rho",
+        type=_rho_values,
         default=None,
         help="calibrate SNIC caps to this hit-KV demand over one SNIC (e.g. 2), or a sweep "
         "0.5,1,2,3 (each value runs the modes; plotted against the ideal speedup)",
     )
+
+
+def _rho_values(text: str) -> list[float]:
+    """``--rho``: one value or a comma-separated sweep, each finite and > 0 (a cap is the
+    demand divided by it)."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < value < math.inf for value in values):
+        raise argparse.ArgumentTypeError(
+            f"expected a number > 0 or a comma-separated sweep of them (0.5,1,2,3), got {text!r}"
+        )
+    return values
 
 
 def main(args: argparse.Namespace) -> int:
@@ -424,7 +466,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--url runs against one existing server: do not give --modes")
         return _write(_run_url(args, model_dir), args)
     modes = [m.strip() for m in (args.modes or "basic,dualpath,oracle").split(",") if m.strip()]
-    rhos = [float(x) for x in args.rho.split(",")] if args.rho else [None]
+    rhos = args.rho or [None]
     reports = [
         run_offline(
             modes,

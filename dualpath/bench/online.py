@@ -59,6 +59,7 @@ from dualpath.bench.harness import ModeRun, run_mode
 from dualpath.bench.offline import (
     add_workload_arguments,
     calibrate,
+    check_calibration_workload,
     checked_preset,
     load_workload,
     oracle_run,
@@ -224,6 +225,8 @@ def run_online(
     # What offline replays (sessions and their clones): the calibration's workload, checked
     # against the model before any server starts.
     calibration_workload = workload_of(max_sessions)
+    if preset.snic_bandwidth_gbps is None:
+        check_calibration_workload(calibration_workload, f"--preset {preset_name}")
     base = oracle_run(preset, model_dir, transport=transport, max_prompt_tokens=max_prompt_tokens)
     report: dict = {
         "benchmark": "online",
