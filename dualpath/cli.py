@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from dualpath import __version__
 from dualpath.errors import DualPathError
-from dualpath.server.args import positive_float
+from dualpath.server.args import non_negative_float, positive_float
 from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import gb_to_bytes
 
@@ -102,6 +102,31 @@ def _positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _control_endpoint(text: str) -> str:
+    """A scheduler endpoint an engine connects to: tcp://HOST:PORT or ipc://PATH."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    is_tcp = parts.scheme == "tcp" and bool(parts.hostname) and port is not None and port > 0
+    if not is_tcp and not (parts.scheme == "ipc" and len(text) > len("ipc://")):
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, got {text!r}")
+    return text
 
 
 def _token_ids(text: str) -> list[int]:
@@ -468,18 +493,27 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--role", choices=("prefill", "decode"), default=None, help="PE or DE")
     p.add_argument(
-        "--scheduler", default=None, help="the scheduler's control endpoint, tcp://HOST:PORT"
+        "--scheduler",
+        type=_control_endpoint,
+        default=None,
+        help="the scheduler's control endpoint, tcp://HOST:PORT",
     )
-    p.add_argument("--engine-id", type=int, default=None, help="this engine's id in the topology")
-    p.add_argument("--node-id", type=int, default=None, help="the node it belongs to")
+    p.add_argument(
+        "--engine-id", type=_non_negative_int, default=None, help="this engine's id in the topology"
+    )
+    p.add_argument("--node-id", type=_non_negative_int, default=None, help="the node it belongs to")
     p.add_argument(
         "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
     )
     p.add_argument(
         "--transport", choices=TRANSPORT_KINDS, default="nixl", help="PE<->DE KV transport"
     )
-    p.add_argument("--snic-gbps", type=float, default=0.0, help="node SNIC cap, Gbps (0 = none)")
-    p.add_argument("--cnic-gbps", type=float, default=0.0, help="engine CNIC cap, Gbps (0 = none)")
+    p.add_argument(
+        "--snic-gbps", type=non_negative_float, default=0.0, help="node SNIC cap, Gbps (0 = none)"
+    )
+    p.add_argument(
+        "--cnic-gbps", type=non_negative_float, default=0.0, help="engine CNIC cap, Gbps (0 = none)"
+    )
     p.add_argument(
         "--buffer-gb",
         type=positive_float,
@@ -487,13 +521,13 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         help="host KV buffer, GB (default: sized at start to hold two requests of the model's "
         "whole context; a size that cannot hold one is refused, naming the size needed)",
     )
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="device KV cache, GB")
+    p.add_argument("--kv-cache-gb", type=positive_float, default=1.0, help="device KV cache, GB")
     p.add_argument(
         "--max-num-batched-tokens", type=_positive_int, default=8192, help="tokens per step"
     )
     p.add_argument(
         "--heartbeat-timeout-s",
-        type=float,
+        type=positive_float,
         default=5.0,
         help="exit when the scheduler is silent this long (default 5)",
     )
@@ -549,10 +583,6 @@ _ENGINE_IDENTITY = ("role", "engine_id", "node_id")
 
 def engine_process_config(args: argparse.Namespace):
     """``dualpath engine``'s configuration: ``--config``'s JSON, or built from the flags."""
-    import json
-
-    from dualpath.config import EngineProcessConfig, config_from_dict
-
     given = [
         dest
         for dest, default in args.engine_flag_defaults.items()
@@ -563,12 +593,7 @@ def engine_process_config(args: argparse.Namespace):
         if others:
             flags = ", ".join("--" + dest.replace("_", "-") for dest in others)
             raise ValueError(f"--config gives the whole configuration; leave out {flags}")
-        text = sys.stdin.read() if args.config == "-" else Path(args.config).read_text()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--config {args.config}: not JSON: {exc}") from exc
-        config = config_from_dict(EngineProcessConfig, data)
+        config = _read_engine_config(args.config)
         for dest in _ENGINE_IDENTITY:  # given with --config: they name the same engine
             flag, configured = getattr(args, dest), getattr(config, dest)
             if flag is not None and flag != configured:
@@ -584,6 +609,39 @@ def engine_process_config(args: argparse.Namespace):
     if missing:
         raise ValueError(f"give --config, or {', '.join(missing)}")
     return _engine_config_from_flags(args)
+
+
+def _read_engine_config(source: str):  # -> EngineProcessConfig
+    """``--config``'s JSON, from a file or '-' for stdin; ``ValueError`` naming the source and
+    what is wrong (unreadable, not JSON, a required field missing, a bad field)."""
+    import dataclasses
+
+    from dualpath.config import EngineProcessConfig, config_from_dict
+
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    except OSError as exc:
+        raise ValueError(f"--config {source}: cannot be read: {exc.strerror}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config {source}: not JSON: {exc}") from exc
+    missing = [
+        field.name
+        for field in dataclasses.fields(EngineProcessConfig)
+        if isinstance(data, dict)
+        and field.default is dataclasses.MISSING
+        and field.name not in data
+    ]
+    if missing:
+        raise ValueError(
+            f"--config {source}: missing {', '.join(missing)} (an EngineProcessConfig, as "
+            "'dualpath serve' sends its engines)"
+        )
+    try:
+        return config_from_dict(EngineProcessConfig, data)
+    except ValueError as exc:
+        raise ValueError(f"--config {source}: {exc}") from exc
 
 
 def _engine_config_from_flags(args: argparse.Namespace):
