@@ -546,11 +546,13 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 
 def _run_engine(args: argparse.Namespace) -> int:
     from dualpath.cluster.engine_processes import TOKEN_ENV, run_supervised
+    from dualpath.model.loader import available_device
 
     token = os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"set ${TOKEN_ENV} to the cluster token the scheduler was started with")
     config = engine_process_config(args)
+    available_device(config.engine.device)  # before a child is started, or restarted
     _check_engine_capacity(config)
     if args.restart:
         return run_supervised(config, token)
@@ -715,6 +717,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from dualpath.cluster.engine_processes import TOKEN_ENV
     from dualpath.cluster.launcher import LocalCluster
     from dualpath.config import DTYPES
+    from dualpath.model.loader import available_device
     from dualpath.model.registry import read_config
     from dualpath.model.tokenizer import Tokenizer
     from dualpath.server.args import resolve
@@ -730,6 +733,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     dtype = s.dtype or read_config(model_dir / "config.json").torch_dtype
     if dtype not in DTYPES:
         raise ValueError(f"the checkpoint's dtype {dtype!r} is not supported; pass --dtype")
+    if not s.external_engines:
+        available_device(s.device)  # here, not in each engine it would start
     tokenizer = Tokenizer(model_dir / "tokenizer.json")
     chat = ChatRenderer.for_checkpoint(model_dir)
     server_config = _serve_server_config(s, model_dir)

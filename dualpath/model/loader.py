@@ -50,8 +50,23 @@ class LoadedModel:
     weights_digest: str
 
 
+def available_device(device: str) -> torch.device:
+    """``device`` as torch's; ``ValueError`` for a CUDA device this machine does not have
+    (torch would fail on the first tensor moved there, with an assertion)."""
+    torch_device = torch.device(device)
+    if torch_device.type != "cuda":
+        return torch_device
+    num_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (torch_device.index or 0) >= num_devices:
+        seen = f"cuda:0 to cuda:{num_devices - 1}" if num_devices else "no CUDA device"
+        build = "" if torch.version.cuda else " (this torch is built without CUDA)"
+        raise ValueError(f"device {device!r} is not available: torch sees {seen}{build}")
+    return torch_device
+
+
 def load_model(path: Path, *, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
     """Load the checkpoint at ``path`` onto ``device`` in ``dtype`` (default: its stored dtype)."""
+    torch_device = available_device(device)
     path = Path(path)
     files = weight_files(path)
     config = read_config(path / "config.json")
@@ -68,7 +83,6 @@ def load_model(path: Path, *, device: str = "cpu", dtype: str | None = None) -> 
     if dtype_name not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype_name!r}")
     torch_dtype = TORCH_DTYPES[dtype_name]
-    torch_device = torch.device(device)
 
     model = MODEL_CLASSES[type(config)](config, device="meta")
     state: dict[str, torch.Tensor] = {}
