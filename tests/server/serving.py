@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
 MODEL = "tiny"
-START_TIMEOUT_S = 120
+START_TIMEOUT_S = 300  # a hang guard: 45 s to healthy on 2 cores at a load average of 10
 
 
 class Server:

@@ -32,7 +32,7 @@ from dualpath.transfer.transport import (
 )
 from tests.transfer.transport_peer import PeerProcess, start_peer
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # a hang guard: the slowest test takes ~15 s when loaded
 
 HAS_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 REAL_KINDS = [
