@@ -164,7 +164,7 @@ def _run_make_model(args: argparse.Namespace) -> int:
     try:
         path = make_model(args.preset, args.out, seed=args.seed, overwrite=args.force)
     except FileExistsError as exc:
-        raise ValueError(f"{exc}; pass --force to replace it") from exc
+        raise ValueError(f"--out {args.out} already exists; pass --force to replace it") from exc
     print(f"wrote preset {args.preset!r} to {path}")
     return 0
 
@@ -204,7 +204,7 @@ def _run_convert_gguf(args: argparse.Namespace) -> int:
     try:
         path = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.force)
     except FileExistsError as exc:
-        raise ValueError(f"{exc}; pass --force to replace it") from exc
+        raise ValueError(f"--out {args.out} already exists; pass --force to replace it") from exc
     print(f"converted {args.gguf} to {path}")
     return 0
 

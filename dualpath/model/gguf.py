@@ -120,7 +120,8 @@ def _open(path: Path):  # -> gguf.GGUFReader
     import gguf
 
     if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
+        what = "is a directory, not a GGUF file" if path.is_dir() else "no such file"
+        raise CheckpointError(f"{path}: {what}")
     try:
         return gguf.GGUFReader(str(path))
     except (ValueError, IndexError, OSError) as exc:

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from dualpath.errors import CheckpointError
 from dualpath.model.layerwise import LayerwiseModel
 from dualpath.model.loader import MODEL_CLASSES
 from dualpath.model.presets import (
@@ -103,9 +104,15 @@ def make_model(preset_name: str, out_dir: Path, *, seed: int = 0, overwrite: boo
 def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     """Run ``write(tmp)`` on a fresh directory beside ``out_dir``, then rename it into place
     (replacing ``out_dir`` if it exists). A failure leaves nothing behind; of concurrent
-    writers exactly one rename wins."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    writers exactly one rename wins. ``CheckpointError`` when nothing can be written beside
+    ``out_dir``."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as exc:  # a parent that is a file, a read-only file system, ...
+        raise CheckpointError(
+            f"{out_dir}: cannot be written: {_write_problem(out_dir, exc)}"
+        ) from exc
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would follow the rename
         write(tmp)
@@ -117,6 +124,15 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _write_problem(out_dir: Path, exc: OSError) -> str:
+    """Why nothing can be written beside ``out_dir``: mkdir says "File exists" for a parent
+    that is a file, so name that parent instead."""
+    for parent in out_dir.parents:
+        if parent.exists():
+            return exc.strerror if parent.is_dir() else f"{parent} is not a directory"
+    return exc.strerror or str(exc)
 
 
 def ensure_model(preset_name: str, out_dir: Path, *, seed: int = 0) -> Path:
