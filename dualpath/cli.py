@@ -52,21 +52,32 @@ DEFAULT_STORE_FREE_SPACE_FRACTION = 0.25
 
 
 def store_config(root_dir: Path | None, capacity_gb: float | None):  # -> KVStoreConfig
-    """The store's config from the flags; ``ValueError`` naming the flag for a bad budget.
+    """The store's config from the flags; ``ValueError`` naming the flag for a bad budget, a
+    budget without a store, or a ``root_dir`` that cannot be a directory.
 
     Without a budget it is ``DEFAULT_STORE_FREE_SPACE_FRACTION`` of the free space on the file
     system that holds (or will hold) ``root_dir``, measured now."""
     from dualpath.config import KVStoreConfig
 
     if root_dir is None:
+        if capacity_gb is not None:
+            raise ValueError(
+                "--kv-store-capacity-gb sizes the KV store, and --no-kv-store has none: give one"
+            )
         return KVStoreConfig()
+    existing = Path(root_dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():  # the store would fail on its first block, after the model loaded
+        where = "" if existing == Path(root_dir).absolute() else f": {existing}"
+        raise ValueError(
+            f"KV store {root_dir}{where} is not a directory; pass another --kv-store, or "
+            "--no-kv-store"
+        )
     if capacity_gb is not None:
         if not 0 < capacity_gb < float("inf"):
             raise ValueError(f"--kv-store-capacity-gb must be > 0 and finite, got {capacity_gb}")
         return KVStoreConfig(root_dir=root_dir, capacity_bytes=gb_to_bytes(capacity_gb))
-    existing = Path(root_dir).absolute()
-    while not existing.exists():
-        existing = existing.parent
     free_bytes = shutil.disk_usage(existing).free
     capacity_bytes = int(free_bytes * DEFAULT_STORE_FREE_SPACE_FRACTION)
     if capacity_bytes <= 0:
