@@ -1371,6 +1371,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags naming what a command writes (most of them when it is done): a file, or a folder.
+_OUTPUT_FILE_DESTS = ("json", "png")
+_OUTPUT_DIR_DESTS = ("out_dir", "engine_log_dir")
+
+
+def _prepare_outputs(args: argparse.Namespace) -> None:
+    """Make the folders the output files go in, or refuse an output path that cannot be
+    written (``ValueError`` naming the flag), before the command starts: a typo in ``--json``
+    must not cost a benchmark's run."""
+    for dest in _OUTPUT_FILE_DESTS + _OUTPUT_DIR_DESTS:
+        path = getattr(args, dest, None)
+        if not isinstance(path, Path):  # not given, or not a path (generate's --json)
+            continue
+        flag = "--" + dest.replace("_", "-")
+        is_file = dest in _OUTPUT_FILE_DESTS
+        if is_file and path.is_dir():
+            raise ValueError(f"{flag} {path} is a directory; name a file")
+        if not is_file and path.exists() and not path.is_dir():
+            raise ValueError(f"{flag} {path} is a file; name a directory")
+        existing = path.parent.absolute()
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ValueError(f"{flag} {path}: {existing} is not a directory")
+        if not os.access(existing, os.W_OK):
+            raise ValueError(f"{flag} {path}: {existing} is not writable")
+        if is_file:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1378,6 +1408,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        _prepare_outputs(args)
         return int(args.func(args) or 0)
     except (ValueError, DualPathError) as exc:
         parser.exit(2, f"dualpath: error: {exc}\n")
