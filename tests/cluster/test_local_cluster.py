@@ -23,6 +23,10 @@ from tests.helpers import assert_same_tokens
 pytest.importorskip("nixl_cu12")
 
 BLOCK = 64
+# Exact hit counts need the last turn's blocks written before the next turn is placed; however
+# long that takes on a loaded machine, the next turn waits for it (the default gives up
+# after 5 s and recomputes).
+PERSIST_WAIT_S = 120.0
 # For what must happen (a death noticed, a report arriving, processes exiting): waits end as
 # soon as it has, so these only bound a real hang, however loaded the machine. An engine
 # coming back loads its model again: more.
@@ -44,7 +48,9 @@ class _Out:
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("cluster")
     with LocalCluster(
-        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=2, mode="dualpath"),
+        ClusterConfig(
+            num_prefill_nodes=1, num_decode_nodes=2, mode="dualpath", persist_wait_s=PERSIST_WAIT_S
+        ),
         model_dir=tiny_model_dir,
         store=KVStoreConfig(root_dir=root / "kv"),
         log_dir=root / "logs",
@@ -336,7 +342,9 @@ def test_the_shared_memory_transport_serves_a_conversation(
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     context = random_ids(400, seed=11)
     with LocalCluster(
-        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=1, mode="dualpath"),
+        ClusterConfig(
+            num_prefill_nodes=1, num_decode_nodes=1, mode="dualpath", persist_wait_s=PERSIST_WAIT_S
+        ),
         model_dir=tiny_model_dir,
         store=KVStoreConfig(root_dir=tmp_path / "kv"),
         transport="shm",
@@ -369,7 +377,7 @@ def test_a_turn_sent_at_once_still_hits_the_blocks_being_written(
             num_decode_nodes=1,
             mode="dualpath",
             traffic=TrafficConfig(snic_bandwidth_gbps=0.004),
-            persist_wait_s=60.0,
+            persist_wait_s=PERSIST_WAIT_S,
         ),
         model_dir=tiny_model_dir,
         store=KVStoreConfig(root_dir=tmp_path / "kv"),
@@ -393,7 +401,12 @@ def test_an_mla_model_serves_a_conversation_reading_through_both_sides(
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     contexts = [random_ids(n, seed=n) for n in (300, 200)]
     with LocalCluster(
-        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=1, read_path="split"),
+        ClusterConfig(
+            num_prefill_nodes=1,
+            num_decode_nodes=1,
+            read_path="split",
+            persist_wait_s=PERSIST_WAIT_S,
+        ),
         model_dir=tiny_deepseek_dir,
         store=KVStoreConfig(root_dir=tmp_path / "kv"),
         log_dir=tmp_path / "logs",

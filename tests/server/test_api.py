@@ -39,6 +39,9 @@ PREFILL_ENGINE_ID = 0  # 1P2D: engine 0 is the PE
 # Tests pause an engine (SIGSTOP) for a moment to hold requests back; the scheduler must not
 # declare it dead meanwhile, however slow the machine.
 HEARTBEAT_TIMEOUT_S = 120
+# A turn's hits count once the last turn's blocks are written; however long that takes on a
+# loaded machine, the next turn waits for it (the default gives up after 5 s).
+PERSIST_WAIT_S = 120
 # For what must happen (a metric reaching its value, engines going idle): waits end as soon
 # as it has, so this only bounds a real hang.
 BUDGET_S = 60
@@ -53,6 +56,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--max-waiting-requests", str(MAX_WAITING),
         "--max-request-bytes", str(MAX_REQUEST_BYTES),
         "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
+        "--persist-wait-s", str(PERSIST_WAIT_S),
     ) as started:  # fmt: skip
         yield started
 

@@ -87,7 +87,9 @@ def server(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("tools")
     generation_config = {"eos_token_id": 2, "top_k": 1, "max_new_tokens": MAX_NEW_TOKENS}
     model_dir = link_checkpoint(smollm2_model_dir, root, generation_config)
-    with start_server(model_dir, root) as running:
+    # A turn's hits are exact once the last turn's blocks are written; however long that takes
+    # on a loaded machine, the next turn waits for it (the default gives up after 5 s).
+    with start_server(model_dir, root, "--persist-wait-s", "120") as running:
         yield running
 
 
