@@ -1078,6 +1078,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from dualpath.sim.runner import BLOCK_SIZE_TOKENS
 
     start_s = time.perf_counter()
+    _check_simulate_runs(args)
     if args.calibrate or args.experiment is not None:
         takes_seed = not args.calibrate and args.experiment != "fidelity"
         for dest, default in args.free_form_defaults.items():
@@ -1172,6 +1173,26 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.png is not None:
         report.write_png(results, args.png)
     return 0
+
+
+def _check_simulate_runs(args: argparse.Namespace) -> None:
+    """``ValueError`` for flags that belong to a kind of run other than the one asked for
+    (each would be ignored)."""
+    if args.calibrate and args.experiment is not None:
+        raise ValueError("--calibrate runs the fit alone: leave out --experiment")
+    fidelity_flags = [
+        flag
+        for flag, is_given in (
+            ("--bench-json", args.bench_json is not None),
+            ("--profile", args.profile is not None),
+            ("--reprofile", args.reprofile),
+        )
+        if is_given
+    ]
+    if fidelity_flags and args.experiment != "fidelity":
+        raise ValueError(f"{', '.join(fidelity_flags)}: only for --experiment fidelity")
+    if args.full and args.experiment in (None, "fidelity"):
+        raise ValueError("--full runs an experiment's whole grid: give --experiment NAME or all")
 
 
 def _run_fidelity(args: argparse.Namespace) -> int:

@@ -172,6 +172,23 @@ def simulate_bench(bench: dict, profile_path: Path) -> dict[str, dict[str, float
     return simulated
 
 
+def read_bench_json(path: Path) -> dict:
+    """A ``dualpath bench offline`` result; ``ValueError`` naming the file when it cannot be
+    read or is not one."""
+    try:
+        bench = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"bench JSON {path}: cannot be read: {exc.strerror}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"bench JSON {path}: not JSON: {exc}") from exc
+    if not isinstance(bench, dict) or not {"preset", "seed", "modes"} <= bench.keys():
+        raise ValueError(
+            f"bench JSON {path}: not a 'dualpath bench offline --json' result (no preset, seed "
+            "and modes)"
+        )
+    return bench
+
+
 def run_fidelity(
     *,
     work_dir: Path,
@@ -189,12 +206,13 @@ def run_fidelity(
         # A new profile goes into the work directory, never over the packaged one.
         profile_path = work_dir / "local_profile.json" if reprofile else DEFAULT_PROFILE_PATH
     work_dir.mkdir(parents=True, exist_ok=True)
+    bench = None if bench_json is None else read_bench_json(bench_json)  # before profiling
     if reprofile or not profile_path.exists():
         profile_machine(profile_path)
-    if bench_json is None:
+    if bench is None:
         bench_json = work_dir / f"bench-offline-{preset}-seed{seed}.json"
         run_bench(bench_json, preset=preset, seed=seed, modes=list(modes))
-    bench = json.loads(bench_json.read_text())
+        bench = read_bench_json(bench_json)
     simulated = simulate_bench(bench, profile_path)
     rows = []
     for mode, result in bench["modes"].items():
