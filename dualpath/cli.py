@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from dualpath import __version__
 from dualpath.errors import DualPathError
-from dualpath.server.args import non_negative_float, positive_float
+from dualpath.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import gb_to_bytes
 
@@ -93,36 +93,6 @@ def store_config(root_dir: Path | None, capacity_gb: float | None):  # -> KVStor
         free_bytes / 1e9,
     )
     return KVStoreConfig(root_dir=root_dir, capacity_bytes=capacity_bytes)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _control_endpoint(text: str) -> str:
@@ -257,13 +227,13 @@ def _add_engine_args(p: argparse.ArgumentParser, *, default_threads: int | None 
     )
     p.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="tokens per KV block, the store's unit (default 64)",
     )
     p.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=default_threads,
         help="torch CPU threads per engine (default: "
         + (
@@ -274,7 +244,7 @@ def _add_engine_args(p: argparse.ArgumentParser, *, default_threads: int | None 
     )
     p.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="context limit in tokens (default: the checkpoint's)",
     )
@@ -412,13 +382,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     _add_engine_args(p)
     p.add_argument(
         "--turns",
-        type=_positive_int,
+        type=positive_int,
         default=4,
         help=f"turns to run, <= {len(DEMO_TURNS)} (default 4)",
     )
     p.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=48,
         help="tokens per answer at most (default 48)",
     )
@@ -510,9 +480,9 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         help="the scheduler's control endpoint, tcp://HOST:PORT",
     )
     p.add_argument(
-        "--engine-id", type=_non_negative_int, default=None, help="this engine's id in the topology"
+        "--engine-id", type=non_negative_int, default=None, help="this engine's id in the topology"
     )
-    p.add_argument("--node-id", type=_non_negative_int, default=None, help="the node it belongs to")
+    p.add_argument("--node-id", type=non_negative_int, default=None, help="the node it belongs to")
     p.add_argument(
         "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
     )
@@ -534,7 +504,7 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-cache-gb", type=positive_float, default=1.0, help="device KV cache, GB")
     p.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=8192, help="tokens per step"
+        "--max-num-batched-tokens", type=positive_int, default=8192, help="tokens per step"
     )
     p.add_argument(
         "--heartbeat-timeout-s",
@@ -720,7 +690,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "$DUALPATH_HOME/kv, 1 prefill and 2 decode engines, no link caps, 127.0.0.1:8000.",
     )
     _add_engine_args(p, default_threads=1)  # engines share the host: one thread each
-    add_serve_arguments(p, _positive_int)
+    add_serve_arguments(p)
     p.set_defaults(func=_run_serve, serve_options=detach_defaults(p))
 
 
@@ -903,16 +873,16 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--scale-down",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="K: nodes with 8/K GPUs (node links /K) and K times fewer agents",
     )
     _add_profiles(p, default_model="deepseek-v3.2-660b", what="free-form runs")
     p.add_argument("--nodes", default="2P4D", help="cluster shape, e.g. 2P4D (default)")
-    p.add_argument("--agents", type=_positive_int, default=1024, help="agents (trajectories)")
+    p.add_argument("--agents", type=positive_int, default=1024, help="agents (trajectories)")
     p.add_argument(
         "--max-len",
-        type=_positive_int,
+        type=positive_int,
         default=65536,
         help="32768, 49152 or 65536 (SPEC §7 presets)",
     )
@@ -922,21 +892,21 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", type=Path, default=None, help="a Mooncake-format JSONL trace")
     p.add_argument(
         "--length-scale",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="free-form runs on --trace: scale every prompt's lengths by this (default 1: the "
         "trace's own), as 'dualpath bench' does",
     )
     p.add_argument(
         "--max-turns",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="free-form runs on --trace: keep each session's first N turns (default: all), as "
         "'dualpath bench' does",
     )
     p.add_argument(
         "--gen-scale",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="free-form runs on --trace: every turn generates max(1, round(g x this)) tokens "
         "instead of g (default 1), as 'dualpath bench' does",
@@ -957,7 +927,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--frontend-rps",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="free-form runs: turns per second the front end admits, one after another, for "
         "the whole cluster (default: the hardware profile's, 10000 on hopper-8x400); matters "
@@ -965,7 +935,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--attention-quota-s",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="free-form runs: the PE compute quota, predicted seconds of one attention layer "
         "per prefill batch (default SPEC §6's 0.3); 0.3 / 61 reads the quota as a whole "
@@ -1040,7 +1010,7 @@ def _add_profiles(p: argparse.ArgumentParser, *, default_model: str, what: str) 
 def _add_jobs(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--jobs",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help=f"{what}: simulate independent runs N at a time in worker processes, one core "
         "each (default 1; the results are the same either way, wall times aside; with N > 1 "
@@ -1236,15 +1206,15 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     _add_profiles(p, default_model="27b", what="the candidate shapes")
     p.add_argument(
-        "--total-nodes", type=_positive_int, default=3, help="nodes to split into P and D"
+        "--total-nodes", type=positive_int, default=3, help="nodes to split into P and D"
     )
-    p.add_argument("--agents", type=_positive_int, default=256, help="agents (trajectories)")
+    p.add_argument("--agents", type=positive_int, default=256, help="agents (trajectories)")
     p.add_argument(
-        "--max-len", type=_positive_int, default=65536, help="32768, 49152 or 65536 (SPEC §7)"
+        "--max-len", type=positive_int, default=65536, help="32768, 49152 or 65536 (SPEC §7)"
     )
     p.add_argument("--mode", default="dualpath", help="mode to plan for (default dualpath)")
     p.add_argument(
-        "--scale-down", type=_positive_int, default=1, help="simulate a K-times smaller cluster"
+        "--scale-down", type=positive_int, default=1, help="simulate a K-times smaller cluster"
     )
     p.add_argument(
         "--quota-per-forward",

@@ -44,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dualpath.bench.hardware import hardware_info
+from dualpath.flags import positive_int
 from dualpath.model.identity import kv_facts
 
 if TYPE_CHECKING:  # imported where it runs: building the CLI's parser must not import torch
@@ -551,23 +552,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=_default_threads(),
         help="torch intra-op threads, the same for every variant (default: this machine's "
         "cores available to the process)",
     )
     parser.add_argument(
-        "--prompt-tokens", type=int, default=2048, help="prompt length of the prefill workload"
+        "--prompt-tokens",
+        type=positive_int,
+        default=2048,
+        help="prompt length of the prefill workload",
     )
     parser.add_argument(
         "--decode-prompt-tokens",
-        type=int,
+        type=positive_int,
         default=128,
         help="prompt length of every sequence in the decode workloads",
     )
     parser.add_argument(
         "--decode-tokens",
-        type=int,
+        type=positive_int,
         default=64,
         help="output tokens per decode sequence; the last N-1 are timed (steady state)",
     )
@@ -579,7 +583,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: 1,16)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="timed runs of every variant; medians reported"
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs of every variant; medians reported",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the random prompt token ids")
     parser.add_argument(

@@ -41,6 +41,7 @@ from dualpath.bench.paper_cluster import (
     PREFILL_NODE_SHARE,
     SNIC_BANDWIDTH_GBPS,
 )
+from dualpath.flags import positive_int
 from dualpath.scheduler import (
     READ_PATHS,
     SCHEDULER_NAMES,
@@ -309,19 +310,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="drive the real scheduler process over ZeroMQ from simulated group leaders",
     )
     # 1,152 = the paper's 48P96D at 8 GPUs per node (SPEC §7, scale).
-    parser.add_argument("--engines", type=int, default=1152, help="engines (GPUs) in total")
-    parser.add_argument("--engines-per-node", type=int, default=8)
+    parser.add_argument(
+        "--engines", type=positive_int, default=1152, help="engines (GPUs) in total"
+    )
+    parser.add_argument("--engines-per-node", type=positive_int, default=8)
     parser.add_argument(
         "--nodes-per-group",
-        type=int,
+        type=positive_int,
         default=None,
         help="default 2; 1 with --wire (one leader per node: 144 leaders at 48P96D)",
     )
     # Deep enough that setup and the last, part-empty fetches do not show in the rate.
-    parser.add_argument("--queue-depth", type=int, default=100_000, help="requests to place")
+    parser.add_argument(
+        "--queue-depth", type=positive_int, default=100_000, help="requests to place"
+    )
     parser.add_argument("--scheduler", default="dualpath", choices=SCHEDULER_NAMES)
     parser.add_argument("--read-path", default="dual", choices=READ_PATHS)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of the same queue; best")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, help="runs of the same queue; best"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     scheduler_wire.add_arguments(parser)

@@ -89,6 +89,7 @@ from dualpath.bench.wire_leaders import (
 from dualpath.cluster.coordinator import Coordinator
 from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import new_cluster_token
+from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore, StoreStats
 from dualpath.model.identity import KVIdentity
@@ -567,36 +568,39 @@ def _result(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The wire mode's own flags (``dualpath bench scheduler`` adds them to its parser)."""
     parser.add_argument(
-        "--duration-s", type=float, default=10.0, help="--wire: timed seconds of submissions"
+        "--duration-s",
+        type=positive_float,
+        default=10.0,
+        help="--wire: timed seconds of submissions",
     )
     parser.add_argument(
         "--requests-per-s",
-        type=float,
+        type=non_negative_float,
         default=PAPER_REQUESTS_PER_S,
         help="--wire: Poisson arrival rate; 0 = saturate (default 2350: 48P96D in the paper)",
     )
     parser.add_argument(
         "--fetch-interval-ms",
-        type=float,
+        type=positive_float,
         default=10.0,
         help="--wire: every leader reports this often (default 10, SPEC §6)",
     )
     parser.add_argument(
         "--link-bytes-interval-ms",
-        type=float,
+        type=positive_float,
         default=1000.0,
         help="--wire: leaders add their link counters this often (default 1000)",
     )
     parser.add_argument(
         "--loop-turn-ms",
-        type=float,
+        type=non_negative_float,
         default=2.0,
         help="--wire: the scheduler loop takes in its messages once per turn of this length; "
         "0 = wake for every message (default 2)",
     )
     parser.add_argument(
         "--context-tokens",
-        type=int,
+        type=positive_int,
         default=MEAN_CONTEXT_TOKENS,
         help="--wire: mean prompt tokens (default 32721: SPEC §7's 64K workload)",
     )

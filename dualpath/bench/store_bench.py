@@ -31,6 +31,7 @@ import xxhash
 from tqdm import tqdm
 
 from dualpath.bench.hardware import hardware_info
+from dualpath.flags import positive_int
 from dualpath.kv.hashing import block_keys, model_fingerprint
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import FileKVStore, block_file_path
@@ -211,12 +212,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, default=None, help="store root (default: a temp dir)")
     # 256 blocks of 8 x 64 x 512 bytes = 64 MiB: big enough that per-call overhead and
     # bandwidth both show; use --num-blocks 1024 or more to exceed a disk's own cache.
-    parser.add_argument("--num-blocks", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per Full Block")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--bytes-per-token-per-layer", type=int, default=512)
+    parser.add_argument("--num-blocks", type=positive_int, default=256)
+    parser.add_argument("--block-size", type=positive_int, default=64, help="tokens per Full Block")
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--bytes-per-token-per-layer", type=positive_int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="timings per case; medians")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timings per case; medians")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
 
 

@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 
 from dualpath.bench.hardware import hardware_info
+from dualpath.flags import positive_int
 from dualpath.transfer.transport import (
     TRANSPORT_KINDS,
     BufferDescriptor,
@@ -67,8 +68,10 @@ def run_transfer_bench(
             f"transport must be in {TRANSPORT_KINDS} and direction in {_DIRECTIONS}, "
             f"got {transport!r}, {direction!r}"
         )
-    if block_bytes <= 0 or total_bytes % block_bytes != 0:
-        raise ValueError(f"total_bytes {total_bytes} must be a multiple of block_bytes > 0")
+    if block_bytes <= 0 or total_bytes <= 0 or total_bytes % block_bytes != 0:
+        raise ValueError(
+            f"total_bytes {total_bytes} must be a multiple > 0 of block_bytes {block_bytes} > 0"
+        )
     if blocks_per_transfer <= 0 or num_repeats <= 0:
         raise ValueError(
             "blocks_per_transfer and num_repeats must be > 0, "
@@ -257,17 +260,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="write",
         help="write: push to the peer (PE -> DE); read: pull from it",
     )
-    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per repeat")
+    parser.add_argument(
+        "--total-mib", type=positive_int, default=256, help="bytes moved per repeat"
+    )
     # 256 KiB: one 64-token Layer Block of Qwen2.5-32B; DeepSeek-V3.2's is ~41 KiB.
-    parser.add_argument("--block-bytes", type=int, default=256 << 10)
+    parser.add_argument("--block-bytes", type=positive_int, default=256 << 10)
     parser.add_argument(
         "--blocks-per-transfer",
-        type=int,
+        type=positive_int,
         default=128,
         help="regions per write/read call (one layer's batch)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; medians")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats; medians")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
 
 

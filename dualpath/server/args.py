@@ -17,32 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.server.config import GENERATION_CONFIG_MODES
 from dualpath.transfer.transport import TRANSPORT_KINDS
 
 # Flags that exclude each other: the command line giving one drops the file's other.
 _EXCLUSIVE_DESTS = (("kv_store", "no_kv_store"),)
 _NOT_IN_FILE = ("config", "help")
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def port_number(text: str) -> int:
@@ -55,7 +36,7 @@ def port_number(text: str) -> int:
     return value
 
 
-def add_serve_arguments(p: argparse.ArgumentParser, positive_int: Any) -> None:
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``serve`` flag except the engine ones ``cli._add_engine_args`` adds."""
     p.add_argument(
         "--config",
@@ -115,10 +96,10 @@ def add_serve_arguments(p: argparse.ArgumentParser, positive_int: Any) -> None:
         default=10.0,
         help="on SIGINT/SIGTERM, how long open connections may take to close (default 10)",
     )
-    _add_cluster_arguments(p.add_argument_group("cluster"), positive_int)
+    _add_cluster_arguments(p.add_argument_group("cluster"))
 
 
-def _add_cluster_arguments(group: argparse._ArgumentGroup, positive_int: Any) -> None:
+def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
     from dualpath.config import MODES, READ_PATHS
 
     group.add_argument(
