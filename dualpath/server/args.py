@@ -272,7 +272,7 @@ def load_config_file(path: Path, table: OptionTable) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ValueError(f"config file {path}: cannot be read: {exc}") from exc
+        raise ValueError(f"config file {path}: cannot be read: {exc.strerror}") from exc
     raw = _parse(path, text)
     if not isinstance(raw, dict):
         raise ValueError(f"config file {path}: expected a mapping of flag names to values")
@@ -300,7 +300,11 @@ def _parse(path: Path, text: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path}: not valid YAML: {exc}") from exc
+        # One line: the library's message draws the offending line with a caret below it.
+        mark = getattr(exc, "problem_mark", None)
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"config file {path}: not valid YAML{where}: {problem}") from exc
 
 
 def _convert(action: argparse.Action, value: Any) -> Any:
