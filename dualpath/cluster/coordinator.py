@@ -102,6 +102,9 @@ class ClusterSnapshot:
     engine_deaths: dict[int, int] = field(default_factory=dict)
     # Engines this host started again after they died: id -> how often (the launcher's).
     engine_restarts: dict[int, int] = field(default_factory=dict)
+    # Requests in flight that each engine's loss would place again (a DE's from assignment
+    # to the last token, a PE's until prefilled): engine id -> count, engines holding any.
+    engine_id_to_num_requests: dict[int, int] = field(default_factory=dict)
     # Why no request can be served (no live engine of a role, or the scheduler loop died), or
     # None when requests can be served (or engines are still joining).
     unavailable_reason: str | None = None
@@ -249,6 +252,7 @@ class Coordinator:
             },
             dead_engines=self.dead_engines(),
             engine_deaths=dict(self.membership.engine_deaths),
+            engine_id_to_num_requests=self.requests.num_requests_by_engine(),
             unavailable_reason=self.unavailable_reason,
         )
 

@@ -21,7 +21,7 @@ from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.cluster.replacement import DelayedPlacements, retry_after_failure
-from dualpath.cluster.request_state import Delays, RequestState, may_place_again
+from dualpath.cluster.request_state import Delays, RequestState, may_place_again, needs_engine
 from dualpath.control.codec import check_encodable, encode
 from dualpath.errors import PeerUnavailable
 from dualpath.protocol import (
@@ -100,6 +100,19 @@ class RequestLifecycle:
         engine not chosen yet; None once it is done. A snapshot, for tools."""
         state = self._requests.get(self._client_id_to_request_id.get(request_id, request_id))
         return None if state is None else (state.prefill_engine_id, state.decode_engine_id)
+
+    def num_requests_by_engine(self) -> dict[int, int]:
+        """Engine id -> requests in flight that its loss would place again (or fail, past
+        MAX_PLACEMENTS; see ``engine_lost``); engines that hold none are left out. For
+        /metrics, and for tests that must strike an engine while it holds requests."""
+        counts: dict[int, int] = {}
+        for request in self._requests.values():
+            if request.finish_reason_pending is not None:
+                continue  # only its finish is outstanding: a loss sends that, nothing more
+            for engine_id in (request.prefill_engine_id, request.decode_engine_id):
+                if engine_id is not None and needs_engine(request, engine_id):
+                    counts[engine_id] = counts.get(engine_id, 0) + 1
+        return counts
 
     def drain_events(self) -> list[RequestEvent]:
         events = []
@@ -339,9 +352,7 @@ class RequestLifecycle:
         module docstring); so are those waiting for its writes, and, with no engine of a role
         left, every request that needs one fails."""
         for request_id, request in list(self._requests.items()):
-            if engine_id == request.decode_engine_id or (
-                engine_id == request.prefill_engine_id and not request.is_prefill_done
-            ):
+            if needs_engine(request, engine_id):
                 if request.finish_reason_pending is not None:  # only its finish was lost
                     self._emit(request, (), request.finish_reason_pending, None, self.clock())
                     self._pop(request_id)

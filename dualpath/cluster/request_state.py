@@ -61,6 +61,14 @@ def may_place_again(state: RequestState) -> bool:
     return state.num_placements < MAX_PLACEMENTS
 
 
+def needs_engine(state: RequestState, engine_id: int) -> bool:
+    """Whether the request still needs the engine: its DE until its last token, its PE
+    until it is prefilled (a prefilled request no longer needs its PE)."""
+    return engine_id == state.decode_engine_id or (
+        engine_id == state.prefill_engine_id and not state.is_prefill_done
+    )
+
+
 class Delays:
     """Count, sum and maximum of the delays from an engine's loss to the re-placed token."""
 

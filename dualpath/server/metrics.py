@@ -295,6 +295,17 @@ class ClusterCollector(Collector):
         for engine_id, count in sorted(snapshot.engine_deaths.items()):
             deaths.add_metric([str(engine_id)], count)
         yield deaths
+        held = GaugeMetricFamily(
+            "dualpath_engine_requests",
+            "Requests in flight that each engine's loss would place again: a decode engine's "
+            "from assignment to their last token, a prefill engine's until prefilled.",
+            labels=["engine", "role"],
+        )
+        for engine_id, role in sorted(self._engine_id_to_role.items()):
+            held.add_metric(
+                [str(engine_id), role], snapshot.engine_id_to_num_requests.get(engine_id, 0)
+            )
+        yield held
         yield CounterMetricFamily(
             "dualpath_scheduler_reports",
             "Load reports received from engines and group leaders (every 10 ms from a busy "

@@ -229,6 +229,25 @@ def test_a_prefilled_request_does_not_need_its_prefill_engine(cluster) -> None:
     assert coordinator.num_replaced == 0
 
 
+def test_the_snapshot_counts_the_requests_each_engine_loss_would_place_again(cluster) -> None:
+    coordinator, engines, clock, _ = cluster
+    held = _place(coordinator, engines, list(range(10)), SamplingParams(max_tokens=3))
+    (assignment,) = engines[0].receive(Assignment)
+    de = assignment.decode_engine_id
+    assert coordinator.snapshot(clock.now_s).engine_id_to_num_requests == {0: 1, de: 1}
+    engines[0].client.send(PrefillDone(held, 42, None, 0))  # the PE is done with it
+    settle(coordinator, engines)
+    assert coordinator.snapshot(clock.now_s).engine_id_to_num_requests == {de: 1}
+    # One whose first token ended it waits only for its finish: a loss sends that, no more.
+    ended = _place(coordinator, engines, list(range(20, 30)), SamplingParams(max_tokens=1))
+    engines[0].client.send(PrefillDone(ended, 43, None, 0, "length"))
+    settle(coordinator, engines)
+    assert coordinator.snapshot(clock.now_s).engine_id_to_num_requests == {de: 1}
+    engines[de].client.send(TokenUpdate(held, (44, 45), "length", 0))
+    settle(coordinator, engines)
+    assert coordinator.snapshot(clock.now_s).engine_id_to_num_requests == {}
+
+
 def test_a_request_without_output_is_placed_again_when_its_engine_dies(cluster) -> None:
     coordinator, engines, clock, store = cluster
     prompt = list(range(1, 14))

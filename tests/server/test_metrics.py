@@ -48,6 +48,7 @@ def snapshot(time_s: float, snic_kv_bytes: int, store_read_bytes: int) -> Cluste
         num_persist_expired=1,
         num_replaced=2,
         num_reports=11,
+        engine_id_to_num_requests={1: 3},
         link_bytes={
             0: {"node0.snic.kv": snic_kv_bytes, "engine0.cnic.kv": 10, "store_read_bytes": 0},
             1: {"node1.snic.kv": 0, "store_read_bytes": store_read_bytes},
@@ -68,6 +69,9 @@ def test_cluster_metrics_come_from_the_snapshot() -> None:
     assert values[("dualpath_scheduler_persist_wait_expired_total", ())] == 1
     assert values[("dualpath_scheduler_replaced_requests_total", ())] == 2
     assert values[("dualpath_scheduler_reports_total", ())] == 11
+    # Every engine of the topology has a sample, 0 when it holds no request.
+    assert values[("dualpath_engine_requests", (("engine", "0"), ("role", "prefill")))] == 0
+    assert values[("dualpath_engine_requests", (("engine", "1"), ("role", "decode")))] == 3
     snic = (("link", "node0.snic"), ("traffic_class", "kv"))
     assert values[("dualpath_link_bytes_total", snic)] == 1_000_000_000
     assert values[("dualpath_link_throughput_bytes_per_second", snic)] == 5e8
