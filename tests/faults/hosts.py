@@ -23,6 +23,7 @@ processes already running in a host (the root mount is ``private`` here).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -136,10 +137,7 @@ class TestHosts:
     def shape(self, host: Host, *, rate_mbit: float | None = None, delay_ms: float = 0.0) -> None:
         """Cap both directions of ``host``'s link at ``rate_mbit`` (``tbf``), or delay them by
         ``delay_ms`` (``netem``, which not every kernel has: ``RuntimeError`` then)."""
-        for argv_prefix, device in (
-            (["tc"], host.root_device),
-            (["ip", "netns", "exec", host.name, "tc"], HOST_DEVICE),
-        ):
+        for argv_prefix, device in _link_ends(host):
             if delay_ms > 0:
                 qdisc = ["netem", "delay", f"{delay_ms}ms"]
                 if rate_mbit:
@@ -155,12 +153,19 @@ class TestHosts:
             _run([*argv_prefix, "qdisc", "replace", "dev", device, "root", *qdisc])
 
     def unshape(self, host: Host) -> None:
-        for argv_prefix, device in (
-            (["tc"], host.root_device),
-            (["ip", "netns", "exec", host.name, "tc"], HOST_DEVICE),
-        ):
+        for argv_prefix, device in _link_ends(host):
             subprocess.run([*argv_prefix, "qdisc", "del", "dev", device, "root"],
                            capture_output=True)  # fmt: skip
+
+    def rate_caps_bytes_per_s(self, host: Host) -> list[float | None]:
+        """The ``tbf`` rate of each end of ``host``'s link (root end first), as the kernel
+        has it; None for an end without one."""
+        caps: list[float | None] = []
+        for argv_prefix, device in _link_ends(host):
+            qdiscs = json.loads(_run([*argv_prefix, "-j", "qdisc", "show", "dev", device, "root"]))
+            tbf = [q for q in qdiscs if q.get("kind") == "tbf"]
+            caps.append(float(tbf[0]["options"]["rate"]) if tbf else None)
+        return caps
 
     def status(self) -> list[dict[str, object]]:
         existing = set(list_namespaces())
@@ -173,6 +178,14 @@ class TestHosts:
             }
             for host in self.hosts
         ]
+
+
+def _link_ends(host: Host) -> tuple[tuple[list[str], str], ...]:
+    """(the ``tc`` command, the device) for each end of ``host``'s link: root end, host end."""
+    return (
+        (["tc"], host.root_device),
+        (["ip", "netns", "exec", host.name, "tc"], HOST_DEVICE),
+    )
 
 
 def list_namespaces() -> list[str]:
@@ -236,9 +249,10 @@ def _is_running(pid: int) -> bool:
     return True
 
 
-def wait_reachable(address: str, *, timeout_s: float = 10.0) -> None:
+def wait_reachable(address: str, *, timeout_s: float = 120.0) -> None:
     """Wait until ``address`` answers from the root namespace: a TCP connect to a closed port
-    is refused (RST) once the link is up, and times out while it is not."""
+    is refused (RST) once the link is up, and times out while it is not. ``timeout_s`` is a
+    hang guard: a new link answers within a second on an idle machine."""
     deadline = time.monotonic() + timeout_s
     while not _is_refused(address):
         if time.monotonic() > deadline:
@@ -248,7 +262,7 @@ def wait_reachable(address: str, *, timeout_s: float = 10.0) -> None:
 
 def _is_refused(address: str) -> bool:
     with socket.socket() as sock:
-        sock.settimeout(0.2)
+        sock.settimeout(1.0)  # one try; a loaded machine answers late, not never
         try:
             sock.connect((address, 9))  # discard: nothing listens there
         except ConnectionRefusedError:
