@@ -6,22 +6,24 @@
   which starts it again when it dies or loses the scheduler): a decode host is cut off and
   comes back, then a prefill engine and a decode engine are SIGKILLed.
 
-Expected in each: no request lost, no client-visible error, every conversation's tokens those
-of an undisturbed run (greedy), the engine back in /health on its own; the time from the fault
-to the first re-placed token is measured and printed.
+Each fault strikes while the engine holds requests, seen on the server's /metrics
+(``strike.py``: it is sure to hit one), never after a fixed time. Expected in each: no request
+lost, no client-visible error, every conversation's tokens those of an undisturbed run
+(greedy), the engine back in /health on its own; the time from the fault to the first
+re-placed token is measured and printed.
 
-Then, in both, SIGTERM reaches the server in the middle of a fault (an engine SIGKILLed 0.1 s
-before): it exits with 0, no engine process is left (remote engines stop when the server tells
-them; one whose restart was under way when the server left is stopped by SIGTERM, exit 0), no
-store write is left half-done, and a new server on the same store gives the same tokens.
+Then, in both, SIGTERM reaches the server in the middle of a fault (a decode engine SIGKILLed
+while it holds requests, the server SIGTERMed once /health counts the death: its requests are
+being placed again): it exits with 0, no engine process is left (engines stop when the server
+tells them; a remote one whose restart had not rejoined when the server left is stopped by
+SIGTERM, exit 0), no store write is left half-done, and a new server on the same store gives
+the same tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -35,23 +37,21 @@ from dualpath.bench.agents import TurnRecord, run_agents
 from dualpath.workload.mooncake import load_mooncake_trace, packaged_trace_path
 from dualpath.workload.shape import cap_turns, scale_generations
 from tests.faults.cluster import MultiHostCluster
+from tests.faults.strike import Cut, Fault, Kill, strike_while_holding
 from tests.server.serving import API_KEY, MODEL, engine_pids, is_running, start_server
 
 pytest.importorskip("nixl_cu12")
 
 NUM_CONVERSATIONS = 32
 NUM_TURNS = 3
-# A decode engine fails when this many turns have finished: the conversations start together,
-# so most first turns are still in flight then, on both decode engines. (At half the turns, a
-# 2P2D cluster had finished so much that a cut-off decode host held 0 or 1 requests.)
+# A decode engine fails once this many turns have finished (and it holds requests): mid-run,
+# with most first turns still in flight. A prefill engine fails as soon as it holds requests
+# it has not prefilled, while the first turns queue for prefill.
 FAIL_DECODE_AFTER_TURNS = NUM_CONVERSATIONS // 8
-# A prefill engine this long after the conversations start, while their first turns queue
-# for prefill.
-FAIL_PREFILL_AFTER_S = 0.2
 HEARTBEAT_TIMEOUT_S = 4.0  # the multi-host cluster's remote engines
-# SIGTERM reaches the server this long after an engine is killed: its requests are being
-# placed again.
-TERMINATE_AFTER_KILL_S = 0.1
+# Hang guards, far above a loaded 2-core machine's times: each wait ends on what it waits for.
+BACK_TIMEOUT_S = 300.0  # a restarted engine in /health (a cut-off one backs off up to 30 s)
+EXIT_TIMEOUT_S = 120.0  # a server or `dualpath engine` told to stop
 
 
 @dataclass(frozen=True)
@@ -100,36 +100,61 @@ def undisturbed(target: Target, sessions) -> dict[tuple[int, int], TurnRecord]:
     return reference
 
 
+class FaultWatch:
+    """``watch`` on a thread beside a replay; ``stop`` once the replay has ended, which
+    re-raises what ``watch`` raised."""
+
+    def __init__(self, watch: Callable[[threading.Event], None]) -> None:
+        self.has_ended = threading.Event()  # the replay
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(watch,), daemon=True)
+        self._thread.start()
+
+    def _run(self, watch: Callable[[threading.Event], None]) -> None:
+        try:
+            watch(self.has_ended)
+        except BaseException as exc:  # re-raised on the test's thread
+            self._error = exc
+
+    def stop(self) -> None:
+        self.has_ended.set()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def replay_through_fault(
     target: Target,
     sessions,
     reference,
     engine_id: int,
-    fail: Callable[[], None],
+    fault: Fault,
     *,
-    after_turns: int | None,
+    after_turns: int,
 ) -> float:
-    """Replay ``sessions``, calling ``fail`` once ``after_turns`` turns have finished (None:
-    ``FAIL_PREFILL_AFTER_S`` after the start), and check the outcome; when the fault was."""
-    fault: dict[str, float] = {}
+    """Replay ``sessions``, striking ``engine_id`` with ``fault`` once ``after_turns`` turns
+    have finished and it holds requests, and check the outcome; when the fault was."""
+    fault_at_s: list[float] = []
     done: list[TurnRecord] = []
     before = target.metric("dualpath_scheduler_replaced_requests_total")
 
-    def inject() -> None:
-        fail()
-        fault["at_s"] = time.monotonic()
-
-    def on_turn(record: TurnRecord) -> None:
-        done.append(record)
-        if after_turns is not None and not fault and len(done) >= after_turns:
-            inject()
+    def watch(has_ended: threading.Event) -> None:
+        if strike_while_holding(
+            target.url,
+            engine_id,
+            fault,
+            is_ready=lambda _: len(done) >= after_turns,
+            should_stop=has_ended.is_set,
+        ):
+            fault_at_s.append(time.monotonic())
 
     start_s = time.monotonic()
-    timer = threading.Timer(FAIL_PREFILL_AFTER_S, inject) if after_turns is None else None
-    if timer is not None:
-        timer.start()
-    records = replay(target, sessions, on_turn)
-    assert fault, "the run ended before the fault"
+    watcher = FaultWatch(watch)
+    try:
+        records = replay(target, sessions, done.append)
+    finally:
+        watcher.stop()
+    assert fault_at_s, f"the run ended before engine {engine_id} held a request"
     errors = [r.error for r in records.values() if r.error is not None]
     assert errors == [], errors[:3]  # no client-visible error
     assert records.keys() == reference.keys()  # no request lost
@@ -138,13 +163,13 @@ def replay_through_fault(
     replaced = target.metric("dualpath_scheduler_replaced_requests_total") - before
     delay_s = target.metric("dualpath_scheduler_replacement_first_token_max_seconds")
     print(
-        f"\nengine {engine_id}'s fault {fault['at_s'] - start_s:.2f} s into the run: "
+        f"\nengine {engine_id}'s fault {fault_at_s[0] - start_s:.2f} s into the run: "
         f"{replaced:.0f} requests placed again, the longest from a fault to a re-placed "
         f"request's next token {delay_s:.3f} s; the run ended "
-        f"{time.monotonic() - fault['at_s']:.1f} s after the fault"
+        f"{time.monotonic() - fault_at_s[0]:.1f} s after the fault"
     )
-    assert replaced >= 1, "the fault hit no request"
-    return fault["at_s"]
+    assert replaced >= 1, "the fault hit no request (strike_while_holding should make sure)"
+    return fault_at_s[0]
 
 
 def deaths_of(target: Target, engine_id: int) -> int:
@@ -159,26 +184,45 @@ def wait_until_back(target: Target, engine_id: int, since_s: float, deaths_befor
         has_died = body["engine_deaths"].get(str(engine_id), 0) > deaths_before
         if has_died and body["num_live_engines"] == target.num_engines:
             break
-        assert time.monotonic() - since_s < 90, body
+        assert time.monotonic() - since_s < BACK_TIMEOUT_S, body
         time.sleep(0.02)
     print(f"engine {engine_id} back in /health {time.monotonic() - since_s:.1f} s after the fault")
     assert body["dead_engines"] == {}
 
 
-def kill_after_turns(target: Target, sessions, kill: Callable[[], None], then=None) -> None:
-    """Replay ``sessions``; ``kill`` once FAIL_DECODE_AFTER_TURNS turns have finished and
-    ``then`` TERMINATE_AFTER_KILL_S later. Turns that fail from then on are not checked."""
+def terminate_in_a_loss(
+    target: Target, sessions, engine_id: int, pid_of: Callable[[], int], terminate
+) -> None:
+    """Replay ``sessions``; once FAIL_DECODE_AFTER_TURNS turns have finished, SIGKILL engine
+    ``engine_id`` while it holds requests, and call ``terminate`` as soon as /health counts
+    its death (its requests are being placed again, so the run cannot have ended). Turns that
+    fail from then on are not checked."""
     done: list[TurnRecord] = []
+    deaths = deaths_of(target, engine_id)
+    has_terminated = threading.Event()
 
-    def on_turn(record: TurnRecord) -> None:
-        done.append(record)
-        if len(done) == FAIL_DECODE_AFTER_TURNS:
-            kill()
-            if then is not None:
-                threading.Timer(TERMINATE_AFTER_KILL_S, then).start()
+    def watch(has_ended: threading.Event) -> None:
+        if not strike_while_holding(
+            target.url,
+            engine_id,
+            Kill(pid_of),
+            is_ready=lambda _: len(done) >= FAIL_DECODE_AFTER_TURNS,
+            should_stop=has_ended.is_set,
+        ):
+            return
+        deadline_s = time.monotonic() + EXIT_TIMEOUT_S
+        while deaths_of(target, engine_id) == deaths:
+            assert time.monotonic() < deadline_s, f"engine {engine_id}'s death never counted"
+            time.sleep(0.02)
+        terminate()
+        has_terminated.set()
 
-    replay(target, sessions, on_turn)
-    assert len(done) >= FAIL_DECODE_AFTER_TURNS
+    watcher = FaultWatch(watch)
+    try:
+        replay(target, sessions, done.append)
+    finally:
+        watcher.stop()
+    assert has_terminated.is_set(), f"the run ended before engine {engine_id} held a request"
 
 
 def processes_of(home: Path) -> list[int]:
@@ -211,7 +255,7 @@ def no_half_written_blocks(store_dir: Path) -> None:
     assert temporary == [], f"store writes left half-done: {temporary[:3]}"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # a hang guard: five replays of 96 turns, three faults, two servers
 def test_conversations_survive_engine_kills_unchanged(tiny_model_dir: Path, tmp_path: Path) -> None:
     sessions = conversations(tiny_model_dir)
     assert len(sessions) == NUM_CONVERSATIONS
@@ -219,11 +263,8 @@ def test_conversations_survive_engine_kills_unchanged(tiny_model_dir: Path, tmp_
         target = Target(server.url, MODEL, API_KEY, lambda: server.health().json(),
                         lambda name: metric_of(server.url, name), 4)  # fmt: skip
         reference = undisturbed(target, sessions)
-        for engine_id, after_turns in ((2, FAIL_DECODE_AFTER_TURNS), (0, None)):  # DE, PE
-
-            def kill(engine_id: int = engine_id) -> None:
-                os.kill(engine_pids(server)[engine_id], signal.SIGKILL)
-
+        for engine_id, after_turns in ((2, FAIL_DECODE_AFTER_TURNS), (0, 0)):  # DE, PE
+            kill = Kill(lambda engine_id=engine_id: engine_pids(server)[engine_id])
             deaths = deaths_of(target, engine_id)
             fault_s = replay_through_fault(
                 target, sessions, reference, engine_id, kill, after_turns=after_turns
@@ -232,14 +273,15 @@ def test_conversations_survive_engine_kills_unchanged(tiny_model_dir: Path, tmp_
             assert target.health()["engine_restarts"][str(engine_id)] == 1
 
         # SIGTERM in the middle of a decode engine's loss.
-        kill_after_turns(
+        terminate_in_a_loss(
             target,
             sessions,
-            lambda: os.kill(engine_pids(server)[3], signal.SIGKILL),
-            then=lambda: server.process.send_signal(signal.SIGTERM),
+            3,
+            lambda: engine_pids(server)[3],
+            terminate=server.process.terminate,
         )
-        assert server.process.wait(60) == 0
-        wait_until_none_left(tmp_path / "home", 10)
+        assert server.process.wait(EXIT_TIMEOUT_S) == 0
+        wait_until_none_left(tmp_path / "home", EXIT_TIMEOUT_S)
     no_half_written_blocks(tmp_path / "kv")
     # A new server on the same store: what was written reads back as the same tokens.
     again_root = tmp_path / "again"
@@ -255,7 +297,7 @@ def test_conversations_survive_engine_kills_unchanged(tiny_model_dir: Path, tmp_
 def metric_of(url: str, name: str) -> float:
     """The sum of a Prometheus metric's samples (every label set)."""
     total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
         if line.startswith(name) and line[len(name)] in " {":
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -271,7 +313,7 @@ def same_tokens_from_the_store(target: Target, sessions, reference) -> None:
     assert target.metric("dualpath_store_corrupt_blocks_total") == 0
 
 
-@pytest.mark.timeout(900)  # seven replays of 96 turns, three faults, two cluster starts
+@pytest.mark.timeout(1200)  # a hang guard: six replays of 96 turns, four faults, two clusters
 def test_conversations_survive_host_cuts_and_kills_on_the_multi_host_cluster(
     test_hosts, gluster_volume, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -302,18 +344,15 @@ def test_conversations_survive_host_cuts_and_kills_on_the_multi_host_cluster(
                 sessions,
                 reference,
                 3,
-                lambda: test_hosts.set_link_up(host, False),
+                Cut(test_hosts, host),
                 after_turns=FAIL_DECODE_AFTER_TURNS,
             )
         finally:
             test_hosts.set_link_up(host, True)
         wait_until_back(target, 3, fault_s, deaths)
         # A prefill engine, then a decode engine, SIGKILLed: started again on their hosts.
-        for engine_id, after_turns in ((1, None), (2, FAIL_DECODE_AFTER_TURNS)):
-
-            def kill(engine_id: int = engine_id) -> None:
-                os.kill(cluster.engine_pid(engine_id), signal.SIGKILL)
-
+        for engine_id, after_turns in ((1, 0), (2, FAIL_DECODE_AFTER_TURNS)):
+            kill = Kill(lambda engine_id=engine_id: cluster.engine_pid(engine_id))
             deaths = deaths_of(target, engine_id)
             fault_s = replay_through_fault(
                 target, sessions, reference, engine_id, kill, after_turns=after_turns
@@ -321,21 +360,23 @@ def test_conversations_survive_host_cuts_and_kills_on_the_multi_host_cluster(
             wait_until_back(target, engine_id, fault_s, deaths)
 
         # SIGTERM to the server in the middle of a decode engine's loss. The live engines
-        # are told to stop and exit 0; the killed one's restart finds no scheduler and goes
-        # on trying (it waits for its scheduler, as a host's engine should) until SIGTERM.
+        # are told to stop and exit 0; the killed one's restart, unless it rejoined before
+        # the server left (and was told to stop too), finds no scheduler and goes on trying
+        # (it waits for its scheduler, as a host's engine should) until SIGTERM.
         supervisors = cluster.engine_id_to_process
-        kill_after_turns(
+        terminate_in_a_loss(
             target,
             sessions,
-            lambda: os.kill(cluster.engine_pid(3), signal.SIGKILL),
-            then=lambda: cluster.server.send_signal(signal.SIGTERM),
+            3,
+            lambda: cluster.engine_pid(3),
+            terminate=cluster.server.terminate,
         )
-        assert cluster.server.wait(60) == 0
+        assert cluster.server.wait(EXIT_TIMEOUT_S) == 0
         for engine_id in (0, 1, 2):
-            assert supervisors[engine_id].wait(30) == 0, f"engine {engine_id}"
-        supervisors[3].send_signal(signal.SIGTERM)
-        assert supervisors[3].wait(30) == 0
-        wait_until_none_left(tmp_path / "home", 10)
+            assert supervisors[engine_id].wait(EXIT_TIMEOUT_S) == 0, f"engine {engine_id}"
+        supervisors[3].terminate()  # nothing when it has exited already
+        assert supervisors[3].wait(EXIT_TIMEOUT_S) == 0
+        wait_until_none_left(tmp_path / "home", EXIT_TIMEOUT_S)
     no_half_written_blocks(store_dir_of(test_hosts.hosts[0]))
     again = MultiHostCluster(
         test_hosts.hosts,
