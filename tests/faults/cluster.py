@@ -34,7 +34,9 @@ from tests.faults.hosts import HOST_DEVICE, Host
 SCHEDULER_PORT = 5555
 API_PORT = 8000
 TOKEN = "fault-tests-token"  # the hosts are private to this machine
-START_TIMEOUT_S = 240.0
+START_TIMEOUT_S = 300.0  # a hang guard, as the server tests' (tests/server/serving.py)
+# One HTTP request's hang guard: a loaded 2-core machine answers late, not never.
+HTTP_TIMEOUT_S = 60.0
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": HOST_DEVICE, "NIXL_LOG_LEVEL": "WARN"}
 
 
@@ -83,14 +85,14 @@ class MultiHostCluster:
         self.url = f"http://{self.api_host.address}:{API_PORT}"
         self.server: subprocess.Popen | None = None
         self.engine_id_to_process: dict[int, subprocess.Popen] = {}
-        self.http = httpx.Client(base_url=self.url, timeout=60)
+        self.http = httpx.Client(base_url=self.url, timeout=HTTP_TIMEOUT_S)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> MultiHostCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(httpx.HTTPError):
-            self.http.get("/health", timeout=1)
+            self.http.get("/health")  # refused at once when nothing listens
             raise RuntimeError(f"another cluster already answers at {self.url}")
         try:
             self.server = self._popen(self.api_host, "server", self._serve_argv())
@@ -154,12 +156,12 @@ class MultiHostCluster:
         return self.http.post("/v1/completions", json=body, **kwargs)
 
     def health(self) -> dict:
-        return self.http.get("/health", timeout=5).json()
+        return self.http.get("/health").json()
 
     def metric(self, name: str) -> float:
         """The sum of a Prometheus metric's samples (every label set)."""
         total = 0.0
-        for line in self.http.get("/metrics", timeout=5).text.splitlines():
+        for line in self.http.get("/metrics").text.splitlines():
             if line.startswith(name) and line[len(name)] in " {":
                 total += float(line.rsplit(" ", 1)[1])
         return total
@@ -170,7 +172,7 @@ class MultiHostCluster:
             if self.server is not None and self.server.poll() is not None:
                 raise RuntimeError(f"server exited with {self.server.returncode}: {self.log()}")
             with contextlib.suppress(httpx.HTTPError):
-                if self.http.get("/health", timeout=2).status_code == 200:
+                if self.http.get("/health").status_code == 200:
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cluster not healthy in {timeout_s} s: {self.log()}")

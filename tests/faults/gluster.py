@@ -35,7 +35,7 @@ STATE_DIR = Path("/var/tmp/dualpath-gluster")  # per brick host: lib/, log/, bri
 MOUNT_DIR = Path("/mnt/dualpath-gluster")  # per host: <host name>/
 VOLUME = "dpkv"
 PING_TIMEOUT_S = 5
-_START_TIMEOUT_S = 60.0
+_START_TIMEOUT_S = 120.0  # a hang guard for every wait here: each ends on what it waits for
 # glusterd's parent: a child subreaper that reaps the bricks glusterd daemonizes. Without it they
 # reparent to PID 1, which need not reap them, and glusterd takes a zombie brick for a live one
 # (so `volume start force` would not restart it).

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.faults.cluster import MultiHostCluster, random_ids
-from tests.faults.test_store_faults import ask, wait_for_full_hits
+from tests.faults.test_store_faults import (
+    HITS_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
+    ask,
+    wait_for_full_hits,
+)
 
 pytest.importorskip("nixl_cu12")
 
@@ -55,9 +60,9 @@ def test_a_full_disk_stops_persisting_not_serving(full_disk_cluster) -> None:
     prompts = [random_ids(600, seed=50 + i) for i in range(3)]
     assert ask(cluster, prompts) == [0, 0, 0]
     assert ask(cluster, prompts) == [0, 0, 0]  # nothing could be persisted
-    health = cluster.http.get("/health")
+    health = cluster.http.get("/health", timeout=REQUEST_TIMEOUT_S)
     assert health.status_code == 200 and health.json()["store"]["write_errors"] > 0
     assert cluster.metric("dualpath_store_write_errors_total") > 0
     filler.unlink()
-    recovery_s = wait_for_full_hits(cluster, prompts, timeout_s=30)
+    recovery_s = wait_for_full_hits(cluster, prompts, timeout_s=HITS_TIMEOUT_S)
     print(f"disk freed: full hits again {recovery_s:.1f} s later")

@@ -22,7 +22,10 @@ from tests.faults.cluster import MultiHostCluster, random_ids, reference_tokens
 pytest.importorskip("nixl_cu12")
 
 MAX_TOKENS = 8
-REQUEST_TIMEOUT_S = 60.0  # far above any answer's time here: a request that hits it hung
+# Hang guards, far above a loaded 2-core machine's times: each wait ends on what it waits for.
+REQUEST_TIMEOUT_S = 120.0  # one answer (a request that hits it hung)
+HITS_TIMEOUT_S = 120.0  # a store serving full hits (again)
+VISIBLE_TIMEOUT_S = 120.0  # a change made through one mount, seen through the others
 NAMESPACE = "store-faults"
 
 
@@ -76,7 +79,7 @@ def wait_until_every_mount_sees(cluster, gluster_volume, corrupt: Path, truncate
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     origin = gluster_volume.mount_point(cluster.api_host)
     want_byte, want_size = corrupt.read_bytes()[HEADER_BYTES + 100], truncated.stat().st_size
-    deadline_s = time.monotonic() + 30
+    deadline_s = time.monotonic() + VISIBLE_TIMEOUT_S
     for spec in cluster.engines:
         mount = gluster_volume.mount_point(spec.host)
         seen_corrupt = mount / corrupt.relative_to(origin)
@@ -98,7 +101,7 @@ def test_corrupt_and_truncated_blocks_are_recomputed_and_replaced(cluster, glust
     prompt = random_ids(900, seed=1)
     before = block_files(root)
     assert ask(cluster, [prompt]) == [0]
-    wait_for_full_hits(cluster, [prompt], timeout_s=30)
+    wait_for_full_hits(cluster, [prompt], timeout_s=HITS_TIMEOUT_S)
     written = sorted(block_files(root) - before)
     assert len(written) >= 2
     corrupt, truncated = written[0], written[1]
@@ -112,14 +115,16 @@ def test_corrupt_and_truncated_blocks_are_recomputed_and_replaced(cluster, glust
     damaged_before = cluster.health()["store"]["corrupt_blocks"]
     start_s = time.monotonic()
     assert ask(cluster, [prompt])[0] <= full_hit(prompt)  # correct tokens whatever was read
-    recovery_s = wait_for_full_hits(cluster, [prompt], timeout_s=30) + time.monotonic() - start_s
+    recovery_s = (
+        wait_for_full_hits(cluster, [prompt], timeout_s=HITS_TIMEOUT_S) + time.monotonic() - start_s
+    )
     print(f"corrupt + truncated block: full hits again {recovery_s:.1f} s later")
     assert cluster.health()["store"]["corrupt_blocks"] > damaged_before
     assert cluster.metric("dualpath_store_corrupt_blocks_total") > damaged_before
     # Rewritten whole, through another host's mount: this host's FUSE client may show the old
     # size for a moment (attribute caching), so look until a deadline.
     size = written[2].stat().st_size
-    deadline_s = time.monotonic() + 15
+    deadline_s = time.monotonic() + VISIBLE_TIMEOUT_S
     while not corrupt.stat().st_size == truncated.stat().st_size == size:
         assert time.monotonic() < deadline_s, (corrupt.stat(), truncated.stat(), size)
         time.sleep(0.2)
@@ -130,7 +135,7 @@ def test_a_stopped_brick_costs_hits_not_answers_and_its_return_restores_them(
 ) -> None:
     prompts = [random_ids(700, seed=10 + i) for i in range(4)]
     ask(cluster, prompts)
-    wait_for_full_hits(cluster, prompts, timeout_s=30)
+    wait_for_full_hits(cluster, prompts, timeout_s=HITS_TIMEOUT_S)
     brick_host = gluster_volume.brick_hosts[0]
     on_brick = len(list(gluster_volume.brick_dir(brick_host).rglob("*.kvb")))
     assert on_brick > 0
@@ -142,10 +147,10 @@ def test_a_stopped_brick_costs_hits_not_answers_and_its_return_restores_them(
               f"cached {cached}")  # fmt: skip
         # Half the blocks (by name hash) live on the stopped brick: some prefix breaks.
         assert sum(cached[:4]) < sum(full_hit(p) for p in prompts)
-        assert cluster.http.get("/health").status_code == 200
+        assert cluster.http.get("/health", timeout=REQUEST_TIMEOUT_S).status_code == 200
     finally:
         gluster_volume.restore_bricks()
-    recovery_s = wait_for_full_hits(cluster, prompts, timeout_s=60)
+    recovery_s = wait_for_full_hits(cluster, prompts, timeout_s=HITS_TIMEOUT_S)
     print(f"brick restored: full hits again {recovery_s:.1f} s later")
 
 
@@ -155,7 +160,7 @@ def test_a_slow_store_slows_answers_but_keeps_them_correct(
     def second_turns(seed: int, *, is_slow: bool) -> tuple[float, list[int]]:
         prompts = [random_ids(800, seed=seed + i) for i in range(3)]
         ask(cluster, prompts)
-        wait_for_full_hits(cluster, prompts, timeout_s=30)
+        wait_for_full_hits(cluster, prompts, timeout_s=HITS_TIMEOUT_S)
         if is_slow:
             for host in gluster_volume.brick_hosts:  # every store byte crosses these links
                 test_hosts.shape(host, rate_mbit=8)
