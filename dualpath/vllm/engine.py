@@ -1,0 +1,96 @@
+"""The vLLM engine one engine process of ours runs: in this process, stepped by us, our connector
+inside it (``connector.py``), bound to its cores.
+
+    engine = build_engine(VllmEngineSpec(model_dir, engine_key="engine-3", cores=(1,)))
+    engine.add_request("7", {"prompt_token_ids": ids}, sampling_params)
+    outputs = engine.step()
+
+vLLM's CPU build ignores ``VLLM_CPU_OMP_THREADS_BIND`` in-process and fixes torch's thread
+count when its worker starts, so the cores and threads are set here, before the engine is
+built. Engine arguments a user passes through are vLLM's own, except the ones this module
+sets (they would break what the connector relies on): those are refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dualpath.units import GIB
+
+CONNECTOR_NAME = "DualpathConnector"
+CONNECTOR_MODULE = "dualpath.vllm.connector"
+
+# Engine arguments this module sets: given through, they would unhook the connector or break
+# what it relies on (one worker, our block size and dtype, eager layer hooks).
+RESERVED_ARGS = (
+    "model",
+    "kv_transfer_config",
+    "block_size",
+    "dtype",
+    "max_model_len",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enable_prefix_caching",
+    "seed",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEngineSpec:
+    """One vLLM engine of ours."""
+
+    model_dir: Path
+    engine_key: str  # the ConnectorHost this engine's connector uses
+    block_size_tokens: int = 64  # = the store's Full Block (vLLM's CPU kernel: a multiple of 32)
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    kv_cache_bytes: int = 1 << 30  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB)
+    cores: tuple[int, ...] | None = None  # pin the process here; None: leave it as it is
+    # vLLM engine arguments passed through (EngineArgs field -> value); RESERVED_ARGS refused.
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        reserved = sorted(set(self.args) & set(RESERVED_ARGS))
+        if reserved:
+            raise ValueError(
+                f"vLLM argument(s) {', '.join(reserved)} are set by dualpath and cannot be "
+                "passed through (use dualpath's own flags)"
+            )
+
+
+def build_engine(spec: VllmEngineSpec) -> Any:
+    """vLLM's ``LLMEngine`` for ``spec``, its engine core in this process."""
+    import torch
+
+    if spec.cores is not None:
+        os.sched_setaffinity(0, spec.cores)
+        torch.set_num_threads(len(spec.cores))  # before vLLM's worker freezes the count
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, spec.kv_cache_bytes // GIB))
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = dict(
+        model=str(spec.model_dir),
+        dtype=spec.dtype,
+        block_size=spec.block_size_tokens,
+        max_model_len=spec.max_model_len,
+        seed=0,
+        enable_prefix_caching=True,
+        enforce_eager=True,  # compiled graphs take minutes to build on a CPU at every start
+        disable_log_stats=True,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config={"engine_key": spec.engine_key},
+        ),
+    )
+    args.update(spec.args)
+    return LLMEngine.from_engine_args(EngineArgs(**args))

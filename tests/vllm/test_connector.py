@@ -1,0 +1,187 @@
+"""Our connector inside a real vLLM engine (the embedded SmolLM2 checkpoint): a request prefilled
+in PE mode sends every layer's KV to a DE buffer; decoded in DE mode from that buffer alone
+(vLLM's prefix cache emptied between), it gives plain vLLM's tokens; its blocks reach the store,
+and a later PE-mode prefill loads them from there, layer by layer, with the same tokens.
+
+One engine plays both roles here (a vLLM engine and its connector are process-wide, so a
+second engine would need a second process): the plans, not the process, say which role a
+request takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dualpath.engine.buffers import KVBuffer
+from dualpath.kv.hashing import block_keys
+from dualpath.kv.store import FileKVStore
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 64
+ENGINE_KEY = "test-connector"
+NEAR_TIE_LOGPROB = 1e-3  # a first difference is accepted only where vLLM's top two are this close
+
+
+@dataclass
+class Served:
+    engine: object
+    host: object
+    store: FileKVStore
+    layout: object
+    fingerprint: str
+    next_id: int = 0
+
+
+class LocalRemote:
+    """A DE buffer in this process, as a PE's RemoteBuffer sees it."""
+
+    def __init__(self, buffer: KVBuffer) -> None:
+        self.buffer = buffer
+
+    def read_layer(self, slots, layer, out) -> None:
+        for i, slot in enumerate(slots):
+            out[i] = self.buffer.layer_block(slot, layer)
+
+    def write_layer(self, slots, layer, data) -> None:
+        for i, slot in enumerate(slots):
+            self.buffer.layer_block(slot, layer)[...] = data[i]
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from dualpath.model.identity import checkpoint_kv_identity
+    from dualpath.vllm.connector import ConnectorHost, register_host, unregister_host
+    from dualpath.vllm.engine import VllmEngineSpec, build_engine
+
+    _, identity = checkpoint_kv_identity(smollm2_model_dir, "float32", BLOCK)
+    store = FileKVStore(tmp_path_factory.mktemp("kv"), identity.layout, identity.fingerprint)
+    host = ConnectorHost(identity.layout, identity.fingerprint, store=store)
+    register_host(ENGINE_KEY, host)
+    try:
+        engine = build_engine(
+            VllmEngineSpec(smollm2_model_dir, engine_key=ENGINE_KEY, max_model_len=4096)
+        )
+        yield Served(engine, host, store, identity.layout, identity.fingerprint)
+    finally:
+        unregister_host(ENGINE_KEY)
+
+
+def _prompt(num_tokens: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 40_000, num_tokens).tolist()
+
+
+def _run(served: Served, prompt: list[int], max_tokens: int, plan=None):
+    """(token ids, top-2 logprobs per token, num_cached_tokens) of a greedy request."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from dualpath.vllm.connector import REQUEST_ID_PARAM
+
+    served.next_id += 1
+    extra = None
+    if plan is not None:
+        served.host.plans[plan.request_id] = plan
+        extra = {"kv_transfer_params": {REQUEST_ID_PARAM: plan.request_id}}
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        logprobs=2,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args=extra,
+    )
+    served.engine.add_request(str(served.next_id), {"prompt_token_ids": prompt}, params)
+    tokens, logprobs, num_cached = [], [], None
+    while served.engine.has_unfinished_requests():
+        for out in served.engine.step():
+            tokens += out.outputs[0].token_ids
+            logprobs += out.outputs[0].logprobs or []
+            num_cached = out.num_cached_tokens
+    if plan is not None:
+        del served.host.plans[plan.request_id]
+    return tokens, logprobs, num_cached
+
+
+def _assert_same_greedy(reference, logprobs, tokens, label: str) -> int:
+    """Equal, or first different where vLLM's own top two were within NEAR_TIE_LOGPROB; 1 if
+    such a near tie was met, else 0."""
+    if tokens == reference:
+        return 0
+    index = next(i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b)
+    top = sorted(logprobs[index].values(), key=lambda lp: -lp.logprob)
+    margin = top[0].logprob - top[1].logprob
+    assert margin < NEAR_TIE_LOGPROB, (
+        f"{label}: differs from plain vLLM at token {index} ({reference[index]} vs "
+        f"{tokens[index]}) where vLLM's top two were {margin:.2e} apart"
+    )
+    return 1
+
+
+def _prefill_then_decode(served: Served, prompt, reference, reference_logprobs, pe_load=None):
+    """PE mode (optionally loading hits), then DE mode from the DE buffer alone; the tokens."""
+    from dualpath.vllm.connector import KVPlan, LoadSource, SendTarget
+
+    num_blocks = -(-len(prompt) // BLOCK)
+    de_buffer = KVBuffer(served.layout, num_blocks * served.layout.full_block_bytes)
+    de_slots = de_buffer.allocate(num_blocks)
+    served.engine.reset_prefix_cache()
+    pe_plan = KVPlan(
+        1, load=pe_load, send=SendTarget(LocalRemote(de_buffer), de_slots, len(prompt))
+    )
+    first, _, num_cached = _run(served, prompt, 1, pe_plan)
+    assert pe_plan.num_sent_blocks == num_blocks
+    served.engine.reset_prefix_cache()  # the DE's tokens can only come from its buffer
+    freed = []
+    de_plan = KVPlan(
+        2,
+        load=LoadSource(de_buffer, de_slots, len(prompt)),
+        persist_from_block=0,
+        on_loaded=lambda: freed.append(True),
+    )
+    rest, _, de_cached = _run(served, prompt + first, len(reference) - 1, de_plan)
+    assert de_cached == len(prompt) and de_plan.num_loaded_tokens == len(prompt)
+    assert freed == [True]
+    served.host.store_io.flush()
+    return first + rest, num_cached
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [300, 1000])
+def test_pe_then_de_give_plain_vllms_tokens_and_persist_the_blocks(
+    served: Served, num_prompt_tokens: int
+) -> None:
+    prompt = _prompt(num_prompt_tokens, seed=num_prompt_tokens)
+    served.engine.reset_prefix_cache()
+    reference, reference_logprobs, _ = _run(served, prompt, 8)
+    tokens, num_cached = _prefill_then_decode(served, prompt, reference, reference_logprobs)
+    assert num_cached == 0
+    _assert_same_greedy(reference, reference_logprobs, tokens, "cold")
+    # The DE persisted every full block of prompt + output (the partial tail never).
+    keys = block_keys(prompt + tokens[:-1], BLOCK, served.fingerprint)
+    assert served.store.lookup(keys) == len(keys)
+
+    # Warm: a PE-mode prefill loads the prompt's stored blocks from a PE buffer.
+    num_hit = (len(prompt) - 1) // BLOCK
+    pe_buffer = KVBuffer(served.layout, max(num_hit, 1) * served.layout.full_block_bytes)
+    pe_slots = pe_buffer.allocate(num_hit)
+    for key, slot in zip(keys[:num_hit], pe_slots, strict=True):
+        served.store.read(key, pe_buffer.full_block(slot))
+    from dualpath.vllm.connector import LoadSource
+
+    warm, num_cached = _prefill_then_decode(
+        served,
+        prompt,
+        reference,
+        reference_logprobs,
+        pe_load=LoadSource(pe_buffer, pe_slots, num_hit * BLOCK),
+    )
+    assert num_cached == num_hit * BLOCK
+    _assert_same_greedy(reference, reference_logprobs, warm, "warm")
