@@ -64,6 +64,7 @@ from dualpath.bench.report import write_outputs
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig
+from dualpath.flags import non_negative_int, positive_float, positive_int
 from dualpath.model.identity import kv_facts
 from dualpath.model.registry import read_config
 from dualpath.transfer.transport import TRANSPORT_KINDS
@@ -369,34 +370,34 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-sessions",
-        type=int,
+        type=positive_int,
         default=None,
         help="sessions to replay: trajectories generated, or a trace's first sessions (default: "
         "the preset's agents)",
     )
     parser.add_argument(
         "--length-scale",
-        type=float,
+        type=positive_float,
         default=None,
         help="multiply every length (prompts, appends, outputs) by this, a trace's too "
         "(default: the preset's)",
     )
     parser.add_argument(
         "--max-turns",
-        type=int,
+        type=positive_int,
         default=None,
         help="keep each session's first N turns, a trace's too (default: the preset's cap)",
     )
     parser.add_argument(
         "--gen-scale",
-        type=float,
+        type=positive_float,
         default=None,
         help="multiply every generation's length by this, after --length-scale (default: the "
         "preset's)",
     )
     parser.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="the servers' longest prompt (serve --max-prompt-tokens; default the model's "
         "context minus one): the workload is checked against it before any server starts",
@@ -429,7 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument(
         "--clones",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="every session also runs as N clones with a fresh first turn (SPEC 7: "
         "cache-disjoint), so many agents replay few sessions (default: the preset's)",
@@ -441,6 +442,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibrate SNIC caps to this hit-KV demand over one SNIC (e.g. 2), or a sweep "
         "0.5,1,2,3 (each value runs the modes; plotted against the ideal speedup)",
     )
+
+
+def check_url_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` for flags that only speak to a ``--url`` server, given without it."""
+    given = [
+        flag
+        for flag, value in (
+            ("--api-key", args.api_key),
+            ("--served-model-name", args.served_model_name),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: only for a server of your own (bench offline --url); the "
+            "servers the benchmark starts need neither"
+        )
 
 
 def _rho_values(text: str) -> list[float]:
@@ -465,6 +483,7 @@ def main(args: argparse.Namespace) -> int:
         if args.modes is not None:
             raise ValueError("--url runs against one existing server: do not give --modes")
         return _write(_run_url(args, model_dir), args)
+    check_url_flags(args)
     modes = [m.strip() for m in (args.modes or "basic,dualpath,oracle").split(",") if m.strip()]
     rhos = args.rho or [None]
     reports = [

@@ -60,6 +60,7 @@ from dualpath.bench.offline import (
     add_workload_arguments,
     calibrate,
     check_calibration_workload,
+    check_url_flags,
     checked_preset,
     load_workload,
     oracle_run,
@@ -68,6 +69,7 @@ from dualpath.bench.offline import (
 from dualpath.bench.presets import workload_shape
 from dualpath.bench.report import write_outputs
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
+from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.model.identity import kv_facts
 from dualpath.model.registry import read_config
 from dualpath.workload import Workload, poisson_arrival_offsets_s
@@ -200,7 +202,7 @@ def run_online(
         raise ValueError(f"--slo-basis must be one of {SLO_BASES}, got {slo_basis!r}")
     if min_agents < 1:
         raise ValueError(f"--min-agents must be >= 1, got {min_agents}")
-    start_aps = aps or preset.aps
+    start_aps = preset.aps if aps is None else aps
     if start_aps <= 0:
         raise ValueError(f"--aps must be > 0, got {start_aps}")
 
@@ -357,7 +359,10 @@ def _unloaded(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument(
-        "--aps", type=float, default=None, help="agents arriving per second (default: preset's)"
+        "--aps",
+        type=positive_float,
+        default=None,
+        help="agents arriving per second (default: preset's)",
     )
     parser.add_argument(
         "--find-capacity",
@@ -366,7 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--min-agents",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MIN_AGENTS,
         help="agents per run at least (besides arriving over 3 x the unloaded agent's JCT; "
         f"default {DEFAULT_MIN_AGENTS})",
@@ -380,7 +385,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--replay-gaps",
-        type=float,
+        type=non_negative_float,
         nargs="?",
         const=1.0,
         default=None,
@@ -390,16 +395,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-gap-s",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="with --replay-gaps: wait at most this many seconds between two requests (real "
         "sessions pause for hours; default: no cap)",
     )
     parser.add_argument(
-        "--slo-ttft-s", type=float, default=None, help="TTFT SLO (default 4 x unloaded p50)"
+        "--slo-ttft-s",
+        type=positive_float,
+        default=None,
+        help="TTFT SLO (default 4 x unloaded p50)",
     )
     parser.add_argument(
-        "--slo-tpot-s", type=float, default=None, help="TPOT SLO (default 4 x unloaded p50)"
+        "--slo-tpot-s",
+        type=positive_float,
+        default=None,
+        help="TPOT SLO (default 4 x unloaded p50)",
     )
 
 
@@ -410,6 +421,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("bench online starts its own servers: --url is for bench offline")
     if args.read_path is not None:
         raise ValueError("--read-path is for bench offline")
+    check_url_flags(args)
     modes = [m.strip() for m in (args.modes or "basic,dualpath").split(",") if m.strip()]
     report = run_online(
         modes,
