@@ -248,6 +248,51 @@ def _add_engine_args(p: argparse.ArgumentParser, *, default_threads: int | None 
         default=None,
         help="context limit in tokens (default: the checkpoint's)",
     )
+    p.add_argument(
+        "--engine",
+        choices=("native", "vllm"),
+        default="native",
+        help="what runs the model in each engine: 'native' (ours, the reference) or 'vllm' "
+        "(vLLM's engine in each engine process with dualpath's KV connector; needs vLLM "
+        "installed, e.g. the venv `make test-vllm` builds; serve and engine only) "
+        "(default native)",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        type=_vllm_arg,
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument (an EngineArgs field, e.g. max_num_seqs=32; the value "
+        "is read as JSON, else as a string), repeatable, with --engine vllm; the ones "
+        "dualpath sets itself (the connector, block size, dtype, context, parallelism, "
+        "prefix caching, seed) are refused",
+    )
+
+
+def _vllm_arg(text: str) -> tuple[str, object]:
+    import json
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip().replace("-", "_"), parsed
+
+
+def _engine_kind_args(args: argparse.Namespace) -> dict:
+    """EngineConfig's engine and vllm_args from --engine and --vllm-arg (refusing either
+    where it does not apply)."""
+    from dualpath.vllm_args import check_vllm_args
+
+    vllm_args = dict(args.vllm_arg or ())
+    if vllm_args and args.engine != "vllm":
+        raise ValueError("--vllm-arg passes arguments to vLLM: give it with --engine vllm")
+    check_vllm_args(vllm_args)
+    return {"engine": args.engine, "vllm_args": vllm_args}
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -323,8 +368,18 @@ def _build_llm(args: argparse.Namespace, model_dir: Path | None = None):  # -> L
     )
 
 
+def _refuse_vllm_engine(args: argparse.Namespace, command: str) -> None:
+    if args.engine != "native" or args.vllm_arg:
+        raise ValueError(
+            f"{command} runs the native engine in this process; --engine vllm serves with "
+            "`dualpath serve` or `dualpath engine`"
+        )
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from dualpath.engine.sampling import SamplingParams
+
+    _refuse_vllm_engine(args, "generate")
 
     if args.max_tokens <= 0:
         raise ValueError(f"--max-tokens must be > 0, got {args.max_tokens}")
@@ -411,6 +466,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     from dualpath.engine.sampling import SamplingParams
     from dualpath.server.chat import ChatRenderer
 
+    _refuse_vllm_engine(args, "demo")
     if args.turns > len(DEMO_TURNS):
         raise ValueError(f"--turns must be <= {len(DEMO_TURNS)}, got {args.turns}")
     model_dir = _resolve_model(args.model)
@@ -548,6 +604,7 @@ def _check_engine_capacity(config) -> None:  # config: EngineProcessConfig
     from dualpath.engine.capacity import check_capacity
     from dualpath.model.identity import kv_layout
     from dualpath.model.registry import read_config
+    from dualpath.vllm_args import check_engine_kind
 
     model_config = read_config(Path(config.model_dir) / "config.json")
     engine = config.engine
@@ -557,6 +614,7 @@ def _check_engine_capacity(config) -> None:  # config: EngineProcessConfig
         kv_layout(model_config, engine.dtype, engine.block_size_tokens),
         engine.max_model_len or model_config.max_position_embeddings,
     )
+    check_engine_kind(config.cluster, engine)
 
 
 # Flags that may come with --config, where they must agree with it: they name the engine in a
@@ -655,6 +713,7 @@ def _engine_config_from_flags(args: argparse.Namespace):
             max_model_len=args.max_model_len,
             num_threads=args.threads,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            **_engine_kind_args(args),
         ),
         cluster=ClusterConfig(
             mode=args.mode,
@@ -714,7 +773,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     dtype = s.dtype or read_config(model_dir / "config.json").torch_dtype
     if dtype not in DTYPES:
         raise ValueError(f"the checkpoint's dtype {dtype!r} is not supported; pass --dtype")
-    if not s.external_engines:
+    if s.device != "cpu" and not s.external_engines:
         available_device(s.device)  # here, not in each engine it would start
     tokenizer = Tokenizer(model_dir / "tokenizer.json")
     chat = ChatRenderer.for_checkpoint(model_dir)
@@ -815,6 +874,7 @@ def _serve_engine_config(s: argparse.Namespace, dtype: str):  # -> EngineConfig
         max_model_len=s.max_model_len,
         num_threads=s.threads,
         max_num_batched_tokens=s.max_num_batched_tokens,
+        **_engine_kind_args(s),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,9 @@ class KVStoreConfig:
     @property
     def is_enabled(self) -> bool:
         return self.root_dir is not None
+
+
+ENGINE_KINDS = ("native", "vllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     # None = the checkpoint's max_position_embeddings.
     max_model_len: int | None = None
+    # What runs the model: "native" (ours, the reference) or "vllm" (vLLM's engine with our KV
+    # connector, dualpath/vllm/; SPEC §9).
+    engine: str = "native"
+    # vLLM engine arguments passed through (EngineArgs field -> value), "vllm" engines only.
+    vllm_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size_tokens <= 0:
@@ -99,6 +107,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine must be one of {ENGINE_KINDS}, got {self.engine!r}")
+        if self.vllm_args and self.engine != "vllm":
+            raise ValueError("vllm_args are vLLM engine arguments: give them with engine 'vllm'")
 
 
 SCHEDULER_NAMES = ("dualpath", "round_robin")
@@ -420,5 +432,7 @@ def _typed(cls: type, name: str, hint: Any, value: Any) -> Any:
         if option is float and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         if option in (int, str, bool) and type(value) is option:
+            return value
+        if typing.get_origin(option) is dict and isinstance(value, dict):
             return value
     raise ValueError(f"{cls.__name__}.{name} cannot be {value!r} ({hint})")

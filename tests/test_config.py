@@ -126,6 +126,8 @@ def _non_default_configs() -> dict[type, dict]:
         max_num_seqs=9,
         max_num_batched_tokens=1000,
         max_model_len=4096,
+        engine="vllm",
+        vllm_args={"max_num_seqs": 8},
     )
     scheduler = dict(
         scheduler="round_robin",

@@ -34,7 +34,7 @@ from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.capacity import role_buffer_bytes
 from dualpath.errors import TransferTimeout
 from dualpath.lifetime import die_with_parent
-from dualpath.model.identity import kv_identity
+from dualpath.model.identity import checkpoint_kv_identity, kv_identity
 from dualpath.model.loader import load_model
 from dualpath.protocol import (
     Assignment,
@@ -105,22 +105,30 @@ class _EngineProcess:
     def __init__(self, config: EngineProcessConfig, token: str) -> None:
         self.config = config
         engine_config = config.engine
-        loaded = load_model(
-            config.model_dir, device=engine_config.device, dtype=engine_config.dtype
-        )
-        self.identity = kv_identity(
-            loaded.config,
-            loaded.weights_digest,
-            engine_config.dtype,
-            engine_config.block_size_tokens,
-        )
+        is_vllm = engine_config.engine == "vllm"
+        loaded = None  # vLLM loads the model itself
+        if is_vllm:
+            model_config, self.identity = checkpoint_kv_identity(
+                config.model_dir, engine_config.dtype, engine_config.block_size_tokens, "vllm"
+            )
+        else:
+            loaded = load_model(
+                config.model_dir, device=engine_config.device, dtype=engine_config.dtype
+            )
+            model_config = loaded.config
+            self.identity = kv_identity(
+                loaded.config,
+                loaded.weights_digest,
+                engine_config.dtype,
+                engine_config.block_size_tokens,
+            )
         self.traffic, self._link_names, self._limiter = _make_traffic(config, token)
         self.transport = create_transport(config.transport, f"engine-{config.engine_id}")
-        max_model_len = engine_config.max_model_len or loaded.config.max_position_embeddings
+        max_model_len = engine_config.max_model_len or model_config.max_position_embeddings
         buffer_bytes = role_buffer_bytes(
             config.cluster, config.role, self.identity.layout, max_model_len
         )
-        is_cuda = loaded.device.type == "cuda"
+        is_cuda = loaded is not None and loaded.device.type == "cuda"
         self.buffer = KVBuffer(
             self.identity.layout,
             buffer_bytes,
@@ -129,15 +137,28 @@ class _EngineProcess:
         )
         self.buffer_descriptor = self.transport.register("kv-buffer", self.buffer.array)
         self.client = ControlClient(config.scheduler_endpoint, f"engine-{config.engine_id}", token)
-        self.role = make_role(
-            config,
-            loaded,
-            self.identity,
-            self.buffer,
-            self.transport,
-            mover=self._move,
-            wake=self.client.wake,
-        )
+        if is_vllm:
+            from dualpath.cluster.vllm_roles import make_vllm_role
+
+            self.role = make_vllm_role(
+                config,
+                model_config,
+                self.identity,
+                self.buffer,
+                self.transport,
+                mover=self._move,
+                wake=self.client.wake,
+            )
+        else:
+            self.role = make_role(
+                config,
+                loaded,
+                self.identity,
+                self.buffer,
+                self.transport,
+                mover=self._move,
+                wake=self.client.wake,
+            )
         self.last_heard_s = time.monotonic()
         self.last_report_s = 0.0
         self._last_report: EngineReport | None = None  # the last one sent

@@ -47,6 +47,7 @@ from dualpath.protocol import DECODE, PREFILL, RequestEvent
 from dualpath.transfer.links import check_pd_ratio
 from dualpath.types import SamplingParams
 from dualpath.units import gbps_to_bytes_per_s
+from dualpath.vllm_args import check_engine_kind
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,10 @@ class LocalCluster:
         self.log_dir = log_dir
         self.spawn_engines = spawn_engines
         model_config, self.identity = checkpoint_kv_identity(
-            self.model_dir, self.engine_config.dtype, self.engine_config.block_size_tokens
+            self.model_dir,
+            self.engine_config.dtype,
+            self.engine_config.block_size_tokens,
+            self.engine_config.engine,
         )
         self.model_config = model_config
         self.max_model_len = (
@@ -143,6 +147,7 @@ class LocalCluster:
         )
         # Refused here, before any engine starts, rather than by the first long request.
         check_capacity(cluster, self.engine_config, self.identity.layout, self.max_model_len)
+        check_engine_kind(cluster, self.engine_config)
         self.scheduler_config = scheduler or _scheduler_config(
             cluster, self.engine_config, prefill_tokens_per_s
         )

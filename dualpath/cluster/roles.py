@@ -164,36 +164,19 @@ def make_role(
     return PrefillRole(engine, transport, staging, peer_timeout_s=config.transfer_timeout_s)
 
 
-class PrefillRole:
-    """A PE: prefill batches whose KV goes to each request's DE buffer over the transport."""
-
-    num_kv_blocks = 0
+class DecodePeers:
+    """A PE's reach into every live DE's buffer over the transport (both engine kinds)."""
 
     def __init__(
-        self,
-        engine: PrefillEngine,
-        transport: Transport,
-        staging: TransportStaging,
-        *,
-        peer_timeout_s: float,
+        self, transport: Transport, staging: TransportStaging, *, peer_timeout_s: float
     ) -> None:
-        self.engine = engine
         self.transport = transport
         self.staging = staging
         self.peer_timeout_s = peer_timeout_s
         self.remotes: dict[int, TransportRemoteBuffer] = {}  # DE engine id -> its buffer
         self._peer_infos: dict[int, EngineInfo] = {}  # what each was connected from
 
-    def add(self, assignment: Assignment) -> None:
-        self.engine.add(assignment)
-
-    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
-        if isinstance(msg, DecodeReady):
-            self.engine.on_decode_ready(msg)
-        else:
-            logger.warning("a prefill engine got %s", type(msg).__name__)
-
-    def connect_peers(self, table: PeerTable) -> None:
+    def connect(self, table: PeerTable) -> None:
         """Reach every live DE's buffer. A DE that joined again (restarted under its id) has
         new transport metadata and a new buffer: connected anew. One the table no longer
         lists is dead: its requests wait (the scheduler places them again)."""
@@ -212,6 +195,64 @@ class PrefillRole:
             )
             self._peer_infos[engine_id] = info
 
+
+def failed_batch_messages(
+    exc: Exception, failed: list[int], queued_for: Callable[[int], list[int]]
+) -> list[RequestFailed]:
+    """``RequestFailed`` for the requests of a PE batch that raised ``exc``. A DE died or timed
+    out mid-transfer (a ``DualPathError``): placing them again may succeed. Any other error is
+    a bug these requests met: placing them again would repeat it. When the transfer names the
+    DE, the requests still queued for it (``queued_for(engine id)``, cancelled by the caller)
+    are given back with the batch: they would fail the next batches one by one."""
+    is_retryable = isinstance(exc, DualPathError)
+    if is_retryable:
+        logger.error("prefill batch failed: %s", exc)
+    else:
+        logger.error("prefill batch failed", exc_info=exc)
+    peer_name = exc.peer_name if isinstance(exc, TransferError) else None
+    peer_engine_id = -1 if peer_name is None else engine_id_of(peer_name)
+    if peer_engine_id >= 0:
+        failed = failed + [r for r in queued_for(peer_engine_id) if r not in failed]
+    return [
+        RequestFailed(
+            request_id,
+            f"prefill failed: {exc!r}",
+            is_retryable=is_retryable,
+            peer_engine_id=peer_engine_id,
+        )
+        for request_id in failed
+    ]
+
+
+class PrefillRole:
+    """A PE: prefill batches whose KV goes to each request's DE buffer over the transport."""
+
+    num_kv_blocks = 0
+
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        transport: Transport,
+        staging: TransportStaging,
+        *,
+        peer_timeout_s: float,
+    ) -> None:
+        self.engine = engine
+        self.peers = DecodePeers(transport, staging, peer_timeout_s=peer_timeout_s)
+        self.remotes = self.peers.remotes
+
+    def add(self, assignment: Assignment) -> None:
+        self.engine.add(assignment)
+
+    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
+        if isinstance(msg, DecodeReady):
+            self.engine.on_decode_ready(msg)
+        else:
+            logger.warning("a prefill engine got %s", type(msg).__name__)
+
+    def connect_peers(self, table: PeerTable) -> None:
+        self.peers.connect(table)
+
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
 
@@ -225,36 +266,21 @@ class PrefillRole:
         try:
             finished = self.engine.run_batch(batch, self.remotes.__getitem__, between_layers)
         except Exception as exc:  # its requests are cancelled here; the engine goes on
-            # A DE died or timed out mid-transfer: placing them again may succeed. Any other
-            # error is a bug these requests met: placing them again would repeat it.
-            is_retryable = isinstance(exc, DualPathError)
-            if is_retryable:
-                logger.error("prefill batch failed: %s", exc)
-            else:
-                logger.exception("prefill batch failed")
-            peer_name = exc.peer_name if isinstance(exc, TransferError) else None
-            peer_engine_id = -1 if peer_name is None else engine_id_of(peer_name)
-            failed = [request.request_id for request, _ in batch]
-            if peer_engine_id >= 0:
-                # The requests still queued for that DE would fail the next batches one by
-                # one: they are given back now, with the batch's.
+            engine = self.engine
+
+            def queued_for(engine_id: int) -> list[int]:
                 queued = [
                     r.request_id
-                    for r in self.engine.requests.values()
-                    if r.assignment.decode_engine_id == peer_engine_id
+                    for r in engine.requests.values()
+                    if r.assignment.decode_engine_id == engine_id
                 ]
                 for request_id in queued:
-                    self.engine.cancel(request_id)
-                failed += queued
-            for request_id in failed:
-                send(
-                    RequestFailed(
-                        request_id,
-                        f"prefill failed: {exc!r}",
-                        is_retryable=is_retryable,
-                        peer_engine_id=peer_engine_id,
-                    )
-                )
+                    engine.cancel(request_id)
+                return queued
+
+            failed = [request.request_id for request, _ in batch]
+            for message in failed_batch_messages(exc, failed, queued_for):
+                send(message)
             return True
         for done in finished:
             send(done)

@@ -48,12 +48,22 @@ def kv_layout(config: AnyModelConfig, kv_dtype: str, block_size_tokens: int) -> 
 
 
 def kv_identity(
-    config: AnyModelConfig, weights_digest: str, kv_dtype: str, block_size_tokens: int
+    config: AnyModelConfig,
+    weights_digest: str,
+    kv_dtype: str,
+    block_size_tokens: int,
+    engine: str = "native",
 ) -> KVIdentity:
+    """``engine``: what computes the KV ("native" or "vllm"). Two engine kinds' kernels do not
+    give bit-identical KV, so their blocks live in different namespaces (SPEC §9); the native
+    engine's namespace is the one every store written before engines had kinds uses."""
     layout = kv_layout(config, kv_dtype, block_size_tokens)
+    architecture = config.architecture_dict()
+    if engine != "native":
+        architecture = {**architecture, "kv_engine": engine}
     fingerprint = model_fingerprint(
         weights_digest=weights_digest,
-        architecture=config.architecture_dict(),
+        architecture=architecture,
         kv_dtype=kv_dtype,
         block_size_tokens=block_size_tokens,
     )
@@ -76,9 +86,11 @@ def kv_facts(config: AnyModelConfig, kv_dtype: str | None = None) -> dict:
 
 
 def checkpoint_kv_identity(
-    path: Path, kv_dtype: str | None, block_size_tokens: int
+    path: Path, kv_dtype: str | None, block_size_tokens: int, engine: str = "native"
 ) -> tuple[AnyModelConfig, KVIdentity]:
     """Read a checkpoint directory's config and weights digest (no torch, no weights loaded)."""
     config = read_config(Path(path) / "config.json")
     digest = digest_files(weight_files(Path(path)))
-    return config, kv_identity(config, digest, kv_dtype or config.torch_dtype, block_size_tokens)
+    return config, kv_identity(
+        config, digest, kv_dtype or config.torch_dtype, block_size_tokens, engine
+    )

@@ -93,6 +93,8 @@ class KVPlan:
     # buffer slots are free then).
     on_loaded: Callable[[], None] | None = None
     num_sent_blocks: int = 0  # leading blocks sent complete
+    # Why a send failed (a DE died or timed out): the request's sends stop, the engine fails it.
+    send_error: Exception | None = None
     num_loaded_tokens: int = 0  # tokens loaded from ``load`` (0 if vLLM's own cache had them)
     persisted_keys: list[BlockKey] = field(default_factory=list)
 
@@ -109,6 +111,8 @@ class ConnectorHost:
     num_io_threads: int = 4
     max_pending_write_bytes: int = 256 << 20
     plans: dict[int, KVPlan] = field(default_factory=dict)
+    # Called after each layer's sends (the engine's chance to take messages mid-step).
+    between_layers: Callable[[], None] | None = None
     # Set when vLLM registers its cache (worker side).
     cache: VllmPagedCache | None = None
     store_io: KVStoreIO | None = None
@@ -342,7 +346,7 @@ class DualpathConnector(KVConnectorBase_V1):
         block_size = self.block_size
         for step in self._steps():
             send = step.plan.send
-            if send is None:
+            if send is None or step.plan.send_error is not None:
                 continue
             num_tokens = min(step.num_reached, send.num_tokens)
             first_block = step.plan.num_sent_blocks
@@ -356,9 +360,14 @@ class DualpathConnector(KVConnectorBase_V1):
             for i, block in enumerate(range(first_block, end_block)):
                 entries[i].copy_(cache.read_layer(layer, step.block_ids[block], 0, block_size))
             slots = list(send.slots[first_block:end_block])
-            self.host.mover(
-                "cnic", data.nbytes, partial(send.remote.write_layer, slots, layer, data)
-            )
+            try:
+                self.host.mover(
+                    "cnic", data.nbytes, partial(send.remote.write_layer, slots, layer, data)
+                )
+            except Exception as exc:  # kept for the engine: raised here, it would stop vLLM
+                step.plan.send_error = exc
+        if self.host.between_layers is not None:
+            self.host.between_layers()
 
     def wait_for_save(self) -> None:
         """The step's KV is all computed: advance the sends (flushed once a prompt is sent
@@ -367,11 +376,14 @@ class DualpathConnector(KVConnectorBase_V1):
         for step in self._steps():
             plan = step.plan
             send = plan.send
-            if send is not None:
+            if send is not None and plan.send_error is None:
                 num_tokens = min(step.num_reached, send.num_tokens)
                 plan.num_sent_blocks = max(plan.num_sent_blocks, num_tokens // block_size)
                 if num_tokens == send.num_tokens:
-                    send.remote.flush()
+                    try:
+                        send.remote.flush()
+                    except Exception as exc:
+                        plan.send_error = exc
                     plan.num_sent_blocks = -(-send.num_tokens // block_size)
             if step.persist:
                 store_io = self.host.store_io

@@ -20,24 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.units import GIB
+from dualpath.vllm_args import check_vllm_args
 
 CONNECTOR_NAME = "DualpathConnector"
 CONNECTOR_MODULE = "dualpath.vllm.connector"
-
-# Engine arguments this module sets: given through, they would unhook the connector or break
-# what it relies on (one worker, our block size and dtype, eager layer hooks).
-RESERVED_ARGS = (
-    "model",
-    "kv_transfer_config",
-    "block_size",
-    "dtype",
-    "max_model_len",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_size",
-    "enable_prefix_caching",
-    "seed",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +41,7 @@ class VllmEngineSpec:
     args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        reserved = sorted(set(self.args) & set(RESERVED_ARGS))
-        if reserved:
-            raise ValueError(
-                f"vLLM argument(s) {', '.join(reserved)} are set by dualpath and cannot be "
-                "passed through (use dualpath's own flags)"
-            )
+        check_vllm_args(self.args)
 
 
 def build_engine(spec: VllmEngineSpec) -> Any:

@@ -1,0 +1,559 @@
+"""A PE and a DE whose model runs on vLLM (``--engine vllm``), behind the same ``RoleEngine``
+interface as ours: the same messages in and out, the same buffers, store reads and transport.
+
+    VllmPrefillRole   Assignment -> PE-side hit blocks read into the PE buffer (StoreReader, as
+                      ours); with DecodeReady, the request goes to vLLM for one token, its
+                      connector plan loading the hits per layer and sending every layer's KV
+                      to the DE's buffer -> PrefillDone
+    VllmDecodeRole    Assignment -> buffer slots for the whole prompt -> DecodeReady; with
+                      PrefillDone, the request goes to vLLM as prompt + first token, its plan
+                      loading the prompt's KV from the buffer (then freed) and persisting every
+                      block not in the store -> TokenUpdates, KVPersisted
+
+What vLLM does not have, said once: the DE read path (DE-side hit blocks read by the DE and
+pulled by the PE) is not built on vLLM engines yet, so an Assignment that reads on the DE side
+is refused by name; and a seeded sampler restarts on the DE (vLLM samples the DE's tokens), so
+only greedy requests give one vLLM instance's exact tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from dualpath.cluster.roles import DecodePeers, RoleLoad, Send, failed_batch_messages
+from dualpath.config import EngineProcessConfig
+from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.remote_buffer import TransportStaging
+from dualpath.engine.sampling import token_finish_reason
+from dualpath.kv.hashing import block_keys
+from dualpath.kv.store import FileKVStore, KVStore
+from dualpath.model.identity import KVIdentity
+from dualpath.protocol import (
+    DECODE,
+    Assignment,
+    DecodeReady,
+    KVPersisted,
+    PeerTable,
+    PrefillDone,
+    RequestFailed,
+    TokenUpdate,
+)
+from dualpath.transfer.traffic import Mover
+from dualpath.transfer.transport import Transport
+from dualpath.types import SamplingParams, sampling_params_from_dict
+from dualpath.vllm.connector import REQUEST_ID_PARAM, ConnectorHost, KVPlan, LoadSource, SendTarget
+from dualpath.vllm_args import check_engine_kind
+
+logger = logging.getLogger(__name__)
+
+
+def vllm_sampling_params(params: SamplingParams, *, max_tokens: int, min_tokens: int) -> Any:
+    """vLLM's sampling parameters for ours (stop strings stay ours: see ``_StopStrings``)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        seed=params.seed,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=list(params.stop_token_ids),
+        logprobs=params.logprobs,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+    )
+
+
+def _with_plan(vllm_params: Any, request_id: int) -> Any:
+    vllm_params.extra_args = {"kv_transfer_params": {REQUEST_ID_PARAM: request_id}}
+    return vllm_params
+
+
+def _logprobs_of(output: Any, token_ids: list[int]) -> list | None:
+    """Our (logprob, top) pairs for vLLM's per-token logprob dicts, or None."""
+    if output.logprobs is None:
+        return None
+    result = []
+    for token_id, entry in zip(token_ids, output.logprobs, strict=True):
+        top = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda item: -item[1])
+        result.append((entry[token_id].logprob, tuple(top)))
+    return result
+
+
+@dataclass(eq=False)
+class _PrefillRequest:
+    assignment: Assignment
+    params: SamplingParams
+    keys: list
+    pe_slots: list[int] = field(default_factory=list)
+    reads: Any = None  # Future[int]: leading PE-side blocks read
+    decode_ready: DecodeReady | None = None
+    plan: KVPlan | None = None  # set once it is in vLLM
+
+    @property
+    def request_id(self) -> int:
+        return self.assignment.request_id
+
+
+class VllmPrefillRole:
+    """A PE on vLLM: each request is a one-token vLLM request whose KV the connector sends."""
+
+    num_kv_blocks = 0
+
+    def __init__(
+        self,
+        engine: Any,
+        host: ConnectorHost,
+        buffer: KVBuffer,
+        peers: DecodePeers,
+        *,
+        store: KVStore | None,
+        mover: Mover,
+        wake: Callable[[], None],
+        eos_token_ids: tuple[int, ...],
+        num_io_threads: int,
+    ) -> None:
+        self.engine = engine
+        self.host = host
+        self.buffer = buffer
+        self.peers = peers
+        self.block_size = host.layout.block_size_tokens
+        self.eos_token_ids = eos_token_ids
+        # The PE reads its hit blocks into its buffer; the connector loads them from there.
+        self.reader = StoreReader(
+            store, buffer, mover, num_threads=num_io_threads, name="pe-read", on_done=wake
+        )
+        self._slot_queue: SlotQueue[_PrefillRequest] = SlotQueue(buffer)
+        self.requests: dict[int, _PrefillRequest] = {}
+
+    def add(self, assignment: Assignment) -> None:
+        if assignment.num_decode_side_blocks:
+            raise ValueError(
+                "the DE read path is not built on vLLM engines yet: serve them with "
+                "--read-path pe (or --mode basic)"
+            )
+        num_pe_blocks = assignment.num_prefill_side_blocks
+        self.buffer.check_fits(num_pe_blocks)
+        prompt = list(assignment.prompt_token_ids)
+        request = _PrefillRequest(
+            assignment,
+            sampling_params_from_dict(assignment.sampling),
+            block_keys(
+                prompt[: num_pe_blocks * self.block_size], self.block_size, self.host.fingerprint
+            ),
+        )
+        self.requests[request.request_id] = request
+        self._slot_queue.add(request, num_pe_blocks, partial(self._start_reads, request))
+
+    def _start_reads(self, request: _PrefillRequest, slots: list[int]) -> None:
+        request.pe_slots = slots
+        request.reads = self.reader.submit(
+            request.keys, slots, f"request {request.request_id} PE side"
+        )
+
+    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
+        request = self.requests.get(msg.request_id) if isinstance(msg, DecodeReady) else None
+        if request is not None:
+            request.decode_ready = msg
+
+    def connect_peers(self, table: PeerTable) -> None:
+        self.peers.connect(table)
+
+    def cancel(self, request_id: int) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.plan is not None:
+            self.engine.abort_request([str(request_id)])
+            self.host.plans.pop(request_id, None)
+        if self._slot_queue.remove(request):
+            return
+        if request.reads is not None:
+            request.reads.result()  # the read thread owns the slots until it returns
+        self.buffer.free(request.pe_slots)
+        self._slot_queue.start_waiting()
+
+    def _submit_ready(self) -> None:
+        """Hand vLLM every request whose reads are done, whose DE is ready and reachable."""
+        for request in self.requests.values():
+            if request.plan is not None or request.decode_ready is None:
+                continue
+            if request.reads is None or not request.reads.done():
+                continue
+            remote = self.peers.remotes.get(request.assignment.decode_engine_id)
+            if remote is None:
+                continue
+            num_prompt = len(request.assignment.prompt_token_ids)
+            num_hit_tokens = request.reads.result() * self.block_size
+            load = None
+            if num_hit_tokens:
+                load = LoadSource(self.buffer, request.pe_slots, num_hit_tokens)
+            request.plan = KVPlan(
+                request.request_id,
+                load=load,
+                send=SendTarget(remote, request.decode_ready.slots, num_prompt),
+            )
+            self.host.plans[request.request_id] = request.plan
+            params = vllm_sampling_params(
+                request.params,
+                max_tokens=1,
+                min_tokens=1
+                if request.assignment.num_output_tokens < request.params.min_tokens
+                else 0,
+            )
+            self.engine.add_request(
+                str(request.request_id),
+                {"prompt_token_ids": list(request.assignment.prompt_token_ids)},
+                _with_plan(params, request.request_id),
+            )
+
+    def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
+        self._submit_ready()
+        if not self.engine.has_unfinished_requests():
+            return False
+        self.host.between_layers = between_layers
+        try:
+            outputs = self.engine.step()
+        finally:
+            self.host.between_layers = None
+        for output in outputs:
+            if output.finished:
+                self._finish(int(output.request_id), output, send)
+        return True
+
+    def _finish(self, request_id: int, output: Any, send: Send) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        plan = request.plan
+        assert plan is not None
+        if plan.send_error is not None:
+            self._fail(request, plan.send_error, send)
+            return
+        del self.requests[request_id]
+        self.host.plans.pop(request_id, None)
+        self.buffer.free(request.pe_slots)
+        self._slot_queue.start_waiting()
+        completion = output.outputs[0]
+        (token_id,) = completion.token_ids
+        logprobs = _logprobs_of(completion, [token_id])
+        send(
+            PrefillDone(
+                request_id,
+                token_id,
+                None if logprobs is None else logprobs[0],
+                request.reads.result() * self.block_size,  # prompt tokens read from the store
+                token_finish_reason(
+                    request.params,
+                    token_id,
+                    request.assignment.num_output_tokens,
+                    self.eos_token_ids,
+                ),
+            )
+        )
+
+    def _fail(self, request: _PrefillRequest, exc: Exception, send: Send) -> None:
+        """A send to the request's DE failed: it and every request queued for that DE go back
+        to the scheduler (as a native PE's failed batch)."""
+
+        def queued_for(engine_id: int) -> list[int]:
+            queued = [
+                r.request_id
+                for r in self.requests.values()
+                if r.assignment.decode_engine_id == engine_id
+            ]
+            for request_id in queued:
+                self.cancel(request_id)
+            return queued
+
+        self.cancel(request.request_id)
+        for message in failed_batch_messages(exc, [request.request_id], queued_for):
+            send(message)
+
+    def load(self) -> RoleLoad:
+        num_tokens = sum(len(r.assignment.prompt_token_ids) for r in self.requests.values())
+        num_waiting = self._slot_queue.num_waiting_slots
+        read_tokens = (self.reader.num_queued_blocks + num_waiting) * self.block_size
+        return RoleLoad(len(self.requests), num_tokens, 0, read_tokens, 0)
+
+    @property
+    def num_read_bytes(self) -> int:
+        return self.reader.num_read_bytes
+
+    @property
+    def store(self) -> KVStore | None:
+        return self.reader.store
+
+    def close(self, flush_timeout_s: float) -> int:
+        self.reader.close()
+        return 0
+
+
+@dataclass(eq=False)
+class _DecodeRequest:
+    assignment: Assignment
+    params: SamplingParams
+    slots: list[int] = field(default_factory=list)
+    is_ready_sent: bool = False
+    prefill_done: PrefillDone | None = None
+    plan: KVPlan | None = None  # set once it is in vLLM
+
+    @property
+    def request_id(self) -> int:
+        return self.assignment.request_id
+
+
+class VllmDecodeRole:
+    """A DE on vLLM: each prefilled request goes to vLLM as prompt + first token, its prompt KV
+    loaded from this engine's buffer; vLLM decodes it, the connector persists its blocks."""
+
+    def __init__(
+        self, engine: Any, host: ConnectorHost, buffer: KVBuffer, *, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self.engine = engine
+        self.host = host
+        self.buffer = buffer
+        self.block_size = host.layout.block_size_tokens
+        self.eos_token_ids = eos_token_ids
+        self._block_pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        self.num_kv_blocks = self._block_pool.num_gpu_blocks
+        self._slot_queue: SlotQueue[_DecodeRequest] = SlotQueue(buffer)
+        self.requests: dict[int, _DecodeRequest] = {}
+        # Finished requests whose blocks are still being written: request id -> their keys.
+        self._persisting: dict[int, tuple] = {}
+
+    def add(self, assignment: Assignment) -> None:
+        if assignment.num_decode_side_blocks:
+            raise ValueError(
+                "the DE read path is not built on vLLM engines yet: serve them with "
+                "--read-path pe (or --mode basic)"
+            )
+        num_slots = -(-len(assignment.prompt_token_ids) // self.block_size)
+        self.buffer.check_fits(num_slots)
+        request = _DecodeRequest(assignment, sampling_params_from_dict(assignment.sampling))
+        self.requests[request.request_id] = request
+        self._slot_queue.add(request, num_slots, partial(setattr, request, "slots"))
+
+    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
+        request = self.requests.get(msg.request_id) if isinstance(msg, PrefillDone) else None
+        if request is not None:
+            request.prefill_done = msg
+
+    def connect_peers(self, table: PeerTable) -> None:
+        """The DE is only ever the remote side."""
+
+    def cancel(self, request_id: int) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.plan is not None:
+            self.engine.abort_request([str(request_id)])
+            self.host.plans.pop(request_id, None)
+            if request.plan.load is None:
+                return  # loaded: the slots were freed then
+        if not self._slot_queue.remove(request):
+            self._free_slots(request)
+
+    def _free_slots(self, request: _DecodeRequest) -> None:
+        self.buffer.free(request.slots)
+        request.slots = []
+        self._slot_queue.start_waiting()
+
+    def _adopt_prefilled(self) -> None:
+        """Hand vLLM every request whose prompt KV is in the buffer."""
+        for request in self.requests.values():
+            done = request.prefill_done
+            if done is None or request.plan is not None:
+                continue
+            assignment = request.assignment
+            prompt = list(assignment.prompt_token_ids)
+            request.plan = KVPlan(
+                request.request_id,
+                load=LoadSource(self.buffer, request.slots, len(prompt)),
+                persist_from_block=done.num_cached_tokens // self.block_size,
+                on_loaded=partial(self._free_slots, request),
+            )
+            self.host.plans[request.request_id] = request.plan
+            num_before = assignment.num_output_tokens + 1  # output so far, the first token too
+            # A request that ends at its first token still has its prompt KV taken in and
+            # persisted: vLLM makes one token more, which is not sent.
+            params = vllm_sampling_params(
+                request.params,
+                max_tokens=max(1, request.params.max_tokens - num_before),
+                min_tokens=max(0, request.params.min_tokens - num_before),
+            )
+            self.engine.add_request(
+                str(request.request_id),
+                {"prompt_token_ids": [*prompt, done.first_token_id]},
+                _with_plan(params, request.request_id),
+            )
+
+    def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
+        for request in self.requests.values():
+            if request.slots and not request.is_ready_sent:
+                request.is_ready_sent = True
+                send(DecodeReady(request.request_id, tuple(request.slots), 0))
+        self._adopt_prefilled()
+        if not self.engine.has_unfinished_requests():
+            return False
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug: every request of the step fails, the engine goes on
+            logger.exception("decode step failed")
+            for request_id in list(self.requests):
+                self.cancel(request_id)
+                send(RequestFailed(request_id, f"decode failed: {exc!r}"))
+            return True
+        for output in outputs:
+            update = self._update(int(output.request_id), output)
+            if update is not None:
+                send(update)
+        persisted = self._poll_persisted()
+        if persisted is not None:
+            send(persisted)
+        return True
+
+    def _update(self, request_id: int, output: Any) -> TokenUpdate | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        done = request.prefill_done
+        assert done is not None and request.plan is not None
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        finish_reason = completion.finish_reason if output.finished else None
+        if done.finish_reason is not None:  # it ended at the PE's token: nothing more is sent
+            token_ids = []
+            finish_reason = done.finish_reason if output.finished else None
+        persisting: tuple = ()
+        if output.finished:
+            del self.requests[request_id]
+            plan = self.host.plans.pop(request_id)
+            persisting = self._pending_writes(tuple(plan.persisted_keys))
+            if persisting:
+                self._persisting[request_id] = persisting
+        return TokenUpdate(
+            request_id,
+            tuple(token_ids),
+            finish_reason,
+            done.num_cached_tokens,
+            None if not token_ids else _logprobs_of(completion, token_ids),
+            persisting,
+        )
+
+    def _pending_writes(self, keys: tuple) -> tuple:
+        store_io = self.host.store_io
+        return () if store_io is None or not keys else store_io.pending(keys)
+
+    def _poll_persisted(self) -> KVPersisted | None:
+        done = [
+            request_id
+            for request_id, keys in self._persisting.items()
+            if not self._pending_writes(keys)
+        ]
+        for request_id in done:
+            del self._persisting[request_id]
+        return KVPersisted(tuple(done)) if done else None
+
+    def load(self) -> RoleLoad:
+        requests = self.requests.values()
+        num_tokens = sum(len(r.assignment.prompt_token_ids) + r.params.max_tokens for r in requests)
+        store_io = self.host.store_io
+        num_writes = 0 if store_io is None else store_io.num_unfinished_writes
+        return RoleLoad(
+            len(self.requests),
+            num_tokens,
+            self._block_pool.get_num_free_blocks(),
+            0,
+            num_writes * self.block_size,
+        )
+
+    @property
+    def num_read_bytes(self) -> int:
+        return 0  # no DE-side reads on vLLM engines yet
+
+    @property
+    def store(self) -> KVStore | None:
+        return self.host.store
+
+    def close(self, flush_timeout_s: float) -> int:
+        store_io = self.host.store_io
+        return 0 if store_io is None else store_io.flush(flush_timeout_s)
+
+
+def make_vllm_role(
+    config: EngineProcessConfig,
+    model_config: Any,
+    identity: KVIdentity,
+    buffer: KVBuffer,
+    transport: Transport,
+    *,
+    mover: Mover,
+    wake: Callable[[], None],
+) -> VllmPrefillRole | VllmDecodeRole:
+    """The engine ``config.role`` names, on a vLLM engine built in this process with our
+    connector; the process is pinned to one core per thread (vLLM's CPU build ignores its own
+    binding variable in-process), engine ``e`` of a host on cores ``e * threads ...``."""
+    from dualpath.vllm.connector import register_host
+    from dualpath.vllm.engine import VllmEngineSpec, build_engine
+
+    engine_config = config.engine
+    check_engine_kind(config.cluster, engine_config)
+    store = (
+        FileKVStore.from_config(config.store, identity.layout, identity.fingerprint)
+        if config.store.is_enabled
+        else None
+    )
+    host = ConnectorHost(
+        identity.layout,
+        identity.fingerprint,
+        store=store if config.role == DECODE else None,  # a PE persists nothing (SPEC §2)
+        mover=mover,
+        num_io_threads=engine_config.num_io_threads,
+        max_pending_write_bytes=engine_config.max_pending_write_bytes,
+    )
+    key = f"engine-{config.engine_id}"
+    register_host(key, host)
+    num_threads = engine_config.num_threads or 1
+    num_cores = os.cpu_count() or 1
+    first_core = (config.engine_id * num_threads) % num_cores
+    cores = tuple(sorted({(first_core + i) % num_cores for i in range(num_threads)}))
+    engine = build_engine(
+        VllmEngineSpec(
+            Path(config.model_dir),
+            engine_key=key,
+            block_size_tokens=engine_config.block_size_tokens,
+            dtype=engine_config.dtype,
+            max_model_len=engine_config.max_model_len,
+            kv_cache_bytes=engine_config.kv_cache_bytes,
+            cores=cores,
+            args=engine_config.vllm_args,
+        )
+    )
+    eos_token_ids = tuple(model_config.eos_token_ids)
+    if config.role == DECODE:
+        return VllmDecodeRole(engine, host, buffer, eos_token_ids=eos_token_ids)
+    max_blocks = -(-model_config.max_position_embeddings // engine_config.block_size_tokens)
+    staging = TransportStaging(
+        transport, identity.layout, max_read_blocks=max_blocks, ring_blocks=max_blocks
+    )
+    return VllmPrefillRole(
+        engine,
+        host,
+        buffer,
+        DecodePeers(transport, staging, peer_timeout_s=config.transfer_timeout_s),
+        store=store,
+        mover=mover,
+        wake=wake,
+        eos_token_ids=eos_token_ids,
+        num_io_threads=engine_config.num_io_threads,
+    )
