@@ -29,6 +29,7 @@ from typing import Any
 from dualpath.cluster.roles import DecodePeers, RoleLoad, Send, failed_batch_messages
 from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.decode import PersistingRequests
 from dualpath.engine.remote_buffer import TransportStaging
 from dualpath.engine.sampling import token_finish_reason
 from dualpath.kv.hashing import block_keys
@@ -38,7 +39,6 @@ from dualpath.protocol import (
     DECODE,
     Assignment,
     DecodeReady,
-    KVPersisted,
     PeerTable,
     PrefillDone,
     RequestFailed,
@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 
 def vllm_sampling_params(params: SamplingParams, *, max_tokens: int, min_tokens: int) -> Any:
-    """vLLM's sampling parameters for ours (stop strings stay ours: see ``_StopStrings``)."""
+    """vLLM's sampling parameters for ours. Stop strings are vLLM's to find on the DE (it
+    detokenizes only then); as on our engines, the PE's first token is not checked for them."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -68,8 +69,9 @@ def vllm_sampling_params(params: SamplingParams, *, max_tokens: int, min_tokens:
         ignore_eos=params.ignore_eos,
         stop_token_ids=list(params.stop_token_ids),
         logprobs=params.logprobs,
+        stop=list(params.stop) or None,
         output_kind=RequestOutputKind.DELTA,
-        detokenize=False,
+        detokenize=bool(params.stop),
     )
 
 
@@ -328,8 +330,7 @@ class VllmDecodeRole:
         self.num_kv_blocks = self._block_pool.num_gpu_blocks
         self._slot_queue: SlotQueue[_DecodeRequest] = SlotQueue(buffer)
         self.requests: dict[int, _DecodeRequest] = {}
-        # Finished requests whose blocks are still being written: request id -> their keys.
-        self._persisting: dict[int, tuple] = {}
+        self._persisting = PersistingRequests(self._pending_writes)
 
     def add(self, assignment: Assignment) -> None:
         if assignment.num_decode_side_blocks:
@@ -417,7 +418,7 @@ class VllmDecodeRole:
             update = self._update(int(output.request_id), output)
             if update is not None:
                 send(update)
-        persisted = self._poll_persisted()
+        persisted = self._persisting.poll()
         if persisted is not None:
             send(persisted)
         return True
@@ -438,9 +439,7 @@ class VllmDecodeRole:
         if output.finished:
             del self.requests[request_id]
             plan = self.host.plans.pop(request_id)
-            persisting = self._pending_writes(tuple(plan.persisted_keys))
-            if persisting:
-                self._persisting[request_id] = persisting
+            persisting = self._persisting.add(request_id, tuple(plan.persisted_keys))
         return TokenUpdate(
             request_id,
             tuple(token_ids),
@@ -453,16 +452,6 @@ class VllmDecodeRole:
     def _pending_writes(self, keys: tuple) -> tuple:
         store_io = self.host.store_io
         return () if store_io is None or not keys else store_io.pending(keys)
-
-    def _poll_persisted(self) -> KVPersisted | None:
-        done = [
-            request_id
-            for request_id, keys in self._persisting.items()
-            if not self._pending_writes(keys)
-        ]
-        for request_id in done:
-            del self._persisting[request_id]
-        return KVPersisted(tuple(done)) if done else None
 
     def load(self) -> RoleLoad:
         requests = self.requests.values()

@@ -60,6 +60,32 @@ class DecodeRequest:
         return len(self.assignment.prompt_token_ids)
 
 
+class PersistingRequests:
+    """Finished requests whose blocks a store writer still holds, until every one is written
+    (or failed to be): what ``KVPersisted`` reports. ``pending(keys)`` says which of ``keys``
+    are still queued or being written (``KVStoreIO.pending``)."""
+
+    def __init__(self, pending: Callable[[tuple[BlockKey, ...]], tuple[BlockKey, ...]]) -> None:
+        self._pending = pending
+        self._keys: dict[int, tuple[BlockKey, ...]] = {}  # request id -> keys it waits for
+
+    def add(self, request_id: int, keys: tuple[BlockKey, ...]) -> tuple[BlockKey, ...]:
+        """Track a finished request's ``keys``; those still being written (its
+        ``TokenUpdate.persisting_keys``)."""
+        persisting = self._pending(keys) if keys else ()
+        if persisting:
+            self._keys[request_id] = persisting
+        return persisting
+
+    def poll(self) -> KVPersisted | None:
+        """KVPersisted for the requests whose blocks have all been written since the last
+        call, or None."""
+        done = [request_id for request_id, keys in self._keys.items() if not self._pending(keys)]
+        for request_id in done:
+            del self._keys[request_id]
+        return KVPersisted(tuple(done)) if done else None
+
+
 class DecodeEngine:
     def __init__(
         self,
@@ -89,8 +115,7 @@ class DecodeEngine:
         # Requests waiting for DE buffer slots for their whole prompt, then reading.
         self._slot_queue: SlotQueue[DecodeRequest] = SlotQueue(buffer)
         self._num_cached_tokens: dict[int, int] = {}
-        # Finished requests whose blocks are still being written: request id -> their keys.
-        self._persisting: dict[int, tuple[BlockKey, ...]] = {}
+        self._persisting = PersistingRequests(self._pending_writes)
 
     def add(self, assignment: Assignment) -> None:
         params = sampling_params_from_dict(assignment.sampling)
@@ -181,9 +206,7 @@ class DecodeEngine:
         persisting: tuple[BlockKey, ...] = ()
         if out is not None:
             self._num_cached_tokens.pop(request_id, None)
-            persisting = self._pending_writes(out.written_block_keys)
-            if persisting:
-                self._persisting[request_id] = persisting
+            persisting = self._persisting.add(request_id, out.written_block_keys)
         return TokenUpdate(
             request_id,
             tuple(token_ids),
@@ -200,16 +223,7 @@ class DecodeEngine:
     def poll_persisted(self) -> KVPersisted | None:
         """KVPersisted for the finished requests whose blocks have all been written since the
         last call (or failed to be), or None."""
-        if not self._persisting:
-            return None
-        done = [
-            request_id
-            for request_id, keys in self._persisting.items()
-            if not self._pending_writes(keys)
-        ]
-        for request_id in done:
-            del self._persisting[request_id]
-        return KVPersisted(tuple(done)) if done else None
+        return self._persisting.poll()
 
     def cancel(self, request_id: int) -> None:
         request = self.requests.pop(request_id, None)
