@@ -1,7 +1,7 @@
 """Plain vLLM's greedy tokens for token-id prompts (no connector), in a process of its own (a
-vLLM engine is process-wide): ``python -m tests.vllm.reference MODEL MAX_MODEL_LEN`` reads
+vLLM engine is process-wide): ``python -m tests.vllm.reference MODEL MAX_MODEL_LEN OUT`` reads
 ``[[prompt ids], max_tokens]`` pairs as JSON on stdin and writes, per prompt, its tokens and
-each token's top-2 logprobs as JSON on stdout."""
+each token's top-2 logprobs as JSON to the file OUT (vLLM logs to stdout)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 
 def main() -> None:
-    model_dir, max_model_len = sys.argv[1], int(sys.argv[2])
+    model_dir, max_model_len, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -31,7 +31,8 @@ def main() -> None:
             for entry in completion.logprobs
         ]
         results.append({"token_ids": list(completion.token_ids), "top2": tops})
-    json.dump(results, sys.stdout)
+    with open(out_path, "w") as out:
+        json.dump(results, out)
 
 
 if __name__ == "__main__":

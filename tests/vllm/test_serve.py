@@ -32,18 +32,20 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(smollm2_model_dir: Path) -> list[dict]:
+def references(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     requests = [[prompt, MAX_TOKENS] for prompt in _prompts()]
+    out = tmp_path_factory.mktemp("reference") / "tokens.json"
+    argv = [sys.executable, "-m", "tests.vllm.reference", str(smollm2_model_dir), str(CONTEXT)]
     done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.reference", str(smollm2_model_dir), str(CONTEXT)],
+        [*argv, str(out)],
         input=json.dumps(requests),
         capture_output=True,
         text=True,
         timeout=900,
         check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return json.loads(out.read_text())
 
 
 def _near_ties(reference: dict, tokens: list[int], label: str) -> int:
