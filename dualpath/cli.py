@@ -352,10 +352,10 @@ def _resolve_model(path: Path | None, *, tiny: bool = False) -> Path:
 
 
 def _build_llm(args: argparse.Namespace, model_dir: Path | None = None):  # -> LLM
-    from dualpath.engine.llm import LLM  # lazy: keeps --help fast
-
     kv_store = None if args.no_kv_store else (args.kv_store or default_kv_store_dir())
     store = store_config(kv_store, args.kv_store_capacity_gb)
+    from dualpath.engine.llm import LLM  # lazy (torch): keeps --help and refusals fast
+
     return LLM(
         model_dir or _resolve_model(args.model),
         kv_store=kv_store,
@@ -377,7 +377,7 @@ def _refuse_vllm_engine(args: argparse.Namespace, command: str) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from dualpath.engine.sampling import SamplingParams
+    from dualpath.types import SamplingParams
 
     _refuse_vllm_engine(args, "generate")
 
@@ -463,8 +463,8 @@ DEMO_TURNS = (
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from dualpath.engine.sampling import SamplingParams
     from dualpath.server.chat import ChatRenderer
+    from dualpath.types import SamplingParams
 
     _refuse_vllm_engine(args, "demo")
     if args.turns > len(DEMO_TURNS):
@@ -583,12 +583,13 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 
 def _run_engine(args: argparse.Namespace) -> int:
     from dualpath.cluster.engine_processes import TOKEN_ENV, run_supervised
-    from dualpath.model.loader import available_device
 
     token = os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"set ${TOKEN_ENV} to the cluster token the scheduler was started with")
     config = engine_process_config(args)
+    from dualpath.model.loader import available_device  # lazy: torch
+
     available_device(config.engine.device)  # before a child is started, or restarted
     _check_engine_capacity(config)
     if args.restart:
@@ -757,13 +758,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from dualpath.cluster.engine_processes import TOKEN_ENV
     from dualpath.cluster.launcher import LocalCluster
     from dualpath.config import DTYPES
-    from dualpath.model.loader import available_device
     from dualpath.model.registry import read_config
     from dualpath.model.tokenizer import Tokenizer
     from dualpath.server.args import resolve
     from dualpath.server.chat import ChatRenderer
-    from dualpath.server.context import ServingContext
-    from dualpath.server.serve import run_server
 
     s = resolve(args, args.serve_options)
     token = os.environ.get(TOKEN_ENV) or None
@@ -774,6 +772,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     if dtype not in DTYPES:
         raise ValueError(f"the checkpoint's dtype {dtype!r} is not supported; pass --dtype")
     if s.device != "cpu" and not s.external_engines:
+        from dualpath.model.loader import available_device  # lazy: torch
+
         available_device(s.device)  # here, not in each engine it would start
     tokenizer = Tokenizer(model_dir / "tokenizer.json")
     chat = ChatRenderer.for_checkpoint(model_dir)
@@ -793,6 +793,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         token=token,
         restart_engines=s.restart_engines,
     )
+    from dualpath.server.context import ServingContext  # lazy, as the rest: after the checks
+    from dualpath.server.serve import run_server
+
     context = ServingContext(server_config, cluster, tokenizer, chat)
     url = f"http://{server_config.host}:{server_config.port}"
     print(

@@ -133,12 +133,12 @@ def workloads(config: EngineBenchConfig) -> list[Workload]:
 
 def run_engine_bench(config: EngineBenchConfig, *, show_progress: bool = False) -> dict:
     """Measure every (workload, dtype, engine) side by side; a JSON-able dict (module doc)."""
-    import torch
-
     from dualpath.model.registry import read_config
 
     model_config = read_config(config.model_dir / "config.json")
     _check_fits(config, model_config.max_position_embeddings)
+    import torch  # after the checks: a bad --model is refused without it
+
     torch.set_num_threads(config.num_threads)  # process-wide: every variant runs on these
     shapes = workloads(config)
     prompts = _prompts(shapes, model_config.vocab_size, config.seed)

@@ -99,8 +99,6 @@ def convert_gguf(
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists")
-    from dualpath.model.make import write_dir_atomically  # lazy: it imports torch
-
     reader = _open(gguf_path)
     metadata = _metadata(reader)
     config = _config(metadata, gguf_path, dtype)
@@ -110,6 +108,8 @@ def convert_gguf(
         _write_tokenizer(metadata, tmp, gguf_path)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(metadata))
+
+    from dualpath.model.make import write_dir_atomically  # lazy (torch): after the checks
 
     write_dir_atomically(out_dir, write)
     logger.info("converted %s to %s (%s)", gguf_path, out_dir, dtype)

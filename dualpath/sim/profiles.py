@@ -299,8 +299,10 @@ def _resolve(value: str | P, builtins: dict[str, P], cls: type[P], kind: str) ->
         )
     try:
         given = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{kind} profile {path}: {exc}") from exc
+    except OSError as exc:
+        raise ValueError(f"{kind} profile {path}: cannot be read: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{kind} profile {path}: not JSON: {exc}") from exc
     if not isinstance(given, dict):
         raise ValueError(f"{kind} profile {path}: expected a JSON object")
     names = [f.name for f in dataclasses.fields(cls)]
