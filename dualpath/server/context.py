@@ -81,7 +81,7 @@ class ServingContext:
             link_capacity_bytes_per_s=link_capacity_lookup(
                 traffic.snic_bandwidth_gbps, traffic.cnic_bandwidth_gbps
             ),
-            store_stats=None if store is None else store.stats,
+            store_stats=store.stats if store is not None else lambda: None,  # --no-kv-store
             window_s=config.metrics_window_s,
         )
         self.state = ServerState.STARTING
