@@ -588,10 +588,11 @@ def _run_engine(args: argparse.Namespace) -> int:
     if not token:
         raise ValueError(f"set ${TOKEN_ENV} to the cluster token the scheduler was started with")
     config = engine_process_config(args)
-    from dualpath.model.loader import available_device  # lazy: torch
-
-    available_device(config.engine.device)  # before a child is started, or restarted
     _check_engine_capacity(config)
+    if config.engine.device != "cpu":
+        from dualpath.model.loader import available_device  # lazy: torch
+
+        available_device(config.engine.device)  # before a child is started, or restarted
     if args.restart:
         return run_supervised(config, token)
     from dualpath.cluster.engine_process import run_engine
