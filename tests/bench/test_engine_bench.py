@@ -80,8 +80,8 @@ def test_two_dtypes_report_their_ratio(tiny_model_dir: Path, tmp_path: Path) -> 
         (["--batch-sizes", "4,4"], "batch sizes must be distinct"),
         (["--dtypes", "float16"], "expected a comma-separated list of ('float32', 'bfloat16')"),
         (["--decode-tokens", "1"], "decode_tokens must be >= 2"),
-        (["--threads", "0"], "num_threads must be > 0"),
-        (["--repeats", "0"], "num_repeats must be > 0"),
+        (["--threads", "0"], "argument --threads: must be > 0"),
+        (["--repeats", "0"], "argument --repeats: must be > 0"),
         (["--prompt-tokens", "20000"], "max_position_embeddings 16384"),
     ],
 )
