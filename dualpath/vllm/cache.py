@@ -28,14 +28,17 @@ from dualpath.kv.layout import KVLayout
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
+def layer_index(layer_name: str) -> int:
+    """The layer number in a vLLM attention layer's name (``model.layers.N.self_attn.attn``)."""
+    match = _LAYER_INDEX.search(layer_name)
+    if match is None:
+        raise ValueError(f"vLLM layer name {layer_name!r} has no '.layers.N.'")
+    return int(match.group(1))
+
+
 def layers_in_order(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """vLLM's per-layer caches (``register_kv_caches``' dict) in layer order."""
-    indexed = []
-    for name, kv in kv_caches.items():
-        match = _LAYER_INDEX.search(name)
-        if match is None:
-            raise ValueError(f"vLLM layer name {name!r} has no '.layers.N.': cannot order it")
-        indexed.append((int(match.group(1)), kv))
+    indexed = [(layer_index(name), kv) for name, kv in kv_caches.items()]
     indexed.sort(key=lambda pair: pair[0])
     if [index for index, _ in indexed] != list(range(len(indexed))):
         raise ValueError(f"vLLM's KV layers are not 0..{len(indexed) - 1}: {sorted(kv_caches)}")

@@ -29,7 +29,6 @@ the token range to load, how far its KV reaches, the blocks to persist. A reques
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,12 +50,11 @@ from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore
 from dualpath.transfer.traffic import Mover, direct_move
-from dualpath.vllm.cache import VllmPagedCache, check_packing, layers_in_order
+from dualpath.vllm.cache import VllmPagedCache, check_packing, layer_index, layers_in_order
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_PARAM = "dualpath_request_id"  # our request id in vLLM's kv_transfer_params
-_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
 @dataclass(eq=False)
@@ -322,7 +320,7 @@ class DualpathConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Copy this layer of every load of the step into vLLM's blocks (host memory ->
         vLLM's cache), before the layer's attention reads them."""
-        layer = _layer_index(layer_name)
+        layer = layer_index(layer_name)
         cache = self.host.cache
         assert cache is not None, "vLLM ran a layer before registering its cache"
         for step in self._steps():
@@ -340,7 +338,7 @@ class DualpathConnector(KVConnectorBase_V1):
     ) -> None:
         """Send this layer of every block a request's KV reached (and that was not sent
         complete before) to its DE's buffer."""
-        layer = _layer_index(layer_name)
+        layer = layer_index(layer_name)
         cache = self.host.cache
         assert cache is not None, "vLLM ran a layer before registering its cache"
         block_size = self.block_size
@@ -398,12 +396,6 @@ class DualpathConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # loads are copies from host memory: they cannot fail partway
-
-
-def _layer_index(layer_name: str) -> int:
-    match = _LAYER_INDEX.search(layer_name)
-    assert match is not None, f"vLLM layer name {layer_name!r} has no '.layers.N.'"
-    return int(match.group(1))
 
 
 def _block_ranges(first: int, num: int, block_size: int) -> list[tuple[int, int, int]]:
