@@ -28,6 +28,7 @@ from dualpath.errors import DualPathError
 from dualpath.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import gb_to_bytes
+from dualpath.vllm_args import add_engine_kind_arguments, engine_kind_args
 
 DEFAULT_PRESET = "tiny"  # the random-weight preset of make-model and the benchmarks
 
@@ -248,51 +249,10 @@ def _add_engine_args(p: argparse.ArgumentParser, *, default_threads: int | None 
         default=None,
         help="context limit in tokens (default: the checkpoint's)",
     )
-    p.add_argument(
-        "--engine",
-        choices=("native", "vllm"),
-        default="native",
-        help="what runs the model in each engine: 'native' (ours, the reference) or 'vllm' "
-        "(vLLM's engine in each engine process with dualpath's KV connector; needs vLLM "
-        "installed, e.g. the venv `make test-vllm` builds; serve and engine only) "
-        "(default native)",
+    add_engine_kind_arguments(
+        p,
+        where="serve and engine; generate: one vLLM engine in this process, its KV from the store",
     )
-    p.add_argument(
-        "--vllm-arg",
-        type=_vllm_arg,
-        action="append",
-        default=None,
-        metavar="KEY=VALUE",
-        help="a vLLM engine argument (an EngineArgs field, e.g. max_num_seqs=32; the value "
-        "is read as JSON, else as a string), repeatable, with --engine vllm; the ones "
-        "dualpath sets itself (the connector, block size, dtype, context, parallelism, "
-        "prefix caching, seed) are refused",
-    )
-
-
-def _vllm_arg(text: str) -> tuple[str, object]:
-    import json
-
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        parsed = value
-    return key.strip().replace("-", "_"), parsed
-
-
-def _engine_kind_args(args: argparse.Namespace) -> dict:
-    """EngineConfig's engine and vllm_args from --engine and --vllm-arg (refusing either
-    where it does not apply)."""
-    from dualpath.vllm_args import check_vllm_args
-
-    vllm_args = dict(args.vllm_arg or ())
-    if vllm_args and args.engine != "vllm":
-        raise ValueError("--vllm-arg passes arguments to vLLM: give it with --engine vllm")
-    check_vllm_args(vllm_args)
-    return {"engine": args.engine, "vllm_args": vllm_args}
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -715,7 +675,7 @@ def _engine_config_from_flags(args: argparse.Namespace):
             max_model_len=args.max_model_len,
             num_threads=args.threads,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            **_engine_kind_args(args),
+            **engine_kind_args(args),
         ),
         cluster=ClusterConfig(
             mode=args.mode,
@@ -878,7 +838,7 @@ def _serve_engine_config(s: argparse.Namespace, dtype: str):  # -> EngineConfig
         max_model_len=s.max_model_len,
         num_threads=s.threads,
         max_num_batched_tokens=s.max_num_batched_tokens,
-        **_engine_kind_args(s),
+        **engine_kind_args(s),
     )
 
 

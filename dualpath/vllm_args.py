@@ -1,5 +1,6 @@
 """What a cluster of vLLM engines accepts, checked without vLLM: the engine arguments a user may
-pass through (``--vllm-arg``), and the modes it serves.
+pass through (``--vllm-arg``), and the modes it serves; and the ``--engine`` / ``--vllm-arg``
+flags every command that starts engines shares (``add_engine_kind_arguments``).
 
 ``dualpath.vllm.engine`` sets some arguments itself: given through, they would unhook the
 connector or break what it relies on. They are refused by name here, where the flags are
@@ -8,10 +9,14 @@ read, and again where the engine is built.
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from dualpath.config import ClusterConfig, EngineConfig
+
+ENGINE_KIND_CHOICES = ("native", "vllm")
 
 # Engine arguments dualpath sets itself (its own flags give them).
 RESERVED_VLLM_ARGS = (
@@ -45,9 +50,60 @@ def check_engine_kind(cluster: ClusterConfig, engine: EngineConfig) -> None:
     if engine.engine != "vllm":
         return
     check_vllm_args(engine.vllm_args)
-    read_path = cluster.settings.read_path
+    check_vllm_read_path(cluster.mode, cluster.settings.read_path)
+
+
+def check_vllm_read_path(mode: str, read_path: str) -> None:
+    """``ValueError`` for a mode whose read side (``read_path``: its own or the forced one)
+    vLLM engines do not serve yet."""
     if read_path != "pe":
         raise ValueError(
-            f"mode {cluster.mode!r} with read path {read_path!r} reads on the DE side, which "
-            "is not built on vLLM engines yet: give --read-path pe, or --mode basic"
+            f"mode {mode!r} with read path {read_path!r} reads on the DE side, which "
+            "is not built on vLLM engines yet: give --read-path pe, or the basic mode"
         )
+
+
+def add_engine_kind_arguments(parser: argparse.ArgumentParser, *, where: str) -> None:
+    """``--engine`` and ``--vllm-arg``; ``where`` says what ``--engine vllm`` runs there."""
+    parser.add_argument(
+        "--engine",
+        choices=ENGINE_KIND_CHOICES,
+        default="native",
+        help="what runs the model in each engine: 'native' (ours, the reference) or 'vllm' "
+        "(vLLM's engine with dualpath's KV connector inside; needs vLLM installed, e.g. the "
+        f"venv `make test-vllm` builds; {where}) (default native)",
+    )
+    parser.add_argument(
+        "--vllm-arg",
+        type=vllm_arg,
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument (an EngineArgs field, e.g. max_num_seqs=32; the value "
+        "is read as JSON, else as a string), repeatable, with --engine vllm; the ones "
+        "dualpath sets itself (the connector, block size, dtype, context, parallelism, "
+        "prefix caching, seed) are refused",
+    )
+
+
+def vllm_arg(text: str) -> tuple[str, Any]:
+    """``--vllm-arg KEY=VALUE``: (key with dashes as underscores, the value read as JSON, else
+    the string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip().replace("-", "_"), parsed
+
+
+def engine_kind_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"engine": ..., "vllm_args": {...}}`` from ``--engine`` and ``--vllm-arg`` (later
+    keys win), refusing arguments given without ``--engine vllm`` or reserved ones."""
+    vllm_args = dict(args.vllm_arg or ())
+    if vllm_args and args.engine != "vllm":
+        raise ValueError("--vllm-arg passes arguments to vLLM: give it with --engine vllm")
+    check_vllm_args(vllm_args)
+    return {"engine": args.engine, "vllm_args": vllm_args}

@@ -165,6 +165,20 @@ CASES = {
         "--preset paper-ratio calibrates",
     ),
     "bench-online/aps-0": Case("bench online --model {model} --aps 0", "argument --aps"),
+    "bench-online/vllm-engine-on-the-de-read-path": Case(
+        "bench online --model {model} --engine vllm --modes basic", "reads on the DE side"
+    ),
+    "bench-offline/vllm-engine-on-the-de-read-path": Case(
+        "bench offline --model {model} --engine vllm --modes basic,dualpath",
+        "mode 'dualpath' with read path 'dual' reads on the DE side",
+    ),
+    "bench-offline/vllm-arg-without-vllm-engine": Case(
+        "bench offline --model {model} --vllm-arg max_num_seqs=4", "give it with --engine vllm"
+    ),
+    "bench-offline/engine-with-url": Case(
+        "bench offline --model {model} --url http://127.0.0.1:1 --engine vllm",
+        "do not give --engine",
+    ),
     # --- simulate
     "simulate/trace-missing": Case("simulate --trace {missing}.jsonl", "cannot be read"),
     "simulate/model-profile-missing": Case(

@@ -15,11 +15,13 @@ OpenAI-compatible one): the link figures are then None.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -55,6 +57,8 @@ class ModeRun:
     prefill_tokens_per_s: float | None = None
     # The servers' longest prompt (serve --max-prompt-tokens); None: the context minus one.
     max_prompt_tokens: int | None = None
+    engine: str = "native"  # what runs the model in every engine (serve --engine)
+    vllm_args: tuple[tuple[str, Any], ...] = ()  # with engine "vllm": serve --vllm-arg
     extra_serve_args: tuple[str, ...] = ()
 
 
@@ -78,6 +82,10 @@ def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
         args += ["--prefill-tokens-per-s", f"{run.prefill_tokens_per_s:.1f}"]
     if run.max_prompt_tokens is not None:
         args += ["--max-prompt-tokens", str(run.max_prompt_tokens)]
+    if run.engine != "native":
+        args += ["--engine", run.engine]
+    for key, value in run.vllm_args:
+        args += ["--vllm-arg", f"{key}={json.dumps(value)}"]
     return args + list(run.extra_serve_args)
 
 

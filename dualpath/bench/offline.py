@@ -63,12 +63,13 @@ from dualpath.bench.presets import (
 from dualpath.bench.report import write_outputs
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
-from dualpath.config import MODES, READ_PATHS, EngineConfig
+from dualpath.config import MODES, READ_PATHS, EngineConfig, mode_settings
 from dualpath.flags import non_negative_int, positive_float, positive_int
 from dualpath.model.identity import kv_facts
 from dualpath.model.registry import read_config
 from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import bytes_per_s_to_gbps
+from dualpath.vllm_args import add_engine_kind_arguments, check_vllm_read_path, engine_kind_args
 from dualpath.workload import Misfit, Workload, first_misfit, ideal_hit_ratio, workload_stats
 
 # The servers' KV block (serve --block-size's default): hits are whole blocks of it.
@@ -168,6 +169,8 @@ def oracle_run(
     transport: str,
     read_path: str | None = None,
     max_prompt_tokens: int | None = None,
+    engine: str = "native",
+    vllm_args: dict | None = None,
 ) -> ModeRun:
     """The preset's cluster in ``oracle`` mode (other modes: ``replace(run, mode=...)``)."""
     return ModeRun(
@@ -178,7 +181,22 @@ def oracle_run(
         read_path=read_path,
         transport=transport,
         max_prompt_tokens=max_prompt_tokens,
+        engine=engine,
+        vllm_args=tuple((vllm_args or {}).items()),
     )
+
+
+def check_engine_modes(engine: str, modes: list[str], read_path: str | None) -> None:
+    """``ValueError`` before any server starts for a mode the engine kind cannot serve."""
+    if engine != "vllm":
+        return
+    for mode in modes:
+        check_vllm_read_path(mode, read_path or mode_settings(mode).read_path)
+
+
+def engine_report(run: ModeRun) -> dict:
+    """The JSON's ``engine`` and ``vllm_args``: what ran the model in every server."""
+    return {"engine": run.engine, "vllm_args": dict(run.vllm_args)}
 
 
 def workload_report(workload: Workload, shape: WorkloadShape) -> dict:
@@ -205,10 +223,14 @@ def run_offline(
     gen_scale: float | None = None,
     clones: int | None = None,
     max_prompt_tokens: int | None = None,
+    engine: str = "native",
+    vllm_args: dict | None = None,
     progress: bool = True,
 ) -> dict:
     """Every mode on the shaped workload; the report, ``valid`` or not (``validity.py``)."""
     preset = checked_preset(preset_name, modes)
+    calibrates = rho is not None or preset.snic_bandwidth_gbps is None
+    check_engine_modes(engine, [*modes, *(["oracle"] if calibrates else [])], read_path)
     if rho is not None:
         preset = replace(preset, snic_bandwidth_gbps=None, rho=rho)
     shape = workload_shape(
@@ -232,6 +254,8 @@ def run_offline(
         transport=transport,
         read_path=read_path,
         max_prompt_tokens=max_prompt_tokens,
+        engine=engine,
+        vllm_args=vllm_args,
     )
     report: dict = {
         "benchmark": "offline",
@@ -240,6 +264,7 @@ def run_offline(
         "seed": seed,
         "model_dir": str(model_dir),
         "model": kv_facts(read_config(Path(model_dir) / "config.json")),
+        **engine_report(base),
         "transport": transport,
         "read_path": read_path,
         **workload_report(workload, shape),
@@ -417,6 +442,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="force one read path in every mode (default: each mode's own)",
     )
+    add_engine_kind_arguments(
+        parser, where="every server the benchmark starts; the PE read path only, for now"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     parser.add_argument(
         "--out-dir",
@@ -482,6 +510,8 @@ def main(args: argparse.Namespace) -> int:
     if args.url is not None:
         if args.modes is not None:
             raise ValueError("--url runs against one existing server: do not give --modes")
+        if args.engine != "native" or args.vllm_arg:
+            raise ValueError("--url runs against one existing server: do not give --engine")
         return _write(_run_url(args, model_dir), args)
     check_url_flags(args)
     modes = [m.strip() for m in (args.modes or "basic,dualpath,oracle").split(",") if m.strip()]
@@ -502,6 +532,7 @@ def main(args: argparse.Namespace) -> int:
             gen_scale=args.gen_scale,
             clones=args.clones,
             max_prompt_tokens=args.max_prompt_tokens,
+            **engine_kind_args(args),
         )
         for rho in rhos
     ]

@@ -60,8 +60,10 @@ from dualpath.bench.offline import (
     add_workload_arguments,
     calibrate,
     check_calibration_workload,
+    check_engine_modes,
     check_url_flags,
     checked_preset,
+    engine_report,
     load_workload,
     oracle_run,
     workload_report,
@@ -72,6 +74,7 @@ from dualpath.bench.validity import invalid_message, mark_validity, mode_problem
 from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.model.identity import kv_facts
 from dualpath.model.registry import read_config
+from dualpath.vllm_args import engine_kind_args
 from dualpath.workload import Workload, poisson_arrival_offsets_s
 
 SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
@@ -183,6 +186,7 @@ def run_online(
     slo_tpot_s: float | None = None,
     work_dir: Path | None = None,
     transport: str = "nixl",
+    read_path: str | None = None,
     trace: Path | None = None,
     length_scale: float | None = None,
     max_sessions: int | None = None,
@@ -193,11 +197,14 @@ def run_online(
     max_gap_s: float | None = None,
     min_agents: int = DEFAULT_MIN_AGENTS,
     slo_basis: str = "oracle",
+    engine: str = "native",
+    vllm_args: dict | None = None,
     progress: bool = True,
 ) -> dict:
     """Every mode at the starting rate (or its capacity search); the report, ``valid`` or not
     (``validity.py``). ``max_sessions`` caps the agents of every run."""
     preset = checked_preset(preset_name, modes)
+    check_engine_modes(engine, [*modes, "oracle", "basic"], read_path)  # + the unloaded runs'
     if slo_basis not in SLO_BASES:
         raise ValueError(f"--slo-basis must be one of {SLO_BASES}, got {slo_basis!r}")
     if min_agents < 1:
@@ -229,7 +236,15 @@ def run_online(
     calibration_workload = workload_of(max_sessions)
     if preset.snic_bandwidth_gbps is None:
         check_calibration_workload(calibration_workload, f"--preset {preset_name}")
-    base = oracle_run(preset, model_dir, transport=transport, max_prompt_tokens=max_prompt_tokens)
+    base = oracle_run(
+        preset,
+        model_dir,
+        transport=transport,
+        read_path=read_path,
+        max_prompt_tokens=max_prompt_tokens,
+        engine=engine,
+        vllm_args=vllm_args,
+    )
     report: dict = {
         "benchmark": "online",
         "preset": preset_name,
@@ -237,6 +252,8 @@ def run_online(
         "seed": seed,
         "model_dir": str(model_dir),
         "model": kv_facts(read_config(Path(model_dir) / "config.json")),
+        **engine_report(base),
+        "read_path": read_path,
         **workload_report(calibration_workload, shape),
         "replay_gaps": replay_gaps,
         "max_gap_s": max_gap_s,
@@ -419,8 +436,6 @@ def main(args: argparse.Namespace) -> int:
 
     if args.url is not None:
         raise ValueError("bench online starts its own servers: --url is for bench offline")
-    if args.read_path is not None:
-        raise ValueError("--read-path is for bench offline")
     check_url_flags(args)
     modes = [m.strip() for m in (args.modes or "basic,dualpath").split(",") if m.strip()]
     report = run_online(
@@ -433,6 +448,7 @@ def main(args: argparse.Namespace) -> int:
         slo_ttft_s=args.slo_ttft_s,
         slo_tpot_s=args.slo_tpot_s,
         transport=args.transport,
+        read_path=args.read_path,
         trace=args.trace,
         length_scale=args.length_scale,
         max_sessions=args.max_sessions,
@@ -443,6 +459,7 @@ def main(args: argparse.Namespace) -> int:
         max_gap_s=args.max_gap_s,
         min_agents=args.min_agents,
         slo_basis=args.slo_basis,
+        **engine_kind_args(args),
     )
     write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="online")
     if report["valid"]:

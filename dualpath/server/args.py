@@ -24,6 +24,9 @@ from dualpath.transfer.transport import TRANSPORT_KINDS
 # Flags that exclude each other: the command line giving one drops the file's other.
 _EXCLUSIVE_DESTS = (("kv_store", "no_kv_store"),)
 _NOT_IN_FILE = ("config", "help")
+# The file's section of vLLM engine arguments (a mapping, KEY: VALUE), or ``vllm-arg`` as a
+# list of KEY=VALUE strings; the command line's --vllm-arg win key by key.
+_VLLM_ARGS_KEYS = ("vllm_args", "vllm_arg")
 
 
 def port_number(text: str) -> int:
@@ -264,6 +267,8 @@ def resolve(args: argparse.Namespace, table: OptionTable) -> argparse.Namespace:
         if any(dest in given for dest in dests):
             for dest in dests:
                 from_file.pop(dest, None)
+    if "vllm_arg" in given and "vllm_arg" in from_file:
+        given["vllm_arg"] = from_file["vllm_arg"] + given["vllm_arg"]  # later keys win
     return argparse.Namespace(**{**table.defaults, **from_file, **given})
 
 
@@ -279,6 +284,9 @@ def load_config_file(path: Path, table: OptionTable) -> dict[str, Any]:
     settings = {}
     for key, value in raw.items():
         dest = str(key).replace("-", "_")
+        if dest in _VLLM_ARGS_KEYS and "vllm_arg" in table.actions:
+            settings["vllm_arg"] = _vllm_args(path, key, value, table.actions["vllm_arg"])
+            continue
         if dest not in table.actions or dest in _NOT_IN_FILE:
             known = ", ".join(sorted(d.replace("_", "-") for d in table.actions if d != "config"))
             raise ValueError(f"config file {path}: unknown key {key!r}; known keys: {known}")
@@ -287,6 +295,24 @@ def load_config_file(path: Path, table: OptionTable) -> dict[str, Any]:
         except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
             raise ValueError(f"config file {path}: {key}: {exc}") from exc
     return settings
+
+
+def _vllm_args(path: Path, key: Any, value: Any, action: argparse.Action) -> list:
+    """``(name, value)`` pairs of the file's vLLM arguments: a mapping (values as the file
+    types them) or a list of ``KEY=VALUE`` strings (read as ``--vllm-arg`` reads them)."""
+    if isinstance(value, dict):
+        pairs = [(str(name).replace("-", "_"), item) for name, item in value.items()]
+    elif isinstance(value, list) and all(isinstance(item, str) for item in value):
+        try:
+            pairs = [action.type(item) for item in value]
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"config file {path}: {key}: {exc}") from exc
+    else:
+        raise ValueError(
+            f"config file {path}: {key}: expected a mapping of vLLM engine arguments to "
+            f"values, or a list of KEY=VALUE strings, got {value!r}"
+        )
+    return pairs
 
 
 def _parse(path: Path, text: str) -> Any:

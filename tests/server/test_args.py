@@ -10,6 +10,7 @@ import pytest
 
 from dualpath.cli import build_parser
 from dualpath.server.args import resolve
+from dualpath.vllm_args import engine_kind_args
 
 
 def serve_settings(*argv: str) -> argparse.Namespace:
@@ -44,6 +45,25 @@ def test_json_config_and_on_off_flags(tmp_path: Path) -> None:
     assert s.kv_store == Path("/x") and not s.no_kv_store
 
 
+def test_vllm_arguments_from_a_config_section_under_the_flags(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "engine: vllm\nvllm-args:\n  max_num_seqs: 32\n  enable-chunked-prefill: false\n"
+    )
+    s = serve_settings("--config", str(config), "--vllm-arg", "max_num_seqs=16")
+    assert engine_kind_args(s) == {  # the flag wins key by key
+        "engine": "vllm",
+        "vllm_args": {"max_num_seqs": 16, "enable_chunked_prefill": False},
+    }
+    config.write_text("engine: vllm\nvllm-arg: [max_num_seqs=8]\n")
+    assert engine_kind_args(serve_settings("--config", str(config)))["vllm_args"] == {
+        "max_num_seqs": 8
+    }
+    config.write_text("engine: vllm\nvllm-args: {block_size: 32}\n")  # ours to set
+    with pytest.raises(ValueError, match="block_size"):
+        engine_kind_args(serve_settings("--config", str(config)))
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -56,6 +76,8 @@ def test_json_config_and_on_off_flags(tmp_path: Path) -> None:
         ("- port\n", "expected a mapping"),
         ("config: other.yaml\n", "unknown key 'config'"),
         ("port: [\n", "not valid YAML"),
+        ("vllm-args: 3\n", "vllm-args: expected a mapping of vLLM engine arguments"),
+        ("vllm-arg: [max_num_seqs]\n", "vllm-arg: expected KEY=VALUE"),
     ],
 )
 def test_bad_config_files_are_refused_naming_file_and_key(
@@ -92,3 +114,25 @@ def test_prefill_rate_sets_the_schedulers_beta_and_must_be_positive() -> None:
     )
     with pytest.raises(SystemExit):
         serve_settings("--prefill-tokens-per-s", "0")
+
+
+def test_a_benchmarks_engine_kind_reaches_its_servers_as_serve_reads_it() -> None:
+    from dualpath.bench.harness import ModeRun, serve_args
+
+    run = ModeRun(
+        "basic",
+        Path("m"),
+        "1P1D",
+        0.0,
+        read_path="pe",
+        engine="vllm",
+        vllm_args=(("max_num_seqs", 16), ("enable_chunked_prefill", False)),
+    )
+    s = serve_settings(*serve_args(run, Path("kv"), Path("logs")))
+    assert engine_kind_args(s) == {
+        "engine": "vllm",
+        "vllm_args": {"max_num_seqs": 16, "enable_chunked_prefill": False},
+    }
+    assert "--engine" not in serve_args(
+        ModeRun("basic", Path("m"), "1P1D", 0.0), Path("kv"), Path("l")
+    )

@@ -7,22 +7,19 @@ uncached prefill), and counted."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.server.serving import MODEL, Server, metric_values, start_server
+from tests.vllm.reference import near_ties, plain_vllm
 
 pytestmark = pytest.mark.vllm
 
 CONTEXT = 4160  # 4,000-token prompts + output, in whole 64-token blocks
 PROMPT_LENGTHS = (300, 700, 1200, 1800, 2400, 3000, 3500, 4000)
 MAX_TOKENS = 8
-NEAR_TIE_LOGPROB = 1e-3
 SERVE_ARGS = ("--engine", "vllm", "--read-path", "pe", "--max-model-len", str(CONTEXT))
 
 
@@ -33,33 +30,8 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    requests = [[prompt, MAX_TOKENS] for prompt in _prompts()]
-    out = tmp_path_factory.mktemp("reference") / "tokens.json"
-    argv = [sys.executable, "-m", "tests.vllm.reference", str(smollm2_model_dir), str(CONTEXT)]
-    done = subprocess.run(
-        [*argv, str(out)],
-        input=json.dumps(requests),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return json.loads(out.read_text())
-
-
-def _near_ties(reference: dict, tokens: list[int], label: str) -> int:
-    if tokens == reference["token_ids"]:
-        return 0
-    index = next(
-        i for i, (a, b) in enumerate(zip(reference["token_ids"], tokens, strict=False)) if a != b
-    )
-    first, second = reference["top2"][index]
-    assert first - second < NEAR_TIE_LOGPROB, (
-        f"{label}: token {index} is {tokens[index]}, plain vLLM's {reference['token_ids'][index]}"
-        f" (its top two {first - second:.2e} apart)"
-    )
-    return 1
+    requests = [(prompt, MAX_TOKENS) for prompt in _prompts()]
+    return plain_vllm(smollm2_model_dir, CONTEXT, requests, tmp_path_factory.mktemp("reference"))
 
 
 def _replay(server: Server, references: list[dict], label: str, *, is_warm: bool) -> int:
@@ -70,7 +42,7 @@ def _replay(server: Server, references: list[dict], label: str, *, is_warm: bool
             model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )  # fmt: skip
-        num_ties += _near_ties(reference, out.choices[0].token_ids, f"{label} {len(prompt)}")
+        num_ties += near_ties(reference, out.choices[0].token_ids, f"{label} {len(prompt)}")
         cached = out.usage.prompt_tokens_details.cached_tokens
         assert cached == ((len(prompt) - 1) // 64 * 64 if is_warm else 0), (label, len(prompt))
     return num_ties
