@@ -328,19 +328,41 @@ def _build_llm(args: argparse.Namespace, model_dir: Path | None = None):  # -> L
     )
 
 
+def _build_vllm_llm(args: argparse.Namespace):  # -> VllmLLM
+    """``generate --engine vllm``: one vLLM engine in this process, with the store behind it."""
+    from dualpath.vllm_args import check_vllm_device
+
+    kind = engine_kind_args(args)
+    check_vllm_device(args.device)
+    kv_store = None if args.no_kv_store else (args.kv_store or default_kv_store_dir())
+    store = store_config(kv_store, args.kv_store_capacity_gb)
+    model_dir = _resolve_model(args.model)
+    from dualpath.vllm.llm import VllmLLM  # lazy: vLLM
+
+    return VllmLLM(
+        model_dir,
+        kv_store=kv_store,
+        kv_store_capacity_bytes=store.capacity_bytes,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+        vllm_args=kind["vllm_args"],
+    )
+
+
 def _refuse_vllm_engine(args: argparse.Namespace, command: str) -> None:
     if args.engine != "native" or args.vllm_arg:
         raise ValueError(
-            f"{command} runs the native engine in this process; --engine vllm serves with "
-            "`dualpath serve` or `dualpath engine`"
+            f"{command} runs the native engine; --engine vllm serves with `dualpath serve`, "
+            "`dualpath engine` or `dualpath generate`"
         )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from dualpath.types import SamplingParams
 
-    _refuse_vllm_engine(args, "generate")
-
+    engine_kind_args(args)  # --vllm-arg without --engine vllm, or reserved ones: refused
     if args.max_tokens <= 0:
         raise ValueError(f"--max-tokens must be > 0, got {args.max_tokens}")
     params = SamplingParams(
@@ -353,9 +375,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
     )
-    with _build_llm(args) as llm:
+    build = _build_vllm_llm if args.engine == "vllm" else _build_llm
+    with build(args) as llm:
         prompt = args.prompt if args.prompt is not None else {"prompt_token_ids": args.prompt_ids}
-        out = llm.generate(prompt, params)[0]
+        out = llm.generate([prompt], params)[0]
     if args.json:
         print(
             json.dumps(

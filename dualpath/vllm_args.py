@@ -50,7 +50,18 @@ def check_engine_kind(cluster: ClusterConfig, engine: EngineConfig) -> None:
     if engine.engine != "vllm":
         return
     check_vllm_args(engine.vllm_args)
+    check_vllm_device(engine.device)
     check_vllm_read_path(cluster.mode, cluster.settings.read_path)
+
+
+def check_vllm_device(device: str) -> None:
+    """``ValueError`` for ``--device`` given with ``--engine vllm``: the device is vLLM's
+    platform's (the build installed), not ours to choose."""
+    if device != "cpu":
+        raise ValueError(
+            f"--device {device} is the native engine's: vLLM runs on the platform its build is "
+            "for (leave --device out with --engine vllm)"
+        )
 
 
 def check_vllm_read_path(mode: str, read_path: str) -> None:

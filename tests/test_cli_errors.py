@@ -69,6 +69,15 @@ CASES = {
         "generate --prompt hi --model {model} --no-kv-store --kv-store-capacity-gb 1",
         "--kv-store-capacity-gb sizes the KV store, and --no-kv-store has none",
     ),
+    "generate/vllm-arg-without-vllm-engine": Case(
+        "generate --no-kv-store --prompt hi --model {model} --vllm-arg max_num_seqs=2",
+        "give it with --engine vllm",
+    ),
+    "generate/vllm-engine-on-a-device": Case(
+        "generate --no-kv-store --prompt hi --model {model} --engine vllm --device cuda:0",
+        "--device cuda:0 is the native engine's",
+    ),
+    "demo/vllm-engine": Case("demo --no-kv-store --engine vllm", "demo runs the native engine"),
     "generate/no-such-cuda-device": Case(
         "generate --no-kv-store --prompt hi --model {model} --device cuda:99",
         "device 'cuda:99' is not available",

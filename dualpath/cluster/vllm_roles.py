@@ -75,7 +75,8 @@ def vllm_sampling_params(params: SamplingParams, *, max_tokens: int, min_tokens:
     )
 
 
-def _with_plan(vllm_params: Any, request_id: int) -> Any:
+def with_plan(vllm_params: Any, request_id: int) -> Any:
+    """``vllm_params`` naming the ``KVPlan`` the connector follows for the request."""
     vllm_params.extra_args = {"kv_transfer_params": {REQUEST_ID_PARAM: request_id}}
     return vllm_params
 
@@ -215,7 +216,7 @@ class VllmPrefillRole:
             self.engine.add_request(
                 str(request.request_id),
                 {"prompt_token_ids": list(request.assignment.prompt_token_ids)},
-                _with_plan(params, request.request_id),
+                with_plan(params, request.request_id),
             )
 
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
@@ -395,7 +396,7 @@ class VllmDecodeRole:
             self.engine.add_request(
                 str(request.request_id),
                 {"prompt_token_ids": [*prompt, done.first_token_id]},
-                _with_plan(params, request.request_id),
+                with_plan(params, request.request_id),
             )
 
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:

@@ -482,6 +482,20 @@ class LLMEngine:
 Prompt = str | Seq[int] | dict[str, Any]
 
 
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids":
+    [...]}`` (``tokenizer``: ours, its ``encode``)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return tokenizer.encode(prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return list(prompt)
+
+
 class LLM:
     """Offline batch inference on one engine (the shape of ``vllm.LLM``)."""
 
@@ -519,15 +533,7 @@ class LLM:
         self.engine = LLMEngine(loaded, engine_config, store_config)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def generate(
         self,
