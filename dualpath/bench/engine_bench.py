@@ -1,4 +1,5 @@
-"""Engine benchmark: our single-node engine against transformers' ``generate`` on the same weights.
+"""Engine benchmark: our single-node engine against transformers' ``generate`` (and, with
+``--engines ours,transformers,vllm``, vLLM's engine) on the same weights.
 
 Run: ``dualpath bench engine --json results/engine.json`` (or ``python -m
 dualpath.bench.engine_bench`` with the same flags).
@@ -6,8 +7,11 @@ dualpath.bench.engine_bench`` with the same flags).
 For each weight dtype, two engines load the same checkpoint directory: ours (``dualpath.LLM``,
 no KV store, so nothing is reused between runs) and transformers'
 ``AutoModelForCausalLM.from_pretrained(dir, dtype=...)`` driving ``generate`` (greedy,
-``min_new_tokens = max_new_tokens`` so it cannot stop early). Both run on the same torch
-intra-op thread count, set once for the process. Three workloads:
+``min_new_tokens = max_new_tokens`` so it cannot stop early); with ``vllm`` among the engines,
+also vLLM's ``LLMEngine`` (the installed build, in this process, eager, prefix caching off, no
+connector), stepped here with each step's tokens stamped as it returns. All run on the same
+torch intra-op thread count, set once for the process before any engine is built (vLLM's CPU
+worker freezes it). Three workloads:
 
 - prefill: one ``prompt_tokens`` prompt, one output token; tokens/s = prompt tokens / time to
   the first token;
@@ -51,7 +55,8 @@ if TYPE_CHECKING:  # imported where it runs: building the CLI's parser must not 
     import torch
 
 DTYPES = ("float32", "bfloat16")
-ENGINES = ("ours", "transformers")
+ENGINES = ("ours", "transformers", "vllm")
+DEFAULT_ENGINES = ("ours", "transformers")
 # The issue's targets: (name, the ratio it judges, the least value that meets it).
 TARGETS = (
     ("decode@1 ours / transformers", "decode@1", 1.0),
@@ -80,8 +85,15 @@ class EngineBenchConfig:
     batch_sizes: tuple[int, ...] = (1, 16)
     num_repeats: int = 3
     seed: int = 0
+    engines: tuple[str, ...] = DEFAULT_ENGINES
 
     def __post_init__(self) -> None:
+        is_bad = set(DEFAULT_ENGINES) - set(self.engines) or set(self.engines) - set(ENGINES)
+        if is_bad or len(set(self.engines)) != len(self.engines):
+            raise ValueError(
+                f"engines must be ours and transformers, optionally vllm, each once, got "
+                f"{','.join(self.engines)}"
+            )
         bad = [d for d in self.dtypes if d not in DTYPES]
         if not self.dtypes or bad or len(set(self.dtypes)) != len(self.dtypes):
             raise ValueError(f"dtypes must be distinct names from {DTYPES}, got {self.dtypes}")
@@ -143,7 +155,9 @@ def run_engine_bench(config: EngineBenchConfig, *, show_progress: bool = False) 
     shapes = workloads(config)
     prompts = _prompts(shapes, model_config.vocab_size, config.seed)
     engines = {
-        (dtype, name): _load(name, config, dtype) for dtype in config.dtypes for name in ENGINES
+        (dtype, name): _load(name, config, dtype)
+        for dtype in config.dtypes
+        for name in config.engines
     }
     copy_buffers = _copy_buffers(_COPY_BYTES)
     samples: dict[tuple[str, str, str], list[Timing]] = {}
@@ -152,7 +166,7 @@ def run_engine_bench(config: EngineBenchConfig, *, show_progress: bool = False) 
     with tqdm(total=total, desc="engine bench", unit="run", disable=not show_progress) as bar:
         for repeat in range(-1, config.num_repeats):  # -1: the untimed warm-up
             # Alternate which engine runs first, so neither always follows the other.
-            order = ENGINES if repeat % 2 == 0 else ENGINES[::-1]
+            order = config.engines if repeat % 2 == 0 else config.engines[::-1]
             for workload in shapes:
                 for dtype in config.dtypes:
                     for name in order:
@@ -282,8 +296,82 @@ class TransformersEngine:
         )
 
 
-def _load(engine: str, config: EngineBenchConfig, dtype: str) -> OurEngine | TransformersEngine:
-    return OurEngine(config, dtype) if engine == "ours" else TransformersEngine(config, dtype)
+class VllmEngine:
+    """vLLM's ``LLMEngine`` in this process (eager, prefix caching off: every run prefills, no
+    connector), stepped here; a step's tokens are stamped when the step returns."""
+
+    def __init__(self, config: EngineBenchConfig, dtype: str) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        try:
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.v1.engine.llm_engine import LLMEngine
+        except ImportError as exc:
+            raise ValueError(
+                "--engines ...,vllm needs vLLM installed: run it from .venv-vllm (`make "
+                f"test-vllm` builds it): {exc}"
+            ) from exc
+        max_batch = max(config.batch_sizes)
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(
+                model=str(config.model_dir),
+                dtype=dtype,
+                seed=config.seed,
+                enforce_eager=True,
+                enable_prefix_caching=False,
+                disable_log_stats=True,
+                max_num_seqs=max(64, max_batch),
+                max_model_len=max(
+                    config.prompt_tokens + 1, config.decode_prompt_tokens + config.decode_tokens
+                ),
+                # Every decode batch prefills in one step, as ours does.
+                max_num_batched_tokens=max(
+                    8192, config.prompt_tokens, max_batch * config.decode_prompt_tokens
+                ),
+            )
+        )
+        self._next_id = 0
+
+    def run(self, prompts: list[list[int]], workload: Workload) -> Timing:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=workload.output_tokens,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        start_s = time.monotonic()
+        ids = []
+        for prompt in prompts:
+            self._next_id += 1
+            ids.append(str(self._next_id))
+            self.engine.add_request(ids[-1], {"prompt_token_ids": prompt}, params)
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        first_s: dict[str, float] = {}
+        last_s = start_s
+        while self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            last_s = time.monotonic()
+            for output in outputs:
+                new = output.outputs[0].token_ids
+                if new:
+                    first_s.setdefault(output.request_id, last_s)
+                    tokens[output.request_id] += new
+        first_token_s = max(first_s.values())
+        return Timing(
+            prefill_s=first_token_s - start_s,
+            decode_s=last_s - first_token_s,
+            token_ids=[tokens[request_id] for request_id in ids],
+        )
+
+
+def _load(
+    engine: str, config: EngineBenchConfig, dtype: str
+) -> OurEngine | TransformersEngine | VllmEngine:
+    kinds = {"ours": OurEngine, "transformers": TransformersEngine, "vllm": VllmEngine}
+    return kinds[engine](config, dtype)
 
 
 def _copy_buffers(num_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +405,13 @@ def _report(
     copy_bytes_per_s = 2 * _COPY_BYTES / statistics.median(copy_samples_s)
     by_dtype = {
         dtype: _dtype_result(
-            dtype, shapes, samples, weight_bytes[dtype], copy_bytes_per_s, config.batch_sizes
+            dtype,
+            shapes,
+            samples,
+            weight_bytes[dtype],
+            copy_bytes_per_s,
+            config.batch_sizes,
+            config.engines,
         )
         for dtype in config.dtypes
     }
@@ -335,8 +429,11 @@ def _report(
             "batch_sizes": list(config.batch_sizes),
             "num_repeats": config.num_repeats,
             "seed": config.seed,
+            "engines": list(config.engines),
         },
-        "hardware": hardware_info(torch=torch.__version__, transformers=_transformers_version()),
+        "hardware": hardware_info(
+            torch=torch.__version__, transformers=_transformers_version(), **_vllm_version(config)
+        ),
         "copy_bandwidth": {
             "method": _COPY_METHOD.format(mib=_COPY_BYTES >> 20),
             "size_bytes": _COPY_BYTES,
@@ -358,8 +455,16 @@ def _report(
         ],
     }
     if len(config.dtypes) > 1:
-        report["dtype_ratios"] = _dtype_ratios(by_dtype, config.dtypes)
+        report["dtype_ratios"] = _dtype_ratios(by_dtype, config.dtypes, config.engines)
     return report
+
+
+def _vllm_version(config: EngineBenchConfig) -> dict[str, str]:
+    if "vllm" not in config.engines:
+        return {}
+    import vllm
+
+    return {"vllm": vllm.__version__}
 
 
 def _dtype_result(
@@ -369,31 +474,40 @@ def _dtype_result(
     weight_bytes: int,
     copy_bytes_per_s: float,
     batch_sizes: tuple[int, ...],
+    engine_names: tuple[str, ...] = DEFAULT_ENGINES,
 ) -> dict:
-    engines = {engine: _engine_result(samples, dtype, engine, shapes) for engine in ENGINES}
+    engines = {engine: _engine_result(samples, dtype, engine, shapes) for engine in engine_names}
     ours, theirs = engines["ours"]["tokens_per_s"], engines["transformers"]["tokens_per_s"]
     ratios = {name: ours[name] / theirs[name] for name in ours}
     bound = copy_bytes_per_s / weight_bytes
     if 1 in batch_sizes:
         ratios["decode@1_vs_bandwidth_bound"] = ours["decode@1"] / bound
-    return {
+    result = {
         "weight_bytes": weight_bytes,
         "bandwidth_bound_tokens_per_s": bound,
         **engines,
         "ratios": ratios,
         # Greedy tokens identical to transformers' in every repeat (a check on "same weights";
         # float rounding may part them where two logits nearly tie).
-        "tokens_agree": {
-            w.name: all(
-                a.token_ids == b.token_ids
-                for a, b in zip(
-                    samples[dtype, "ours", w.name],
-                    samples[dtype, "transformers", w.name],
-                    strict=True,
-                )
+        "tokens_agree": _tokens_agree(samples, dtype, shapes, "transformers"),
+    }
+    if "vllm" in engines:
+        vllm = engines["vllm"]["tokens_per_s"]
+        result["ratios_vs_vllm"] = {name: ours[name] / vllm[name] for name in ours}
+        result["tokens_agree_vllm"] = _tokens_agree(samples, dtype, shapes, "vllm")
+    return result
+
+
+def _tokens_agree(samples, dtype: str, shapes: list[Workload], other: str) -> dict[str, bool]:
+    """Per workload: ours and ``other`` gave the same greedy tokens in every repeat."""
+    return {
+        w.name: all(
+            a.token_ids == b.token_ids
+            for a, b in zip(
+                samples[dtype, "ours", w.name], samples[dtype, other, w.name], strict=True
             )
-            for w in shapes
-        },
+        )
+        for w in shapes
     }
 
 
@@ -425,7 +539,9 @@ def _spread(raw: dict[str, dict[str, list[float]]]) -> dict[str, float]:
     return spread
 
 
-def _dtype_ratios(by_dtype: dict[str, dict], dtypes: tuple[str, ...]) -> dict[str, dict]:
+def _dtype_ratios(
+    by_dtype: dict[str, dict], dtypes: tuple[str, ...], engines: tuple[str, ...]
+) -> dict[str, dict]:
     """Each later dtype's tokens/s over the first's, per engine and workload."""
     base = dtypes[0]
     return {
@@ -434,7 +550,7 @@ def _dtype_ratios(by_dtype: dict[str, dict], dtypes: tuple[str, ...]) -> dict[st
                 name: value / by_dtype[base][engine]["tokens_per_s"][name]
                 for name, value in by_dtype[dtype][engine]["tokens_per_s"].items()
             }
-            for engine in ENGINES
+            for engine in engines
         }
         for dtype in dtypes[1:]
     }
@@ -449,6 +565,7 @@ def _transformers_version() -> str:
 def markdown(report: dict) -> str:
     """The summary: tokens/s per dtype and engine, ratios, the bound and each target."""
     cfg, hw = report["config"], report["hardware"]
+    engines = cfg.get("engines", DEFAULT_ENGINES)
     names = list(next(iter(report["results"].values()))["ours"]["tokens_per_s"])
     lines = [
         f"## engine · {cfg['architecture']} · {cfg['num_threads']} threads · {hw['cpu_model']}",
@@ -456,23 +573,25 @@ def markdown(report: dict) -> str:
         f"prefill: {cfg['prompt_tokens']}-token prompt; decode: {cfg['decode_prompt_tokens']}"
         f"-token prompts, {cfg['decode_tokens']} output tokens, aggregate tokens/s from the "
         f"first token to the last; median of {cfg['num_repeats']}; seed {cfg['seed']}; "
-        f"torch {hw['torch']}, transformers {hw['transformers']}",
+        f"torch {hw['torch']}, transformers {hw['transformers']}"
+        + (f", vLLM {hw['vllm']}" if "vllm" in hw else ""),
         "",
         "| dtype | engine | " + " | ".join(f"{n} tok/s" for n in names) + " |",
         "|---|---|" + "---|" * len(names),
     ]
     for dtype, result in report["results"].items():
-        for engine in ENGINES:
+        for engine in engines:
             values = result[engine]["tokens_per_s"]
             lines.append(
                 f"| {dtype} | {engine} | " + " | ".join(f"{values[n]:.1f}" for n in names) + " |"
             )
-        ratios = result["ratios"]
-        lines.append(
-            f"| {dtype} | ours / transformers | "
-            + " | ".join(f"{ratios[n]:.2f}x" for n in names)
-            + " |"
-        )
+        for other, key in (("transformers", "ratios"), ("vllm", "ratios_vs_vllm")):
+            if key in result:
+                lines.append(
+                    f"| {dtype} | ours / {other} | "
+                    + " | ".join(f"{result[key][n]:.2f}x" for n in names)
+                    + " |"
+                )
     lines.append("")
     copy = report["copy_bandwidth"]
     for dtype, result in report["results"].items():
@@ -482,6 +601,14 @@ def markdown(report: dict) -> str:
             f"{result['bandwidth_bound_tokens_per_s']:.1f} tok/s at batch 1; greedy tokens "
             f"agree with transformers: "
             + ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in result["tokens_agree"].items())
+            + (
+                "; with vLLM: "
+                + ", ".join(
+                    f"{n} {'yes' if ok else 'no'}" for n, ok in result["tokens_agree_vllm"].items()
+                )
+                if "tokens_agree_vllm" in result
+                else ""
+            )
         )
     for key, engines in report.get("dtype_ratios", {}).items():
         for engine, values in engines.items():
@@ -493,7 +620,7 @@ def markdown(report: dict) -> str:
         (
             (f"{engine} {dtype} {n}", value)
             for dtype, result in report["results"].items()
-            for engine in ENGINES
+            for engine in engines
             for n, value in result[engine]["spread"].items()
         ),
         key=lambda item: item[1],
@@ -590,6 +717,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the random prompt token ids")
     parser.add_argument(
+        "--engines",
+        type=_csv(str, ENGINES),
+        default=DEFAULT_ENGINES,
+        help="the engines side by side: ours and transformers, and vllm (vLLM's engine in this "
+        "process; needs vLLM installed, e.g. .venv-vllm) (default: ours,transformers)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=None,
@@ -610,6 +744,7 @@ def main(args: argparse.Namespace) -> int:
         "batch_sizes": args.batch_sizes,
         "num_repeats": args.repeats,
         "seed": args.seed,
+        "engines": args.engines,
     }
     EngineBenchConfig(Path(), **settings)  # bad flags fail before a first use converts the model
     config = EngineBenchConfig(_resolve_model(args.model), **settings)

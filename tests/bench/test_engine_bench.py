@@ -83,6 +83,9 @@ def test_two_dtypes_report_their_ratio(tiny_model_dir: Path, tmp_path: Path) -> 
         (["--threads", "0"], "argument --threads: must be > 0"),
         (["--repeats", "0"], "argument --repeats: must be > 0"),
         (["--prompt-tokens", "20000"], "max_position_embeddings 16384"),
+        (["--engines", "ours,vllm"], "engines must be ours and transformers, optionally vllm"),
+        (["--engines", "ours,transformers,ours"], "each once"),
+        (["--engines", "ours,sglang"], "argument --engines"),
     ],
 )
 def test_bad_flags_are_refused_by_name(
