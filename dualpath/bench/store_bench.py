@@ -1,4 +1,5 @@
-"""Store read benchmark: ``FileKVStore.read`` against plain reads of the same block files.
+"""Store read benchmark: ``FileKVStore.read``, and the vLLM connector's load, against plain
+reads of the same block files.
 
 Run: ``dualpath bench store --num-blocks 256 --layers 8 --json store_bench.json`` (or
 ``python -m dualpath.bench.store_bench`` with the same flags).
@@ -8,7 +9,12 @@ them: a plain ``open`` + ``readinto`` of each whole file into one preallocated b
 floor any store on this file system pays), and ``FileKVStore.read`` into a preallocated Full
 Block with checksum verification. Each is timed cold (page cache dropped for those files with
 ``posix_fadvise(POSIX_FADV_DONTNEED)``) and warm (right after, from the page cache), over a
-few repeats in alternating order; medians are reported. ``page_cache_dropped_fraction`` says
+few repeats in alternating order; medians are reported. A third way, ``vllm_load``, is what
+``--engine vllm`` pays for a request's hits: the store reads of every block into a host buffer
+(``FileKVStore.read``, as the PE's reads), then, layer by layer, each block's Layer Block copied
+into a vLLM-shaped CPU paged cache (``[blocks, kv_heads, block_size, 2 * head_dim]`` float32,
+K transposed: ``VllmPagedCache.write_layer``, the copy the connector makes in
+``wait_for_layer_load``; 64-dim heads). ``page_cache_dropped_fraction`` says
 how many files were verifiably out of the page cache before the cold runs (checked with
 ``preadv(RWF_NOWAIT)``); if it is not 1.0 the cold figures are partly warm.
 """
@@ -39,7 +45,8 @@ from dualpath.units import GB
 
 logger = logging.getLogger(__name__)
 
-_METHODS = ("plain", "store")
+_METHODS = ("plain", "store", "vllm_load")
+VLLM_HEAD_DIM = 64  # the vLLM-shaped cache's head size (bytes_per_token_per_layer sets the heads)
 _MAX_DROP_ATTEMPTS = 5
 
 
@@ -75,9 +82,12 @@ def run_store_read_bench(
     paths = [block_file_path(root_dir, fingerprint, key) for key in keys]
     file_buffer = np.empty(os.path.getsize(paths[0]), dtype=np.uint8)
     full_block = layout.empty_full_block()
+    buffer = np.empty((num_blocks, *layout.full_block_shape), dtype=np.uint8)
+    cache = _vllm_shaped_cache(layout, num_blocks)
     method_to_read_all: dict[str, Callable[[], None]] = {
         "plain": lambda: _plain_read_all(paths, file_buffer),
         "store": lambda: _store_read_all(store, keys, full_block),
+        "vllm_load": lambda: _vllm_load_all(store, keys, buffer, cache),
     }
     samples_s: dict[tuple[str, str], list[float]] = {}
     dropped_fractions: list[float | None] = []
@@ -89,6 +99,9 @@ def run_store_read_bench(
             samples_s.setdefault(("cold", method), []).append(_time(method_to_read_all[method]))
             samples_s.setdefault(("warm", method), []).append(_time(method_to_read_all[method]))
     store.close()
+    for block in range(num_blocks):  # the load moved the bytes, not just the time
+        if not np.array_equal(cache.copy_full_block(block), buffer[block]):
+            raise RuntimeError(f"vllm_load: block {block} in the paged cache is not the stored one")
     total_bytes = num_blocks * layout.full_block_bytes
     result: dict = {
         "num_blocks": num_blocks,
@@ -106,10 +119,13 @@ def run_store_read_bench(
     for temperature in ("cold", "warm"):
         plain_gb_per_s = total_bytes / statistics.median(samples_s[temperature, "plain"]) / GB
         store_gb_per_s = total_bytes / statistics.median(samples_s[temperature, "store"]) / GB
+        load_gb_per_s = total_bytes / statistics.median(samples_s[temperature, "vllm_load"]) / GB
         result[temperature] = {
             "plain_gb_per_s": plain_gb_per_s,
             "store_gb_per_s": store_gb_per_s,
             "ratio": store_gb_per_s / plain_gb_per_s,
+            "vllm_load_gb_per_s": load_gb_per_s,
+            "vllm_load_ratio": load_gb_per_s / plain_gb_per_s,
         }
     # Every timing, in run order, so the spread behind each median is visible.
     result["samples_s"] = {
@@ -140,6 +156,34 @@ def _plain_read_all(paths: Sequence[Path], file_buffer: np.ndarray) -> None:
 def _store_read_all(store: FileKVStore, keys: Sequence[str], full_block: np.ndarray) -> None:
     for key in keys:
         store.read(key, out=full_block)
+
+
+def _vllm_shaped_cache(layout: KVLayout, num_blocks: int):  # -> VllmPagedCache
+    """A paged cache shaped as vLLM's CPU backend's, one page per block of the benchmark."""
+    import torch
+
+    from dualpath.vllm.cache import VllmPagedCache
+
+    num_heads, rest = divmod(layout.bytes_per_token_per_layer, 2 * VLLM_HEAD_DIM * 4)
+    if rest or not num_heads:
+        raise ValueError(
+            f"--bytes-per-token-per-layer {layout.bytes_per_token_per_layer} is no whole number "
+            f"of float32 K+V heads of {VLLM_HEAD_DIM} (a multiple of {2 * VLLM_HEAD_DIM * 4})"
+        )
+    shape = (num_blocks, num_heads, layout.block_size_tokens, 2 * VLLM_HEAD_DIM)
+    layers = [torch.zeros(shape, dtype=torch.float32) for _ in range(layout.num_layers)]
+    return VllmPagedCache(layers, layout)
+
+
+def _vllm_load_all(store: FileKVStore, keys: Sequence[str], buffer: np.ndarray, cache) -> None:
+    """The connector's load of every block: store reads into the buffer, then each layer of
+    every block into vLLM's pages."""
+    for slot, key in enumerate(keys):
+        store.read(key, out=buffer[slot])
+    for layer in range(cache.layout.num_layers):
+        entries = cache.as_entries(buffer[:, layer])
+        for block in range(len(keys)):
+            cache.write_layer(layer, block, 0, entries[block])
 
 
 def _drop_page_cache(paths: Sequence[Path]) -> float | None:
@@ -246,12 +290,16 @@ def main(args: argparse.Namespace) -> int:
         f"= {result['total_bytes'] / GB:.3f} GB on {result['filesystem']}, "
         f"seed {result['seed']}, median of {result['num_repeats']}"
     )
-    print(f"{'':6} {'plain GB/s':>11} {'store GB/s':>11} {'store/plain':>12}")
+    print(
+        f"{'':6} {'plain GB/s':>11} {'store GB/s':>11} {'store/plain':>12} "
+        f"{'vLLM load GB/s':>15} {'load/plain':>11}"
+    )
     for temperature in ("cold", "warm"):
         row = result[temperature]
         print(
             f"{temperature:6} {row['plain_gb_per_s']:11.3f} {row['store_gb_per_s']:11.3f} "
-            f"{row['ratio']:12.3f}"
+            f"{row['ratio']:12.3f} {row['vllm_load_gb_per_s']:15.3f} "
+            f"{row['vllm_load_ratio']:11.3f}"
         )
     print(
         f"page cache dropped for {result['page_cache_dropped_fraction']} of files before cold runs"

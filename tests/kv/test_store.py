@@ -631,13 +631,16 @@ def test_kv_modules_do_not_import_torch() -> None:
 
 
 def test_store_read_bench_quick_run(tmp_path: Path) -> None:
-    layout = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=64)
+    # 512 bytes per token per layer: one float32 K+V head of 64 in the vLLM-shaped cache.
+    layout = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=512)
     result = run_store_read_bench(tmp_path, num_blocks=8, layout=layout, seed=0, num_repeats=1)
     assert result["num_blocks"] == 8
-    assert result["full_block_bytes"] == 512
-    assert result["total_bytes"] == 8 * 512
+    assert result["full_block_bytes"] == 4096
+    assert result["total_bytes"] == 8 * 4096
     for temperature in ("cold", "warm"):
-        assert set(result[temperature]) == {"plain_gb_per_s", "store_gb_per_s", "ratio"}
+        assert set(result[temperature]) == {
+            "plain_gb_per_s", "store_gb_per_s", "ratio", "vllm_load_gb_per_s", "vllm_load_ratio"
+        }  # fmt: skip
         assert all(value > 0 for value in result[temperature].values())
     assert result["page_cache_drop"] == "posix_fadvise"
     assert set(result["hardware"]) >= {"machine", "cpu_count", "platform", "python"}
