@@ -180,10 +180,9 @@ def _vllm_load_all(store: FileKVStore, keys: Sequence[str], buffer: np.ndarray, 
     every block into vLLM's pages."""
     for slot, key in enumerate(keys):
         store.read(key, out=buffer[slot])
+    block_ids = list(range(len(keys)))
     for layer in range(cache.layout.num_layers):
-        entries = cache.as_entries(buffer[:, layer])
-        for block in range(len(keys)):
-            cache.write_layer(layer, block, 0, entries[block])
+        cache.write_layer_blocks(layer, block_ids, cache.as_entries(buffer[:, layer]))
 
 
 def _drop_page_cache(paths: Sequence[Path]) -> float | None:

@@ -328,10 +328,23 @@ class DualpathConnector(KVConnectorBase_V1):
                 continue
             source = step.plan.load
             assert source is not None, f"request {step.plan.request_id}: a load without a source"
+            whole = []  # blocks loaded whole: packed and copied together
             for block, first, num in _block_ranges(step.load_first, step.load_num, self.block_size):
                 layer_block = source.buffer.layer_block(source.slots[block], layer)
+                if num == self.block_size:
+                    whole.append(block)
+                    continue
                 entries = cache.as_entries(layer_block)[first : first + num]
                 cache.write_layer(layer, step.block_ids[block], first, entries)
+            if whole:
+                layer_blocks = np.stack(
+                    [source.buffer.layer_block(source.slots[block], layer) for block in whole]
+                )
+                cache.write_layer_blocks(
+                    layer,
+                    [step.block_ids[block] for block in whole],
+                    cache.as_entries(layer_blocks),
+                )
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -354,9 +367,9 @@ class DualpathConnector(KVConnectorBase_V1):
             data = np.empty(
                 (end_block - first_block, *self.host.layout.layer_block_shape), np.uint8
             )
-            entries = cache.as_entries(data)
-            for i, block in enumerate(range(first_block, end_block)):
-                entries[i].copy_(cache.read_layer(layer, step.block_ids[block], 0, block_size))
+            cache.read_layer_blocks(
+                layer, step.block_ids[first_block:end_block], cache.as_entries(data)
+            )
             slots = list(send.slots[first_block:end_block])
             try:
                 self.host.mover(
