@@ -330,10 +330,11 @@ def _build_llm(args: argparse.Namespace, model_dir: Path | None = None):  # -> L
 
 def _build_vllm_llm(args: argparse.Namespace):  # -> VllmLLM
     """``generate --engine vllm``: one vLLM engine in this process, with the store behind it."""
-    from dualpath.vllm_args import check_vllm_device
+    from dualpath.vllm_args import check_vllm_device, check_vllm_installed
 
     kind = engine_kind_args(args)
     check_vllm_device(args.device)
+    check_vllm_installed()
     kv_store = None if args.no_kv_store else (args.kv_store or default_kv_store_dir())
     store = store_config(kv_store, args.kv_store_capacity_gb)
     model_dir = _resolve_model(args.model)
@@ -589,10 +590,12 @@ def _check_engine_capacity(config) -> None:  # config: EngineProcessConfig
     from dualpath.engine.capacity import check_capacity
     from dualpath.model.identity import kv_layout
     from dualpath.model.registry import read_config
-    from dualpath.vllm_args import check_engine_kind
+    from dualpath.vllm_args import check_engine_kind, check_vllm_installed
 
     model_config = read_config(Path(config.model_dir) / "config.json")
     engine = config.engine
+    if engine.engine == "vllm":
+        check_vllm_installed()
     check_capacity(
         config.cluster,
         engine,
@@ -751,6 +754,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV) or None
     if s.external_engines and token is None:
         raise ValueError(f"--external-engines needs ${TOKEN_ENV}, shared with the engines")
+    if s.engine == "vllm" and not s.external_engines:  # the engines it starts run this Python
+        from dualpath.vllm_args import check_vllm_installed
+
+        check_vllm_installed()
     model_dir = _resolve_model(s.model)
     dtype = s.dtype or read_config(model_dir / "config.json").torch_dtype
     if dtype not in DTYPES:

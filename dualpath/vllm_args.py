@@ -54,6 +54,18 @@ def check_engine_kind(cluster: ClusterConfig, engine: EngineConfig) -> None:
     check_vllm_read_path(cluster.mode, cluster.settings.read_path)
 
 
+def check_vllm_installed() -> None:
+    """``ValueError`` saying where vLLM is, when this Python cannot import it (checked
+    without importing it: that takes seconds)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "--engine vllm needs vLLM, which this Python does not have: run dualpath from "
+            ".venv-vllm (`make test-vllm` builds it; README, 'On vLLM's engine')"
+        )
+
+
 def check_vllm_device(device: str) -> None:
     """``ValueError`` for ``--device`` given with ``--engine vllm``: the device is vLLM's
     platform's (the build installed), not ours to choose."""

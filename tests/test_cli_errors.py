@@ -13,6 +13,7 @@ before the first assertion (``outcomes``), so the file stays fast on two cores.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -208,6 +209,13 @@ CASES = {
     "plan/one-node": Case("plan --total-nodes 1 --no-progress", "need at least 2 nodes"),
     "plan/json-a-directory": Case("plan --json {empty_dir}", "is a directory; name a file"),
 }
+if importlib.util.find_spec("vllm") is None:  # the ordinary venv: --engine vllm cannot run here
+    CASES["serve/vllm-engine-without-vllm"] = Case(
+        "serve --no-kv-store --model {model} --engine vllm --read-path pe", "needs vLLM"
+    )
+    CASES["generate/vllm-engine-without-vllm"] = Case(
+        "generate --no-kv-store --prompt hi --model {model} --engine vllm", "needs vLLM"
+    )
 
 # Every subcommand, nested ones included: each prints its help and exits 0.
 HELP_COMMANDS = [

@@ -69,7 +69,12 @@ from dualpath.model.identity import kv_facts
 from dualpath.model.registry import read_config
 from dualpath.transfer.transport import TRANSPORT_KINDS
 from dualpath.units import bytes_per_s_to_gbps
-from dualpath.vllm_args import add_engine_kind_arguments, check_vllm_read_path, engine_kind_args
+from dualpath.vllm_args import (
+    add_engine_kind_arguments,
+    check_vllm_installed,
+    check_vllm_read_path,
+    engine_kind_args,
+)
 from dualpath.workload import Misfit, Workload, first_misfit, ideal_hit_ratio, workload_stats
 
 # The servers' KV block (serve --block-size's default): hits are whole blocks of it.
@@ -187,11 +192,13 @@ def oracle_run(
 
 
 def check_engine_modes(engine: str, modes: list[str], read_path: str | None) -> None:
-    """``ValueError`` before any server starts for a mode the engine kind cannot serve."""
+    """``ValueError`` before any server starts for a mode the engine kind cannot serve (or an
+    engine kind this Python cannot run: the servers run it)."""
     if engine != "vllm":
         return
     for mode in modes:
         check_vllm_read_path(mode, read_path or mode_settings(mode).read_path)
+    check_vllm_installed()
 
 
 def engine_report(run: ModeRun) -> dict:
