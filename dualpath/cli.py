@@ -1367,6 +1367,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "Poisson agent arrivals per mode: SLO attainment and, with --find-capacity, the "
             "largest APS that holds the SLO",
         ),
+        (
+            "vs-vllm",
+            "dualpath.bench.vllm_compare",
+            "one agentic replay against dualpath on vLLM engines (1P1D, 1P2D), vLLM's own P/D "
+            "of the same shapes (NixlConnector behind a proxy) and one vLLM instance: JCT, "
+            "TTFT, TPOT side by side (run from .venv-vllm)",
+        ),
     ):
         module = __import__(module_name, fromlist=["main"])
         bp = bench_sub.add_parser(name, help=help_text, description=help_text)

@@ -189,6 +189,13 @@ CASES = {
         "bench offline --model {model} --url http://127.0.0.1:1 --engine vllm",
         "do not give --engine",
     ),
+    "bench-vs-vllm/unknown-system": Case(
+        "bench vs-vllm --model {model} --systems vllm-single,dualpath-9P9D",
+        "--systems: unknown dualpath-9P9D",
+    ),
+    "bench-vs-vllm/reserved-vllm-arg": Case(
+        "bench vs-vllm --model {model} --vllm-arg block_size=16", "block_size"
+    ),
     # --- simulate
     "simulate/trace-missing": Case("simulate --trace {missing}.jsonl", "cannot be read"),
     "simulate/model-profile-missing": Case(
@@ -216,6 +223,9 @@ if importlib.util.find_spec("vllm") is None:  # the ordinary venv: --engine vllm
     CASES["generate/vllm-engine-without-vllm"] = Case(
         "generate --no-kv-store --prompt hi --model {model} --engine vllm", "needs vLLM"
     )
+    CASES["bench-vs-vllm/without-vllm"] = Case(
+        "bench vs-vllm --model {model} --systems vllm-single", "needs vLLM"
+    )
 
 # Every subcommand, nested ones included: each prints its help and exits 0.
 HELP_COMMANDS = [
@@ -233,6 +243,7 @@ HELP_COMMANDS = [
     "bench engine",
     "bench offline",
     "bench online",
+    "bench vs-vllm",
     "simulate",
     "plan",
 ]

@@ -30,23 +30,20 @@ from dualpath.bench.stats import LinkSample
 from dualpath.lifetime import die_with_parent
 
 
-class ServerProcess:
-    """A ``dualpath serve`` child on 127.0.0.1; ``start`` returns once /health says ready."""
+class ChildServer:
+    """An HTTP server as a child process on 127.0.0.1 (its argv from ``argv(port)``);
+    ``start`` returns once ``GET /health`` answers 200."""
 
-    def __init__(
-        self,
-        serve_args: Sequence[str],
-        *,
-        log_path: Path,
-        env: dict[str, str] | None = None,
-        api_key: str | None = None,
-    ) -> None:
-        self.serve_args = list(serve_args)
+    name = "server"
+
+    def __init__(self, *, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self.env = env
-        self.api_key = api_key
         self.port = 0
         self._process: subprocess.Popen | None = None
+
+    def argv(self, port: int) -> list[str]:
+        raise NotImplementedError
 
     @property
     def url(self) -> str:
@@ -59,12 +56,15 @@ class ServerProcess:
             raise RuntimeError("caller bug: the server has not been started")
         return self._process.pid
 
-    def start(self, timeout_s: float = 180.0) -> ServerProcess:
+    def start(self, timeout_s: float = 180.0) -> ChildServer:
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process (on a free port) without waiting for it: several servers that
+        start slowly can then start together."""
         self.port = _free_port()
-        argv = [sys.executable, "-m", "dualpath.cli", "serve", "--host", "127.0.0.1"]
-        argv += ["--port", str(self.port), *self.serve_args]
-        if self.api_key:
-            argv += ["--api-key", self.api_key]
+        argv = self.argv(self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
@@ -74,11 +74,15 @@ class ServerProcess:
                 env={**os.environ, **(self.env or {})},
                 preexec_fn=die_with_parent,  # a killed benchmark leaves no server running
             )
+
+    def wait_ready(self, timeout_s: float = 180.0) -> ChildServer:
+        """Wait until ``GET /health`` answers 200; stop it and raise if it exits or times out."""
+        assert self._process is not None, "caller bug: the server has not been launched"
         deadline = time.monotonic() + timeout_s
         while True:
             if self._process.poll() is not None:
                 raise RuntimeError(
-                    f"dualpath serve exited with {self._process.returncode} during start-up:\n"
+                    f"{self.name} exited with {self._process.returncode} during start-up:\n"
                     + self.log_tail()
                 )
             with contextlib.suppress(httpx.HTTPError):
@@ -86,9 +90,7 @@ class ServerProcess:
                     return self
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(
-                    f"dualpath serve not healthy in {timeout_s} s:\n" + self.log_tail()
-                )
+                raise TimeoutError(f"{self.name} not healthy in {timeout_s} s:\n" + self.log_tail())
             time.sleep(0.2)
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
@@ -111,11 +113,36 @@ class ServerProcess:
         except OSError:
             return "(no log)"
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> ChildServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerProcess(ChildServer):
+    """A ``dualpath serve`` child on 127.0.0.1."""
+
+    name = "dualpath serve"
+
+    def __init__(
+        self,
+        serve_args: Sequence[str],
+        *,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        super().__init__(log_path=log_path, env=env)
+        self.serve_args = list(serve_args)
+        self.api_key = api_key
+
+    def argv(self, port: int) -> list[str]:
+        argv = [sys.executable, "-m", "dualpath.cli", "serve", "--host", "127.0.0.1"]
+        argv += ["--port", str(port), *self.serve_args]
+        if self.api_key:
+            argv += ["--api-key", self.api_key]
+        return argv
 
 
 def _free_port() -> int:
