@@ -48,6 +48,7 @@ from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import Transport
 from dualpath.types import SamplingParams, sampling_params_from_dict
 from dualpath.vllm.connector import REQUEST_ID_PARAM, ConnectorHost, KVPlan, LoadSource, SendTarget
+from dualpath.vllm.engine import PrefixCacheProbe
 from dualpath.vllm_args import check_engine_kind
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,10 @@ class _PrefillRequest:
     assignment: Assignment
     params: SamplingParams
     keys: list
+    # Leading PE-side hit blocks vLLM's own prefix cache held when the request came: not read.
+    num_engine_cached_blocks: int = 0
     pe_slots: list[int] = field(default_factory=list)
-    reads: Any = None  # Future[int]: leading PE-side blocks read
+    reads: Any = None  # Future[int]: leading PE-side blocks read (after the engine-cached ones)
     decode_ready: DecodeReady | None = None
     plan: KVPlan | None = None  # set once it is in vLLM
 
@@ -126,6 +129,7 @@ class VllmPrefillRole:
         num_io_threads: int,
     ) -> None:
         self.engine = engine
+        self.prefix_cache = PrefixCacheProbe(engine)
         self.host = host
         self.buffer = buffer
         self.peers = peers
@@ -147,15 +151,20 @@ class VllmPrefillRole:
         num_pe_blocks = assignment.num_prefill_side_blocks
         self.buffer.check_fits(num_pe_blocks)
         prompt = list(assignment.prompt_token_ids)
+        # A hit already in vLLM's memory is not read again: only the blocks after it.
+        num_cached = self.prefix_cache.num_cached_blocks(prompt, num_pe_blocks)
         request = _PrefillRequest(
             assignment,
             sampling_params_from_dict(assignment.sampling),
             block_keys(
                 prompt[: num_pe_blocks * self.block_size], self.block_size, self.host.fingerprint
-            ),
+            )[num_cached:],
+            num_engine_cached_blocks=num_cached,
         )
         self.requests[request.request_id] = request
-        self._slot_queue.add(request, num_pe_blocks, partial(self._start_reads, request))
+        self._slot_queue.add(
+            request, num_pe_blocks - num_cached, partial(self._start_reads, request)
+        )
 
     def _start_reads(self, request: _PrefillRequest, slots: list[int]) -> None:
         request.pe_slots = slots
@@ -196,10 +205,11 @@ class VllmPrefillRole:
             if remote is None:
                 continue
             num_prompt = len(request.assignment.prompt_token_ids)
-            num_hit_tokens = request.reads.result() * self.block_size
+            num_cached = request.num_engine_cached_blocks
+            num_hit_tokens = (num_cached + request.reads.result()) * self.block_size
             load = None
             if num_hit_tokens:
-                load = LoadSource(self.buffer, request.pe_slots, num_hit_tokens)
+                load = LoadSource(self.buffer, request.pe_slots, num_hit_tokens, num_cached)
             request.plan = KVPlan(
                 request.request_id,
                 load=load,
@@ -254,7 +264,8 @@ class VllmPrefillRole:
                 request_id,
                 token_id,
                 None if logprobs is None else logprobs[0],
-                request.reads.result() * self.block_size,  # prompt tokens read from the store
+                # Prompt tokens cached: read from the store, or in vLLM's own prefix cache.
+                (request.num_engine_cached_blocks + request.reads.result()) * self.block_size,
                 token_finish_reason(
                     request.params,
                     token_id,

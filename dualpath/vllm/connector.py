@@ -59,12 +59,18 @@ REQUEST_ID_PARAM = "dualpath_request_id"  # our request id in vLLM's kv_transfer
 
 @dataclass(eq=False)
 class LoadSource:
-    """Hit KV in host memory: block j of the request's tokens in ``buffer`` slot ``slots[j]``,
-    the first ``num_tokens`` tokens valid."""
+    """Hit KV in host memory: block j of the request's tokens (j >= ``first_block``) in
+    ``buffer`` slot ``slots[j - first_block]``, tokens up to ``num_tokens`` valid. The blocks
+    before ``first_block`` were in vLLM's own prefix cache when the engine planned the request
+    (``PrefixCacheProbe``), so they were not read."""
 
     buffer: KVBuffer
     slots: Sequence[int]
     num_tokens: int
+    first_block: int = 0
+
+    def slot(self, block: int) -> int:
+        return self.slots[block - self.first_block]
 
 
 @dataclass(eq=False)
@@ -205,6 +211,17 @@ class DualpathConnector(KVConnectorBase_V1):
         self._tracked[request.request_id] = tracked
         if plan.load is None:
             return 0, False
+        if num_computed_tokens < plan.load.first_block * self.block_size:
+            # vLLM evicted blocks the plan counted on: the gap cannot be loaded, so vLLM
+            # computes everything past its own hit.
+            logger.info(
+                "request %d: vLLM's prefix cache holds %d tokens, fewer than the %d planned; "
+                "recomputing them",
+                plan.request_id,
+                num_computed_tokens,
+                plan.load.first_block * self.block_size,
+            )
+            return 0, False
         loadable = min(plan.load.num_tokens, request.num_tokens - 1)
         tracked.num_external_tokens = max(0, loadable - num_computed_tokens)
         return tracked.num_external_tokens, False
@@ -330,7 +347,7 @@ class DualpathConnector(KVConnectorBase_V1):
             assert source is not None, f"request {step.plan.request_id}: a load without a source"
             whole = []  # blocks loaded whole: packed and copied together
             for block, first, num in _block_ranges(step.load_first, step.load_num, self.block_size):
-                layer_block = source.buffer.layer_block(source.slots[block], layer)
+                layer_block = source.buffer.layer_block(source.slot(block), layer)
                 if num == self.block_size:
                     whole.append(block)
                     continue
@@ -338,7 +355,7 @@ class DualpathConnector(KVConnectorBase_V1):
                 cache.write_layer(layer, step.block_ids[block], first, entries)
             if whole:
                 layer_blocks = np.stack(
-                    [source.buffer.layer_block(source.slots[block], layer) for block in whole]
+                    [source.buffer.layer_block(source.slot(block), layer) for block in whole]
                 )
                 cache.write_layer_blocks(
                     layer,

@@ -14,7 +14,7 @@ sets (they would break what the connector relies on): those are refused by name.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,3 +75,47 @@ def build_engine(spec: VllmEngineSpec) -> Any:
     )
     args.update(spec.args)
     return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+class PrefixCacheProbe:
+    """How many leading full blocks of a prompt vLLM's own prefix cache holds right now: the
+    blocks a PE need not read from the store (vLLM will not ask its connector for them).
+
+    It hashes the prompt's blocks the way vLLM's engine does for a plain token-id request (no
+    LoRA, multimodal input, cache salt or prompt embeddings: our requests carry none) and looks
+    each up in vLLM's block pool. vLLM may evict a block between this look-up and the request's
+    scheduling; the connector then finds a smaller local hit than the PE planned for and loads
+    nothing (vLLM recomputes those tokens: slower, never wrong)."""
+
+    def __init__(self, engine: Any) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        core = engine.engine_core.engine_core
+        config = core.vllm_config.cache_config
+        manager = core.scheduler.kv_cache_manager
+        self.enabled = bool(config.enable_prefix_caching and manager.enable_caching)
+        self.block_size = config.block_size
+        self._pool = manager.block_pool
+        self._hash = get_hash_fn_by_name(config.prefix_caching_hash_algo)
+
+    def block_hashes(self, token_ids: Sequence[int], num_blocks: int) -> list[Any]:
+        """vLLM's hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        hashes: list[Any] = []
+        parent = None
+        for index in range(num_blocks):
+            tokens = token_ids[index * self.block_size : (index + 1) * self.block_size]
+            parent = hash_block_tokens(self._hash, parent, tokens, None)
+            hashes.append(parent)
+        return hashes
+
+    def num_cached_blocks(self, token_ids: Sequence[int], max_blocks: int) -> int:
+        """Leading blocks of ``token_ids`` (at most ``max_blocks``) in vLLM's prefix cache."""
+        if not self.enabled:
+            return 0
+        max_blocks = min(max_blocks, (len(token_ids) - 1) // self.block_size)  # vLLM's cap
+        for index, block_hash in enumerate(self.block_hashes(token_ids, max_blocks)):
+            if self._pool.get_cached_block(block_hash, [0]) is None:
+                return index
+        return max(max_blocks, 0)

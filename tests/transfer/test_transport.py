@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -436,6 +438,23 @@ def test_killed_peer_fails_fast_and_a_restarted_one_reconnects(kind: str) -> Non
             restarted.stop()
 
 
+def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped: the signal is
+    delivered asynchronously, and a thread still running could serve a request meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+                states.append(stat.rsplit(")", 1)[1].split()[0])
+        if states and all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: thread states {states}"
+        time.sleep(0.001)
+
+
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl-cu12 missing")
 def test_nixl_wait_times_out_and_cancels(monkeypatch: pytest.MonkeyPatch) -> None:
     # A READ from a peer whose process is stopped (SIGSTOP) cannot finish, however fast the
@@ -454,7 +473,7 @@ def test_nixl_wait_times_out_and_cancels(monkeypatch: pytest.MonkeyPatch) -> Non
             buffer = local.register("pe-buffer", data)
             # One transfer while the peer runs: UCX has wired up both sides before the stop.
             local.wait(local.read(name, buffer, peer.descriptor, [Region(0, 0, 64)]), TIMEOUT_S)
-            os.kill(peer.process.pid, signal.SIGSTOP)
+            stop_process(peer.process.pid)
             try:
                 handle = local.read(name, buffer, peer.descriptor, [Region(0, 0, num_bytes)])
                 with pytest.raises(TransferTimeout, match="not done in 0.05s"):

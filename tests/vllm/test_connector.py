@@ -185,3 +185,60 @@ def test_pe_then_de_give_plain_vllms_tokens_and_persist_the_blocks(
     )
     assert num_cached == num_hit * BLOCK
     _assert_same_greedy(reference, reference_logprobs, warm, "warm")
+
+
+def test_a_hit_in_vllms_prefix_cache_is_not_loaded_and_need_not_be_read(served: Served) -> None:
+    """PrefixCacheProbe finds the blocks vLLM holds (its hashes are vLLM's); a load that starts
+    after them gives plain vLLM's tokens; if vLLM evicted them meanwhile, nothing is loaded and
+    vLLM recomputes (the same tokens)."""
+    from dualpath.vllm.connector import KVPlan, LoadSource
+    from dualpath.vllm.engine import PrefixCacheProbe
+
+    probe = PrefixCacheProbe(served.engine)
+    prompt = _prompt(700, seed=7)
+    num_hit = (len(prompt) - 1) // BLOCK  # 10 blocks
+    served.engine.reset_prefix_cache()
+    assert probe.num_cached_blocks(prompt, num_hit) == 0
+    reference, reference_logprobs, _ = _run(served, prompt, 6)
+    assert probe.num_cached_blocks(prompt, num_hit) == num_hit
+    assert probe.num_cached_blocks(prompt, 3) == 3
+    assert probe.num_cached_blocks(_prompt(700, seed=8), num_hit) == 0
+
+    # The KV of blocks 4.. in a buffer, as a PE reads it when vLLM holds blocks 0..3 (taken
+    # from vLLM's own pages: the bytes a vLLM DE persists).
+    first = 4
+    buffer = KVBuffer(served.layout, num_hit * served.layout.full_block_bytes)
+    slots = buffer.allocate(num_hit - first)
+    cache = served.host.cache
+    block_ids = _cached_block_ids(served, prompt, num_hit)
+    for block, slot in zip(block_ids[first:], slots, strict=True):
+        buffer.full_block(slot)[...] = cache.copy_full_block(block).reshape(
+            buffer.full_block(slot).shape
+        )
+
+    served.engine.reset_prefix_cache()
+    _run(served, prompt[: first * BLOCK + 1], 1)  # vLLM holds blocks 0..3 only
+    assert probe.num_cached_blocks(prompt, num_hit) == first
+    plan = KVPlan(3, load=LoadSource(buffer, slots, num_hit * BLOCK, first))
+    tokens, _, num_cached = _run(served, prompt, 6, plan)
+    assert plan.num_loaded_tokens == (num_hit - first) * BLOCK
+    assert num_cached == num_hit * BLOCK
+    _assert_same_greedy(reference, reference_logprobs, tokens, "engine-cached + loaded")
+
+    served.engine.reset_prefix_cache()  # evicted before the request is scheduled
+    plan = KVPlan(4, load=LoadSource(buffer, slots, num_hit * BLOCK, first))
+    tokens, _, num_cached = _run(served, prompt, 6, plan)
+    assert plan.num_loaded_tokens == 0 and num_cached == 0
+    _assert_same_greedy(reference, reference_logprobs, tokens, "evicted, recomputed")
+
+
+def _cached_block_ids(served: Served, prompt: list[int], num_blocks: int) -> list[int]:
+    """vLLM's block ids holding the prompt's first ``num_blocks`` blocks (cached)."""
+    from dualpath.vllm.engine import PrefixCacheProbe
+
+    probe = PrefixCacheProbe(served.engine)
+    pool = served.engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    return [
+        pool.get_cached_block(block_hash, [0])[0].block_id
+        for block_hash in probe.block_hashes(prompt, num_blocks)
+    ]
