@@ -118,6 +118,7 @@ class VllmServer(ChildServer):
             "--max-model-len", str(self.max_model_len),
             "--enforce-eager",
             "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",  # cached_tokens in usage, as ours reports it
             "--seed", "0",
             "--host", "127.0.0.1",
             "--port", str(port),
@@ -213,7 +214,14 @@ def run_vllm_system(
 
 
 def run_dualpath_system(
-    system: str, workload, *, model_dir: Path, kv_cache_gib: int, work_dir: Path, vllm_args: dict
+    system: str,
+    workload,
+    *,
+    model_dir: Path,
+    kv_cache_gib: int,
+    threads: int,
+    work_dir: Path,
+    vllm_args: dict,
 ) -> dict:
     """``dualpath serve --engine vllm --read-path pe`` of the system's shape, no link caps."""
     nodes = system.rsplit("-", 1)[1]
@@ -226,7 +234,12 @@ def run_dualpath_system(
         engine="vllm",
         vllm_args=tuple(sorted(vllm_args.items())),
         # serve's GB are 1e9 bytes; a vLLM engine gets whole GiB of them.
-        extra_serve_args=("--kv-cache-gb", f"{kv_cache_gib * GIB / 1e9 + 1e-6:.6f}"),
+        extra_serve_args=(
+            "--kv-cache-gb",
+            f"{kv_cache_gib * GIB / 1e9 + 1e-6:.6f}",
+            "--threads",
+            str(threads),
+        ),  # fmt: skip
     )
     return run_mode(run, workload, work_dir=work_dir / system)
 
@@ -237,6 +250,7 @@ def compare(
     *,
     model_dir: Path,
     kv_cache_gib: int,
+    threads: int,
     work_dir: Path,
     start_timeout_s: float,
     vllm_args: dict,
@@ -252,6 +266,7 @@ def compare(
                 workload,
                 model_dir=model_dir,
                 kv_cache_gib=kv_cache_gib,
+                threads=threads,
                 work_dir=work_dir,
                 vllm_args=vllm_args,
             )
@@ -345,6 +360,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gets twice this)",
     )
     parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="threads per engine of ours (serve --threads; engine e on cores e*threads ...: "
+        "with as many threads as cores every engine may use every core) (default 1)",
+    )
+    parser.add_argument(
         "--start-timeout-s",
         type=positive_float,
         default=600.0,
@@ -397,6 +419,7 @@ def main(args: argparse.Namespace) -> int:
             workload,
             model_dir=model_dir,
             kv_cache_gib=args.kv_cache_gb,
+            threads=args.threads,
             work_dir=Path(tmp),
             start_timeout_s=args.start_timeout_s,
             vllm_args=vllm_args,
@@ -407,6 +430,9 @@ def main(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "model": str(model_dir),
         "kv_cache_gib_per_engine": args.kv_cache_gb,
+        "threads_per_engine": args.threads,
+        # Set for every process the benchmark starts (OpenMP's idle threads spin or sleep).
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "hardware": hardware_info(),
         **workload_report(workload, shape),
         **compared,
