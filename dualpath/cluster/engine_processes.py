@@ -57,6 +57,22 @@ EXIT_CONFIG_ERROR = 2  # an error the CLI names (argparse's code): flags, the cl
 EXIT_SCHEDULER_LOST = 3  # the scheduler did not answer, went silent or declared it dead
 
 
+def openmp_env(config: EngineProcessConfig, env: dict[str, str]) -> dict[str, str]:
+    """OpenMP settings for one engine process (none where ``env`` already names them).
+
+    A vLLM engine of more than one thread is pinned to cores the host's other engines use too
+    (``vllm_roles.make_vllm_role``). OpenMP's idle threads spin by default, taking those cores
+    from an engine with work: ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep. Measured with
+    ``dualpath bench vs-vllm --threads 2``, 1P1D on 2 cores: 172 s spinning, 149 s passive
+    (one vLLM instance: 101-105 s). It must be in the environment the process starts with:
+    libgomp reads it once, when torch loads it. Our own engine is not pinned and not measured
+    this way, so it keeps OpenMP's default."""
+    engine = config.engine
+    if engine.engine != "vllm" or (engine.num_threads or 1) <= 1 or "OMP_WAIT_POLICY" in env:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 class EngineProcesses:
     def __init__(
         self,
@@ -119,6 +135,7 @@ class EngineProcesses:
         ]  # fmt: skip
         env = dict(os.environ, **{TOKEN_ENV: self.token})
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
+        env.update(openmp_env(config, env))
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             stdout = open(self.log_dir / f"engine-{config.engine_id}.log", "ab")  # noqa: SIM115

@@ -11,7 +11,9 @@ from dualpath.cluster.engine_processes import (
     MAX_RESTARTS,
     STABLE_RUN_S,
     EngineProcesses,
+    openmp_env,
 )
+from dualpath.config import EngineConfig, EngineProcessConfig
 
 
 def _processes(*, restart: bool = True) -> EngineProcesses:
@@ -39,3 +41,16 @@ def test_an_engine_that_lost_the_scheduler_is_restarted_however_often() -> None:
     # After a long enough run it starts afresh; the crash budget is untouched.
     assert processes._restart_backoff_s(3, EXIT_SCHEDULER_LOST, ran_s=STABLE_RUN_S) == 1.0
     assert processes._restart_backoff_s(3, 1, ran_s=1.0) == 1.0
+
+
+def test_idle_openmp_threads_sleep_only_in_multi_threaded_vllm_engines() -> None:
+    def config(engine: str, threads: int) -> EngineProcessConfig:
+        return EngineProcessConfig(
+            "prefill", 0, 0, "tcp://127.0.0.1:1", Path("m"),
+            engine=EngineConfig(num_threads=threads, engine=engine),
+        )  # fmt: skip
+
+    assert openmp_env(config("vllm", 2), {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_env(config("vllm", 1), {}) == {}  # one thread: no idle OpenMP workers
+    assert openmp_env(config("native", 2), {}) == {}
+    assert openmp_env(config("vllm", 2), {"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the user's
