@@ -96,6 +96,11 @@ def add_engine_kind_arguments(parser: argparse.ArgumentParser, *, where: str) ->
         "(vLLM's engine with dualpath's KV connector inside; needs vLLM installed, e.g. the "
         f"venv `make test-vllm` builds; {where}) (default native)",
     )
+    add_vllm_arg_argument(parser, where="with --engine vllm")
+
+
+def add_vllm_arg_argument(parser: argparse.ArgumentParser, *, where: str) -> None:
+    """``--vllm-arg KEY=VALUE`` (repeatable); ``where`` says which engines get it."""
     parser.add_argument(
         "--vllm-arg",
         type=vllm_arg,
@@ -103,7 +108,7 @@ def add_engine_kind_arguments(parser: argparse.ArgumentParser, *, where: str) ->
         default=None,
         metavar="KEY=VALUE",
         help="a vLLM engine argument (an EngineArgs field, e.g. max_num_seqs=32; the value "
-        "is read as JSON, else as a string), repeatable, with --engine vllm; the ones "
+        f"is read as JSON, else as a string), repeatable, {where}; the ones "
         "dualpath sets itself (the connector, block size, dtype, context, parallelism, "
         "prefix caching, seed) are refused",
     )

@@ -60,7 +60,7 @@ from dualpath.bench.presets import (
     shaped_workload,
     workload_shape,
 )
-from dualpath.bench.report import write_outputs
+from dualpath.bench.report import add_output_arguments, write_outputs
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig, mode_settings
@@ -452,13 +452,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_kind_arguments(
         parser, where="every server the benchmark starts; the PE read path only, for now"
     )
-    parser.add_argument("--json", type=Path, default=None, help="write the result here")
-    parser.add_argument(
-        "--out-dir",
-        type=Path,
-        default=None,
-        help="write the Markdown summary and PNG plots here (default: beside --json)",
-    )
+    add_output_arguments(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -114,6 +115,17 @@ def write_markdown(report: dict, path: Path | None) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return text
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json`` and ``--out-dir``: where ``write_outputs`` writes a benchmark's result."""
+    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="write the Markdown summary and PNG plots here (default: beside --json)",
+    )
 
 
 def write_outputs(

@@ -20,8 +20,8 @@ Every vLLM instance and every engine of ours gets the same checkpoint, dtype (fl
 size (64), eager mode, prefix caching and per-engine KV cache (``--kv-cache-gb``). The figures
 depend on this host: its cores are shared by every process of a system and by the client.
 
-JSON: ``systems`` (the ``modes`` key of the other benchmarks, so the same summary and plots:
-each system's ``jct_s``, ``ttft_s``/``tpot_s`` percentiles, ``hit_ratio``, ``process_cpu``,
+JSON: ``modes`` (one entry per system, as the other benchmarks' modes, so the same summary
+and plots: each system's ``jct_s``, ``ttft_s``/``tpot_s`` percentiles, ``hit_ratio``, ``process_cpu``,
 ``num_failed`` ...), ``ratios`` (``<ours>_vs_<theirs>_jct``: the other system's JCT over
 ours, above 1 when ours is faster; and ours over the single instance's), ``targets`` (faster
 than vLLM's P/D of the same shape; within 1.3x of the single instance). A failed request in
@@ -50,13 +50,13 @@ from dualpath.bench.harness import (
 from dualpath.bench.offline import BLOCK_SIZE_TOKENS, load_workload, workload_report
 from dualpath.bench.presets import PRESETS, workload_shape
 from dualpath.bench.process_cpu import ProcessCpu
-from dualpath.bench.report import write_outputs
+from dualpath.bench.report import add_output_arguments, write_outputs
 from dualpath.bench.server_process import ChildServer
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.flags import non_negative_int, positive_float, positive_int
 from dualpath.model.registry import read_config
 from dualpath.units import GIB
-from dualpath.vllm_args import check_vllm_args, check_vllm_installed, vllm_arg
+from dualpath.vllm_args import add_vllm_arg_argument, check_vllm_args, check_vllm_installed
 
 SYSTEMS = ("dualpath-1P1D", "dualpath-1P2D", "vllm-pd-1P1D", "vllm-pd-1P2D", "vllm-single")
 # The replay when no flag reshapes it: the first 6 real agentic-coding sessions, 12 turns each,
@@ -199,14 +199,15 @@ def run_vllm_system(
             stack.callback(server.stop)
         for server in servers.values():
             server.wait_ready(start_timeout_s)
-        front: ChildServer = servers["single"] if "single" in servers else servers["prefill"]
-        if "single" not in servers:
+        if system == "vllm-single":
+            front = servers["single"]
+        else:
             decoders = [s.url for role, s in servers.items() if role.startswith("decode")]
-            proxy = ProxyServer(servers["prefill"].url, decoders, log_path=log_dir / "proxy.log")
-            proxy.launch()
-            stack.callback(proxy.stop)
-            proxy.wait_ready(start_timeout_s)
-            servers["proxy"] = front = proxy
+            front = ProxyServer(servers["prefill"].url, decoders, log_path=log_dir / "proxy.log")
+            front.launch()
+            stack.callback(front.stop)
+            front.wait_ready(start_timeout_s)
+            servers["proxy"] = front
         cpus = {role: ProcessCpu(server.pid).start() for role, server in servers.items()}
         result = run_against_url(front.url, SERVED_MODEL_NAME, workload, api_key=None)
         result["process_cpu"] = _merge_cpu({role: cpu.stop() for role, cpu in cpus.items()})
@@ -235,11 +236,9 @@ def run_dualpath_system(
         vllm_args=tuple(sorted(vllm_args.items())),
         # serve's GB are 1e9 bytes; a vLLM engine gets whole GiB of them.
         extra_serve_args=(
-            "--kv-cache-gb",
-            f"{kv_cache_gib * GIB / 1e9 + 1e-6:.6f}",
-            "--threads",
-            str(threads),
-        ),  # fmt: skip
+            *("--kv-cache-gb", f"{kv_cache_gib * GIB / 1e9 + 1e-6:.6f}"),
+            *("--threads", str(threads)),
+        ),
     )
     return run_mode(run, workload, work_dir=work_dir / system)
 
@@ -372,21 +371,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="how long a vLLM instance may take to start (default 600)",
     )
-    parser.add_argument(
-        "--vllm-arg",
-        type=vllm_arg,
-        action="append",
-        default=None,
-        metavar="KEY=VALUE",
-        help="passed to dualpath serve's vLLM engines (serve --vllm-arg), repeatable",
-    )
-    parser.add_argument("--json", type=Path, default=None, help="write the result here")
-    parser.add_argument(
-        "--out-dir",
-        type=Path,
-        default=None,
-        help="write the Markdown summary and PNG plots here (default: beside --json)",
-    )
+    add_vllm_arg_argument(parser, where="for dualpath serve's vLLM engines (not vLLM's own)")
+    add_output_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -7,7 +7,6 @@ an upstream error reaches the client with its status."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,19 +18,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dualpath.bench.pd_proxy import REMOTE_DECODE_PARAMS, make_app
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.server.serving import free_port
 
 
 class Running:
     """An ASGI app served by uvicorn in a thread of this process."""
 
     def __init__(self, app: FastAPI) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
