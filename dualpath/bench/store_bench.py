@@ -12,9 +12,10 @@ Block with checksum verification. Each is timed cold (page cache dropped for tho
 few repeats in alternating order; medians are reported. A third way, ``vllm_load``, is what
 ``--engine vllm`` pays for a request's hits: the store reads of every block into a host buffer
 (``FileKVStore.read``, as the PE's reads), then, layer by layer, each block's Layer Block copied
-into a vLLM-shaped CPU paged cache (``[blocks, kv_heads, block_size, 2 * head_dim]`` float32,
-K transposed: ``VllmPagedCache.write_layer``, the copy the connector makes in
-``wait_for_layer_load``; 64-dim heads). ``page_cache_dropped_fraction`` says
+into its page of a vLLM-shaped CPU paged cache (``[blocks, kv_heads, block_size, 2 * head_dim]``
+float32, 64-dim heads; a vLLM engine's Layer Block is its page, byte for byte:
+``VllmPagedCache.write_layer_page``, the copy the connector makes in ``wait_for_layer_load``).
+``page_cache_dropped_fraction`` says
 how many files were verifiably out of the page cache before the cold runs (checked with
 ``preadv(RWF_NOWAIT)``); if it is not 1.0 the cold figures are partly warm.
 """
@@ -180,9 +181,9 @@ def _vllm_load_all(store: FileKVStore, keys: Sequence[str], buffer: np.ndarray, 
     every block into vLLM's pages."""
     for slot, key in enumerate(keys):
         store.read(key, out=buffer[slot])
-    block_ids = list(range(len(keys)))
     for layer in range(cache.layout.num_layers):
-        cache.write_layer_blocks(layer, block_ids, cache.as_entries(buffer[:, layer]))
+        for block_id in range(len(keys)):
+            cache.write_layer_page(layer, block_id, buffer[block_id, layer])
 
 
 def _drop_page_cache(paths: Sequence[Path]) -> float | None:
@@ -255,11 +256,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, default=None, help="store root (default: a temp dir)")
     # 256 blocks of 8 x 64 x 512 bytes = 64 MiB: big enough that per-call overhead and
     # bandwidth both show; use --num-blocks 1024 or more to exceed a disk's own cache.
-    parser.add_argument("--num-blocks", type=positive_int, default=256)
+    parser.add_argument(
+        "--num-blocks", type=positive_int, default=256, help="Full Blocks written and read back"
+    )
     parser.add_argument("--block-size", type=positive_int, default=64, help="tokens per Full Block")
-    parser.add_argument("--layers", type=positive_int, default=8)
-    parser.add_argument("--bytes-per-token-per-layer", type=positive_int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=positive_int, default=8, help="layers per Full Block")
+    parser.add_argument(
+        "--bytes-per-token-per-layer",
+        type=positive_int,
+        default=512,
+        help="one token's KV in one layer (SmolLM2-135M in float32: 1536); the vLLM-shaped "
+        "cache needs a multiple of 512 (float32 K+V heads of 64)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the random blocks' seed")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timings per case; medians")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
 

@@ -16,6 +16,13 @@ from dualpath.model.registry import AnyModelConfig, read_config
 
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+# The byte order of a vLLM engine's Layer Block: vLLM's CPU attention page, per KV head K
+# [head_dim][block_size] (dim-major) then V [block_size][head_dim] (token-major). The native
+# engine's Layer Block is token-major, [block_size][2][kv_heads][head_dim].
+VLLM_CPU_PAGE_ORDER = (
+    "vllm-cpu-page: per kv head, K [head_dim][block_size], V [block_size][head_dim]"
+)
+
 
 def weight_files(path: Path) -> list[Path]:
     """The checkpoint's ``*.safetensors`` files in name order; ``CheckpointError`` if none."""
@@ -55,12 +62,15 @@ def kv_identity(
     engine: str = "native",
 ) -> KVIdentity:
     """``engine``: what computes the KV ("native" or "vllm"). Two engine kinds' kernels do not
-    give bit-identical KV, so their blocks live in different namespaces (SPEC §9); the native
-    engine's namespace is the one every store written before engines had kinds uses."""
+    give bit-identical KV, and a vLLM engine's blocks hold its pages as they are
+    (``VLLM_CPU_PAGE_ORDER``), so the kinds' blocks live in different namespaces (SPEC §9); the
+    native engine's namespace is the one every store written before engines had kinds uses."""
     layout = kv_layout(config, kv_dtype, block_size_tokens)
     architecture = config.architecture_dict()
-    if engine != "native":
-        architecture = {**architecture, "kv_engine": engine}
+    if engine == "vllm":
+        architecture = {**architecture, "kv_engine": engine, "kv_order": VLLM_CPU_PAGE_ORDER}
+    elif engine != "native":
+        raise ValueError(f"engine must be 'native' or 'vllm', got {engine!r}")
     fingerprint = model_fingerprint(
         weights_digest=weights_digest,
         architecture=architecture,

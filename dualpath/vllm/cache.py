@@ -1,18 +1,19 @@
-"""vLLM's paged CPU KV cache seen as our Layer Blocks and Full Blocks.
+"""vLLM's paged CPU KV cache as the store's blocks: a Layer Block *is* a vLLM page.
 
 vLLM's CPU attention backend gives each layer one tensor ``[num_blocks, kv_heads, block_size,
-2 * head_dim]``, but its kernel packs every (block, head) page in its own order::
+2 * head_dim]``; block b of a layer is one contiguous page, which its kernel packs per head::
 
-    page of (block b, head h), 2 * block_size * head_dim elements
+    one head of a page, 2 * block_size * head_dim elements
     |<------ K: [head_dim][block_size] ------>|<------ V: [block_size][head_dim] ------>|
                dim-major (K transposed)                   token-major
 
-Our entry of one token in one layer is ``[2, kv_heads, head_dim]`` (K then V), so a Layer
-Block is ``[block_size, 2, kv_heads, head_dim]`` and a Full Block stacks the layers (SPEC §3).
-A vLLM page and a Layer Block hold the same bytes in different orders; K and V need one
-strided copy each. Since the packing is the kernel's choice (it differs by ISA),
-``check_packing`` compares these views with vLLM's own packing op at start and refuses to run
-on a mismatch, so a wrong order can never reach the store.
+A vLLM engine's Layer Block holds that page byte for byte (the order ``VLLM_CPU_PAGE_ORDER``
+names in the store fingerprint), so every whole-block move of vLLM KV -- store to buffer,
+buffer to page, page to a DE's buffer, page to the store -- is one contiguous copy per page,
+never a reorder. Only a token range of a page (the partial last block of a prompt) needs the
+packing above. The packing is the kernel's choice (it differs by ISA), so ``check_packing``
+compares it with vLLM's own packing op at start and refuses to run on a mismatch: a page in
+another order can never reach the store under this name.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from dualpath.kv.layout import KVLayout
+from dualpath.model.identity import VLLM_CPU_PAGE_ORDER
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -45,71 +47,37 @@ def layers_in_order(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]
     return [kv for _, kv in indexed]
 
 
-def _k_pages(kv: torch.Tensor) -> torch.Tensor:
-    """K of every page: ``[num_blocks, kv_heads, head_dim, block_size]`` (a view)."""
-    num_blocks, num_heads, block_size, two_dims = kv.shape
-    head_dim = two_dims // 2
-    return kv.view(num_blocks, num_heads, 2, head_dim * block_size)[:, :, 0].unflatten(
-        -1, (head_dim, block_size)
-    )
+def pages(kv: torch.Tensor) -> np.ndarray:
+    """Every page of one layer as uint8 rows ``[num_blocks, page_bytes]`` (a view, no copy)."""
+    return kv.view(torch.uint8).numpy().reshape(kv.shape[0], -1)
 
 
-def _v_pages(kv: torch.Tensor) -> torch.Tensor:
-    """V of every page: ``[num_blocks, kv_heads, block_size, head_dim]`` (a view)."""
-    num_blocks, num_heads, block_size, two_dims = kv.shape
-    return kv.view(num_blocks, num_heads, 2, block_size, two_dims // 2)[:, :, 1]
-
-
-def write_tokens(kv: torch.Tensor, block_id: int, first: int, entries: torch.Tensor) -> None:
-    """Write our entries ``[num, 2, kv_heads, head_dim]`` at tokens ``first ..`` of block
-    ``block_id`` of one layer; the page's other tokens are left as they are."""
-    num = entries.shape[0]
-    _k_pages(kv)[block_id, :, :, first : first + num].copy_(entries[:, 0].permute(1, 2, 0))
-    _v_pages(kv)[block_id, :, first : first + num].copy_(entries[:, 1].permute(1, 0, 2))
-
-
-def _raw(tensor: torch.Tensor) -> np.ndarray:
-    """``tensor``'s elements as same-sized integers in numpy (no copy): moving KV is moving
-    bytes, and numpy has no bfloat16."""
-    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()]).numpy()
-
-
-def _page_views(kv: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """K ``[blocks, kv_heads, head_dim, block_size]`` and V ``[blocks, kv_heads, block_size,
-    head_dim]`` of every page, as numpy views."""
-    num_blocks, num_heads, block_size, two_dims = kv.shape
-    head_dim = two_dims // 2
-    raw = _raw(kv)
-    keys = raw.reshape(num_blocks, num_heads, 2, head_dim, block_size)[:, :, 0]
-    values = raw.reshape(num_blocks, num_heads, 2, block_size, head_dim)[:, :, 1]
+def _head_views(
+    page: np.ndarray, num_heads: int, block_size: int, itemsize: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """K ``[kv_heads, head_dim, block_size]`` and V ``[kv_heads, block_size, head_dim]`` of
+    one uint8 page, as same-sized integers (views; numpy has no bfloat16)."""
+    raw = page.view({4: np.int32, 2: np.int16}[itemsize])
+    head_dim = raw.size // (2 * num_heads * block_size)
+    keys = raw.reshape(num_heads, 2, head_dim, block_size)[:, 0]
+    values = raw.reshape(num_heads, 2, block_size, head_dim)[:, 1]
     return keys, values
 
 
-def write_blocks(kv: torch.Tensor, block_ids: Sequence[int], entries: torch.Tensor) -> None:
-    """Whole blocks of our entries ``[n, block_size, 2, kv_heads, head_dim]`` into pages
-    ``block_ids`` of one layer. numpy's strided copies: torch's copy of a permuted view moves
-    KV at a third of their speed here (measured on the K transpose)."""
-    keys, values = _page_views(kv)
-    source = _raw(entries)
-    for i, block_id in enumerate(block_ids):
-        np.copyto(keys[block_id], source[i, :, 0].transpose(1, 2, 0))
-        np.copyto(values[block_id], source[i, :, 1].transpose(1, 0, 2))
-
-
-def read_blocks(kv: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
-    """Pages ``block_ids`` of one layer, whole, into our entries ``out`` ``[n, block_size, 2,
-    kv_heads, head_dim]`` (``write_blocks`` backwards)."""
-    keys, values = _page_views(kv)
-    target = _raw(out)
-    for i, block_id in enumerate(block_ids):
-        np.copyto(target[i, :, 0], keys[block_id].transpose(2, 0, 1))
-        np.copyto(target[i, :, 1], values[block_id].transpose(1, 0, 2))
+def page_entries(kv: torch.Tensor, block_id: int) -> torch.Tensor:
+    """Block ``block_id`` of one layer as token entries ``[block_size, 2, kv_heads, head_dim]``
+    (K then V, our native engine's entry; a copy): what the page means, token by token."""
+    _, num_heads, block_size, two_dims = kv.shape
+    keys = kv[block_id].reshape(num_heads, 2, two_dims // 2 * block_size)[:, 0]
+    keys = keys.unflatten(-1, (two_dims // 2, block_size)).permute(2, 0, 1)
+    values = kv[block_id].reshape(num_heads, 2, block_size, two_dims // 2)[:, 1].permute(1, 0, 2)
+    return torch.stack([keys, values], dim=1).contiguous()
 
 
 def check_packing(num_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
-    """``RuntimeError`` unless vLLM's CPU kernel packs a page the way ``read_blocks`` reads it:
-    every element of two pages written by vLLM's own op is read back at its token, head and
-    dimension (each value encodes its position)."""
+    """``RuntimeError`` unless vLLM's CPU kernel packs a page in ``VLLM_CPU_PAGE_ORDER``:
+    every element of two pages written by vLLM's own op is found at its token, head and
+    dimension by ``page_entries`` (each value encodes its position)."""
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -125,63 +93,60 @@ def check_packing(num_heads: int, block_size: int, head_dim: int, dtype: torch.d
     )
     for block_id in range(2):
         expected = code[block_id * block_size : (block_id + 1) * block_size]
-        got = torch.empty((1, block_size, 2, num_heads, head_dim), dtype=dtype)
-        read_blocks(kv, [block_id], got)
-        got = got[0]
+        got = page_entries(kv, block_id)
         if not (torch.equal(got[:, 0], expected) and torch.equal(got[:, 1], -expected)):
             raise RuntimeError(
                 f"vLLM's CPU attention kernel (ISA {isa!r}, {dtype}, block size {block_size}, "
-                f"head dim {head_dim}) packs KV pages in an order dualpath cannot map: serving "
-                "with it would corrupt the store, so this engine does not start"
+                f"head dim {head_dim}) packs KV pages in an order other than the store's "
+                f"{VLLM_CPU_PAGE_ORDER!r}: serving with it would put mislabelled blocks in the "
+                "store, so this engine does not start"
             )
 
 
 class VllmPagedCache:
-    """vLLM's cache of one engine as blocks of ``layout`` (a ``kv_io.BlockCache``): store
-    reads and writes move Full Blocks through a host copy (a vLLM block is no contiguous Full
-    Block, so ``host_view`` is None); the connector moves token ranges of one layer."""
+    """vLLM's cache of one engine as blocks of ``layout`` (a ``kv_io.BlockCache``). A Layer
+    Block is a page, so whole blocks move as contiguous copies; a vLLM block's layers are
+    separate tensors, so a Full Block is no single view (``host_view`` is None) and store
+    reads and writes go through a host copy."""
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout) -> None:
         num_blocks, num_heads, block_size, two_dims = layers[0].shape
         self.num_heads = num_heads
-        self.head_dim = two_dims // 2
-        self.dtype = layers[0].dtype
-        entry_bytes = 2 * num_heads * self.head_dim * layers[0].element_size()
+        self.itemsize = layers[0].element_size()
+        page_bytes = num_heads * block_size * two_dims * self.itemsize
         if len(layers) != layout.num_layers or block_size != layout.block_size_tokens:
             raise ValueError(
                 f"vLLM's cache has {len(layers)} layers of {block_size}-token blocks; the "
                 f"store's layout has {layout.num_layers} of {layout.block_size_tokens}"
             )
-        if entry_bytes != layout.bytes_per_token_per_layer:
+        if page_bytes != layout.layer_block_bytes:
             raise ValueError(
-                f"vLLM caches {entry_bytes} bytes per token per layer; the store's layout has "
-                f"{layout.bytes_per_token_per_layer}"
+                f"vLLM's pages are {page_bytes} bytes; the store's Layer Blocks are "
+                f"{layout.layer_block_bytes}"
             )
         self.layers = list(layers)
+        self.pages = [pages(kv) for kv in self.layers]  # per layer: [num_blocks, page_bytes]
         self.layout = layout
         self.num_blocks = num_blocks
 
-    @property
-    def entry_shape(self) -> tuple[int, int, int]:
-        return (2, self.num_heads, self.head_dim)
+    def write_layer_page(self, layer: int, block_id: int, page: np.ndarray) -> None:
+        """A whole Layer Block (a page's bytes) into block ``block_id`` of ``layer``."""
+        self.pages[layer][block_id] = page.reshape(-1)
 
-    def as_entries(self, layer_blocks: np.ndarray) -> torch.Tensor:
-        """uint8 Layer Blocks ``[..., block_size, bytes_per_token_per_layer]`` viewed as our
-        entries ``[..., block_size, 2, kv_heads, head_dim]`` (no copy)."""
-        return torch.from_numpy(layer_blocks).view(self.dtype).unflatten(-1, self.entry_shape)
-
-    def write_layer(self, layer: int, block_id: int, first: int, entries: torch.Tensor) -> None:
-        write_tokens(self.layers[layer], block_id, first, entries)
-
-    def write_layer_blocks(
-        self, layer: int, block_ids: Sequence[int], entries: torch.Tensor
+    def write_layer_tokens(
+        self, layer: int, block_id: int, page: np.ndarray, first: int, num: int
     ) -> None:
-        """Whole blocks of one layer: ``entries`` ``[n, block_size, 2, kv_heads, head_dim]``."""
-        write_blocks(self.layers[layer], block_ids, entries)
+        """Tokens ``first .. first + num`` of a Layer Block into block ``block_id`` of
+        ``layer``; the page's other tokens are left as they are."""
+        shape = (self.num_heads, self.layout.block_size_tokens, self.itemsize)
+        source_keys, source_values = _head_views(page.reshape(-1), *shape)
+        keys, values = _head_views(self.pages[layer][block_id], *shape)
+        keys[:, :, first : first + num] = source_keys[:, :, first : first + num]
+        values[:, first : first + num] = source_values[:, first : first + num]
 
-    def read_layer_blocks(self, layer: int, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Whole blocks of one layer into ``out`` ``[n, block_size, 2, kv_heads, head_dim]``."""
-        read_blocks(self.layers[layer], block_ids, out)
+    def read_layer_pages(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
+        """Blocks ``block_ids`` of ``layer`` into ``out`` ``[n, layer_block_bytes]``."""
+        np.take(self.pages[layer], block_ids, axis=0, out=out.reshape(len(block_ids), -1))
 
     # --- kv_io.BlockCache -------------------------------------------------------------------
 
@@ -189,13 +154,11 @@ class VllmPagedCache:
         return None
 
     def load_full_block(self, block_id: int, full_block: np.ndarray) -> None:
-        entries = self.as_entries(full_block)
-        for layer, kv in enumerate(self.layers):
-            write_blocks(kv, [block_id], entries[layer : layer + 1])
+        for layer, layer_pages in enumerate(self.pages):
+            layer_pages[block_id] = full_block[layer].reshape(-1)
 
     def copy_full_block(self, block_id: int) -> np.ndarray:
         full_block = self.layout.empty_full_block()
-        entries = self.as_entries(full_block)
-        for layer, kv in enumerate(self.layers):
-            read_blocks(kv, [block_id], entries[layer : layer + 1])
+        for layer, layer_pages in enumerate(self.pages):
+            full_block[layer].reshape(-1)[...] = layer_pages[block_id]
         return full_block

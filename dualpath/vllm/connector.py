@@ -345,23 +345,12 @@ class DualpathConnector(KVConnectorBase_V1):
                 continue
             source = step.plan.load
             assert source is not None, f"request {step.plan.request_id}: a load without a source"
-            whole = []  # blocks loaded whole: packed and copied together
             for block, first, num in _block_ranges(step.load_first, step.load_num, self.block_size):
-                layer_block = source.buffer.layer_block(source.slot(block), layer)
+                page = source.buffer.layer_block(source.slot(block), layer)
                 if num == self.block_size:
-                    whole.append(block)
-                    continue
-                entries = cache.as_entries(layer_block)[first : first + num]
-                cache.write_layer(layer, step.block_ids[block], first, entries)
-            if whole:
-                layer_blocks = np.stack(
-                    [source.buffer.layer_block(source.slot(block), layer) for block in whole]
-                )
-                cache.write_layer_blocks(
-                    layer,
-                    [step.block_ids[block] for block in whole],
-                    cache.as_entries(layer_blocks),
-                )
+                    cache.write_layer_page(layer, step.block_ids[block], page)
+                else:
+                    cache.write_layer_tokens(layer, step.block_ids[block], page, first, num)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -384,9 +373,7 @@ class DualpathConnector(KVConnectorBase_V1):
             data = np.empty(
                 (end_block - first_block, *self.host.layout.layer_block_shape), np.uint8
             )
-            cache.read_layer_blocks(
-                layer, step.block_ids[first_block:end_block], cache.as_entries(data)
-            )
+            cache.read_layer_pages(layer, step.block_ids[first_block:end_block], data)
             slots = list(send.slots[first_block:end_block])
             try:
                 self.host.mover(
