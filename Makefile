@@ -60,9 +60,9 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_ENGINE_STAMP)
 	touch $@
 
 # The OpenAI-compatible server on the embedded default with vLLM's engine in every engine process
-# (1P2D, 127.0.0.1:8000; the PE read path: the DE read path is not built on vLLM engines yet).
+# (1P2D, 127.0.0.1:8000, DualPath's scheduler choosing each request's read side).
 run-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/dualpath serve --engine vllm --read-path pe
+	$(VLLM_BIN)/dualpath serve --engine vllm
 
 # The tests marked vllm (tests/vllm) in .venv-vllm; `make test` skips them.
 test-vllm: $(VLLM_STAMP)

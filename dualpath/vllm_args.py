@@ -45,13 +45,13 @@ def check_vllm_args(args: Mapping[str, Any]) -> None:
 
 
 def check_engine_kind(cluster: ClusterConfig, engine: EngineConfig) -> None:
-    """``ValueError`` for a cluster the engine kind cannot serve: on vLLM engines only the PE
-    read path is built (the DE read path is not yet)."""
+    """``ValueError`` for engine settings the engine kind cannot serve: on vLLM engines, a
+    reserved argument passed through or a device of ours. Every mode and read path is served
+    on either kind."""
     if engine.engine != "vllm":
         return
     check_vllm_args(engine.vllm_args)
     check_vllm_device(engine.device)
-    check_vllm_read_path(cluster.mode, cluster.settings.read_path)
 
 
 def check_vllm_installed() -> None:
@@ -73,16 +73,6 @@ def check_vllm_device(device: str) -> None:
         raise ValueError(
             f"--device {device} is the native engine's: vLLM runs on the platform its build is "
             "for (leave --device out with --engine vllm)"
-        )
-
-
-def check_vllm_read_path(mode: str, read_path: str) -> None:
-    """``ValueError`` for a mode whose read side (``read_path``: its own or the forced one)
-    vLLM engines do not serve yet."""
-    if read_path != "pe":
-        raise ValueError(
-            f"mode {mode!r} with read path {read_path!r} reads on the DE side, which "
-            "is not built on vLLM engines yet: give --read-path pe, or the basic mode"
         )
 
 

@@ -175,12 +175,11 @@ CASES = {
         "--preset paper-ratio calibrates",
     ),
     "bench-online/aps-0": Case("bench online --model {model} --aps 0", "argument --aps"),
-    "bench-online/vllm-engine-on-the-de-read-path": Case(
-        "bench online --model {model} --engine vllm --modes basic", "reads on the DE side"
+    "bench-online/vllm-engine-without-vllm": Case(
+        "bench online --model {model} --engine vllm --modes basic", "needs vLLM"
     ),
-    "bench-offline/vllm-engine-on-the-de-read-path": Case(
-        "bench offline --model {model} --engine vllm --modes basic,dualpath",
-        "mode 'dualpath' with read path 'dual' reads on the DE side",
+    "bench-offline/vllm-engine-without-vllm": Case(
+        "bench offline --model {model} --engine vllm --modes basic,dualpath", "needs vLLM"
     ),
     "bench-offline/vllm-arg-without-vllm-engine": Case(
         "bench offline --model {model} --vllm-arg max_num_seqs=4", "give it with --engine vllm"
@@ -218,7 +217,7 @@ CASES = {
 }
 if importlib.util.find_spec("vllm") is None:  # the ordinary venv: --engine vllm cannot run here
     CASES["serve/vllm-engine-without-vllm"] = Case(
-        "serve --no-kv-store --model {model} --engine vllm --read-path pe", "needs vLLM"
+        "serve --no-kv-store --model {model} --engine vllm", "needs vLLM"
     )
     CASES["generate/vllm-engine-without-vllm"] = Case(
         "generate --no-kv-store --prompt hi --model {model} --engine vllm", "needs vLLM"

@@ -223,6 +223,7 @@ def link_figures(
         return {
             "snic_bytes": None,
             "path_bytes": None,
+            "engine_cached_bytes": None,
             "snic_load_balance": None,
             "snic_load_balance_busy": None,
             "snic_read_load_balance": None,
@@ -241,6 +242,8 @@ def link_figures(
             "pe": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="prefill")),
             "de": int(metric_sum(scraped, "dualpath_read_path_bytes_total", side="decode")),
         },
+        # Hit KV no side read: the PE's engine (vLLM) still held it in its prefix cache.
+        "engine_cached_bytes": int(metric_sum(scraped, "dualpath_engine_cached_bytes_total")),
         "snic_load_balance": snic_load_balance(samples),
         # The same over the windows in which the SNICs carried at least half their cap on
         # average: where storage bandwidth binds, the regime the read-side choice is for.

@@ -30,7 +30,8 @@ has ``"valid": false``, the ``problems`` and no ``ratios``.
 
 JSON (``modes.<mode>``): ``jct_s``, ``agent_jct_s`` (each agent's own JCT, percentiles),
 ``tokens_per_s``, ``ttft_s``/``ttst_s``/``tpot_s`` percentiles, ``hit_ratio``, ``snic_bytes``
-(per SNIC), ``path_bytes.{pe,de}`` (hit KV read by each side), ``snic_load_balance`` (SPEC
+(per SNIC), ``path_bytes.{pe,de}`` (hit KV read by each side), ``engine_cached_bytes`` (hit
+KV neither side read: a vLLM PE still held it), ``snic_load_balance`` (SPEC
 §7), ``snic_read_load_balance`` (hit-KV reads alone), ``snic_load_balance_busy`` (over
 the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores each
 process kept busy: ``process_cpu.py``), ``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
@@ -63,7 +64,7 @@ from dualpath.bench.presets import (
 from dualpath.bench.report import add_output_arguments, write_outputs
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
-from dualpath.config import MODES, READ_PATHS, EngineConfig, mode_settings
+from dualpath.config import MODES, READ_PATHS, EngineConfig
 from dualpath.flags import non_negative_int, positive_float, positive_int
 from dualpath.model.identity import kv_facts
 from dualpath.model.registry import read_config
@@ -72,7 +73,6 @@ from dualpath.units import bytes_per_s_to_gbps
 from dualpath.vllm_args import (
     add_engine_kind_arguments,
     check_vllm_installed,
-    check_vllm_read_path,
     engine_kind_args,
 )
 from dualpath.workload import Misfit, Workload, first_misfit, ideal_hit_ratio, workload_stats
@@ -191,14 +191,11 @@ def oracle_run(
     )
 
 
-def check_engine_modes(engine: str, modes: list[str], read_path: str | None) -> None:
-    """``ValueError`` before any server starts for a mode the engine kind cannot serve (or an
-    engine kind this Python cannot run: the servers run it)."""
-    if engine != "vllm":
-        return
-    for mode in modes:
-        check_vllm_read_path(mode, read_path or mode_settings(mode).read_path)
-    check_vllm_installed()
+def check_engine_modes(engine: str) -> None:
+    """``ValueError`` before any server starts for an engine kind this Python cannot run (the
+    servers run it)."""
+    if engine == "vllm":
+        check_vllm_installed()
 
 
 def engine_report(run: ModeRun) -> dict:
@@ -236,8 +233,7 @@ def run_offline(
 ) -> dict:
     """Every mode on the shaped workload; the report, ``valid`` or not (``validity.py``)."""
     preset = checked_preset(preset_name, modes)
-    calibrates = rho is not None or preset.snic_bandwidth_gbps is None
-    check_engine_modes(engine, [*modes, *(["oracle"] if calibrates else [])], read_path)
+    check_engine_modes(engine)
     if rho is not None:
         preset = replace(preset, snic_bandwidth_gbps=None, rho=rho)
     shape = workload_shape(

@@ -204,7 +204,7 @@ def run_online(
     """Every mode at the starting rate (or its capacity search); the report, ``valid`` or not
     (``validity.py``). ``max_sessions`` caps the agents of every run."""
     preset = checked_preset(preset_name, modes)
-    check_engine_modes(engine, [*modes, "oracle", "basic"], read_path)  # + the unloaded runs'
+    check_engine_modes(engine)
     if slo_basis not in SLO_BASES:
         raise ValueError(f"--slo-basis must be one of {SLO_BASES}, got {slo_basis!r}")
     if min_agents < 1:

@@ -26,7 +26,9 @@ def mode_problems(
     """Why one mode's (or probe's, or calibration's) result is not a result; [] if it is.
     ``reference`` names the mode whose tokens ``token_mismatches`` counts against. With
     ``kv_bytes_per_token``, the hit KV the two sides read (``path_bytes``, when the servers
-    report it) must be exactly the cached tokens' KV: each hit block read once, by one side."""
+    report it) must be exactly the cached tokens' KV: each hit block read once, by one side,
+    unless the prefill engine still held it in its own prefix cache (``engine_cached_bytes``,
+    vLLM engines)."""
     problems = []
     num_failed = result.get("num_failed", 0)
     if num_failed:
@@ -46,11 +48,14 @@ def mode_problems(
     path_bytes = result.get("path_bytes")
     if kv_bytes_per_token is not None and path_bytes is not None:
         read_bytes = sum(path_bytes.values())
+        held_bytes = result.get("engine_cached_bytes") or 0
         expected_bytes = result["cached_tokens"] * kv_bytes_per_token
-        if read_bytes != expected_bytes:
+        if read_bytes + held_bytes != expected_bytes:
+            held = f" (and {held_bytes} B the engine held)" if held_bytes else ""
             problems.append(
-                f"{label}: the sides read {read_bytes} B of hit KV, but {result['cached_tokens']}"
-                f" cached tokens hold {expected_bytes} B ({kv_bytes_per_token} B per token)"
+                f"{label}: the sides read {read_bytes} B of hit KV{held}, but "
+                f"{result['cached_tokens']} cached tokens hold {expected_bytes} B "
+                f"({kv_bytes_per_token} B per token)"
             )
     if result.get("token_mismatches"):
         problems.append(

@@ -315,6 +315,7 @@ class _EngineProcess:
             for traffic_class, moved in link.class_to_moved_bytes.items():
                 counters[f"{link.name}.{TrafficClass(traffic_class).name.lower()}"] = int(moved)
         counters["store_read_bytes"] = store_read_bytes
+        counters["engine_cached_bytes"] = self.role.num_engine_cached_bytes
         counters["busy_us"] = int(self.busy_s * 1e6)
         counters["buffer_used_bytes"] = self.buffer.num_used_bytes  # a level, not cumulative
         counters["buffer_capacity_bytes"] = (

@@ -91,7 +91,15 @@ class RoleEngine(Protocol):
     def load(self) -> RoleLoad: ...
 
     @property
-    def num_read_bytes(self) -> int: ...
+    def num_read_bytes(self) -> int:
+        """Hit KV this engine read from the store (its side's share of the read paths)."""
+        ...
+
+    @property
+    def num_engine_cached_bytes(self) -> int:
+        """Hit KV counted cached that neither side read because the engine still held it in
+        its own prefix cache (vLLM's); 0 for our engine, which has none."""
+        ...
 
     @property
     def store(self) -> KVStore | None: ...
@@ -297,6 +305,8 @@ class PrefillRole:
     def num_read_bytes(self) -> int:
         return self.engine.num_read_bytes
 
+    num_engine_cached_bytes = 0
+
     @property
     def store(self) -> KVStore | None:
         return self.engine.store
@@ -366,6 +376,8 @@ class DecodeRole:
     @property
     def num_read_bytes(self) -> int:
         return self.engine.num_read_bytes
+
+    num_engine_cached_bytes = 0
 
     @property
     def store(self) -> KVStore | None:

@@ -3,17 +3,20 @@ interface as ours: the same messages in and out, the same buffers, store reads a
 
     VllmPrefillRole   Assignment -> PE-side hit blocks read into the PE buffer (StoreReader, as
                       ours); with DecodeReady, the request goes to vLLM for one token, its
-                      connector plan loading the hits per layer and sending every layer's KV
-                      to the DE's buffer -> PrefillDone
-    VllmDecodeRole    Assignment -> buffer slots for the whole prompt -> DecodeReady; with
-                      PrefillDone, the request goes to vLLM as prompt + first token, its plan
-                      loading the prompt's KV from the buffer (then freed) and persisting every
-                      block not in the store -> TokenUpdates, KVPersisted
+                      connector plan loading the hits per layer (the PE side's from the
+                      buffer, the DE side's pulled from the DE's buffer) and sending every
+                      layer's KV the DE does not hold to the DE's buffer -> PrefillDone
+    VllmDecodeRole    Assignment -> buffer slots for the whole prompt, DE-side hit blocks read
+                      into them -> DecodeReady; with PrefillDone, the request goes to vLLM as
+                      prompt + first token, its plan loading the prompt's KV from the buffer
+                      (then freed) and persisting every block not in the store -> TokenUpdates,
+                      KVPersisted
 
-What vLLM does not have, said once: the DE read path (DE-side hit blocks read by the DE and
-pulled by the PE) is not built on vLLM engines yet, so an Assignment that reads on the DE side
-is refused by name; and a seeded sampler restarts on the DE (vLLM samples the DE's tokens), so
-only greedy requests give one vLLM instance's exact tokens.
+A PE's vLLM keeps the KV of prompts it computed in its prefix cache: hit blocks it still holds
+are neither read by the PE nor pulled from the DE (``num_engine_cached_bytes`` counts them, so
+that the sides' reads plus these equal the cached tokens' KV). A seeded sampler restarts on the
+DE (vLLM samples the DE's tokens), so only greedy requests give one vLLM instance's exact
+tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dualpath.cluster.roles import DecodePeers, RoleLoad, Send, failed_batch_mes
 from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
 from dualpath.engine.decode import PersistingRequests
+from dualpath.engine.prefill import RemoteBuffer
 from dualpath.engine.remote_buffer import TransportStaging
 from dualpath.engine.sampling import token_finish_reason
 from dualpath.kv.hashing import block_keys
@@ -47,7 +51,14 @@ from dualpath.protocol import (
 from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import Transport
 from dualpath.types import SamplingParams, sampling_params_from_dict
-from dualpath.vllm.connector import REQUEST_ID_PARAM, ConnectorHost, KVPlan, LoadSource, SendTarget
+from dualpath.vllm.connector import (
+    REQUEST_ID_PARAM,
+    ConnectorHost,
+    KVPlan,
+    LoadSource,
+    RemoteBlocks,
+    SendTarget,
+)
 from dualpath.vllm.engine import PrefixCacheProbe
 from dualpath.vllm_args import check_engine_kind
 
@@ -104,6 +115,8 @@ class _PrefillRequest:
     reads: Any = None  # Future[int]: leading PE-side blocks read (after the engine-cached ones)
     decode_ready: DecodeReady | None = None
     plan: KVPlan | None = None  # set once it is in vLLM
+    num_hit: int = 0  # leading blocks with KV: engine-cached, read by the PE, read by the DE
+    num_unread_cached: int = 0  # engine-cached hit blocks neither side read
 
     @property
     def request_id(self) -> int:
@@ -141,30 +154,26 @@ class VllmPrefillRole:
         )
         self._slot_queue: SlotQueue[_PrefillRequest] = SlotQueue(buffer)
         self.requests: dict[int, _PrefillRequest] = {}
+        # Hit KV counted cached but read by neither side: vLLM still held it.
+        self.num_engine_cached_bytes = 0
 
     def add(self, assignment: Assignment) -> None:
-        if assignment.num_decode_side_blocks:
-            raise ValueError(
-                "the DE read path is not built on vLLM engines yet: serve them with "
-                "--read-path pe (or --mode basic)"
-            )
         num_pe_blocks = assignment.num_prefill_side_blocks
         self.buffer.check_fits(num_pe_blocks)
         prompt = list(assignment.prompt_token_ids)
-        # A hit already in vLLM's memory is not read again: only the blocks after it.
-        num_cached = self.prefix_cache.num_cached_blocks(prompt, num_pe_blocks)
+        # A hit already in vLLM's memory is not read (nor pulled) again: only the blocks after.
+        num_cached = self.prefix_cache.num_cached_blocks(prompt, assignment.num_hit_blocks)
+        keys = block_keys(
+            prompt[: num_pe_blocks * self.block_size], self.block_size, self.host.fingerprint
+        )
         request = _PrefillRequest(
             assignment,
             sampling_params_from_dict(assignment.sampling),
-            block_keys(
-                prompt[: num_pe_blocks * self.block_size], self.block_size, self.host.fingerprint
-            )[num_cached:],
+            keys[num_cached:],
             num_engine_cached_blocks=num_cached,
         )
         self.requests[request.request_id] = request
-        self._slot_queue.add(
-            request, num_pe_blocks - num_cached, partial(self._start_reads, request)
-        )
+        self._slot_queue.add(request, len(request.keys), partial(self._start_reads, request))
 
     def _start_reads(self, request: _PrefillRequest, slots: list[int]) -> None:
         request.pe_slots = slots
@@ -204,17 +213,7 @@ class VllmPrefillRole:
             remote = self.peers.remotes.get(request.assignment.decode_engine_id)
             if remote is None:
                 continue
-            num_prompt = len(request.assignment.prompt_token_ids)
-            num_cached = request.num_engine_cached_blocks
-            num_hit_tokens = (num_cached + request.reads.result()) * self.block_size
-            load = None
-            if num_hit_tokens:
-                load = LoadSource(self.buffer, request.pe_slots, num_hit_tokens, num_cached)
-            request.plan = KVPlan(
-                request.request_id,
-                load=load,
-                send=SendTarget(remote, request.decode_ready.slots, num_prompt),
-            )
+            request.plan = self._plan(request, remote)
             self.host.plans[request.request_id] = request.plan
             params = vllm_sampling_params(
                 request.params,
@@ -228,6 +227,44 @@ class VllmPrefillRole:
                 {"prompt_token_ids": list(request.assignment.prompt_token_ids)},
                 with_plan(params, request.request_id),
             )
+
+    def _plan(self, request: _PrefillRequest, remote: RemoteBuffer) -> KVPlan:
+        """What the connector loads and sends for a request whose reads on both sides are done:
+        hit blocks [0, num_hit) are in vLLM's cache (``num_cached``), then in the PE buffer
+        (PE side), then in the DE's buffer (DE side); the DE is sent all the rest."""
+        assignment, ready = request.assignment, request.decode_ready
+        assert ready is not None and request.reads is not None, "a request not ready"
+        num_pe = assignment.num_prefill_side_blocks
+        num_cached = request.num_engine_cached_blocks
+        num_pe_read = request.reads.result()
+        num_de_read = ready.num_decode_side_blocks_read
+        request.num_hit = num_cached + num_pe_read
+        held = range(0)
+        if request.num_hit >= num_pe:  # the PE side whole: the DE side's blocks follow
+            held = range(num_pe, num_pe + num_de_read)
+            request.num_hit = max(request.num_hit, held.stop)
+        remote_blocks = None
+        first_pulled = max(num_cached, num_pe)
+        if held and held.stop > first_pulled:
+            remote_blocks = RemoteBlocks(
+                remote, ready.slots[first_pulled : held.stop], first_block=first_pulled
+            )
+        load = None
+        if request.num_hit:
+            load = LoadSource(
+                self.buffer,
+                request.pe_slots[:num_pe_read],
+                request.num_hit * self.block_size,
+                num_cached,
+                remote_blocks,
+            )
+        # The engine-cached blocks nobody read (the DE read those on its side).
+        request.num_unread_cached = num_cached - max(0, min(num_cached, held.stop) - held.start)
+        return KVPlan(
+            request.request_id,
+            load=load,
+            send=SendTarget(remote, ready.slots, len(assignment.prompt_token_ids), held),
+        )
 
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
         self._submit_ready()
@@ -249,11 +286,14 @@ class VllmPrefillRole:
             return
         plan = request.plan
         assert plan is not None
-        if plan.send_error is not None:
-            self._fail(request, plan.send_error, send)
+        if plan.transfer_error is not None:
+            self._fail(request, plan.transfer_error, send)
             return
         del self.requests[request_id]
         self.host.plans.pop(request_id, None)
+        self.num_engine_cached_bytes += (
+            request.num_unread_cached * self.host.layout.full_block_bytes
+        )
         self.buffer.free(request.pe_slots)
         self._slot_queue.start_waiting()
         completion = output.outputs[0]
@@ -265,7 +305,7 @@ class VllmPrefillRole:
                 token_id,
                 None if logprobs is None else logprobs[0],
                 # Prompt tokens cached: read from the store, or in vLLM's own prefix cache.
-                (request.num_engine_cached_blocks + request.reads.result()) * self.block_size,
+                request.num_hit * self.block_size,
                 token_finish_reason(
                     request.params,
                     token_id,
@@ -316,7 +356,9 @@ class VllmPrefillRole:
 class _DecodeRequest:
     assignment: Assignment
     params: SamplingParams
+    keys: list  # the DE-side hit blocks' keys
     slots: list[int] = field(default_factory=list)
+    reads: Any = None  # Future[int]: leading DE-side blocks read into ``slots``
     is_ready_sent: bool = False
     prefill_done: PrefillDone | None = None
     plan: KVPlan | None = None  # set once it is in vLLM
@@ -331,11 +373,22 @@ class VllmDecodeRole:
     loaded from this engine's buffer; vLLM decodes it, the connector persists its blocks."""
 
     def __init__(
-        self, engine: Any, host: ConnectorHost, buffer: KVBuffer, *, eos_token_ids: tuple[int, ...]
+        self,
+        engine: Any,
+        host: ConnectorHost,
+        buffer: KVBuffer,
+        *,
+        wake: Callable[[], None],
+        eos_token_ids: tuple[int, ...],
+        num_io_threads: int,
     ) -> None:
         self.engine = engine
         self.host = host
         self.buffer = buffer
+        # The DE read path: DE-side hit blocks read into this buffer, for the PE to pull.
+        self.reader = StoreReader(
+            host.store, buffer, host.mover, num_threads=num_io_threads, name="de-read", on_done=wake
+        )
         self.block_size = host.layout.block_size_tokens
         self.eos_token_ids = eos_token_ids
         self._block_pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
@@ -345,16 +398,25 @@ class VllmDecodeRole:
         self._persisting = PersistingRequests(self._pending_writes)
 
     def add(self, assignment: Assignment) -> None:
-        if assignment.num_decode_side_blocks:
-            raise ValueError(
-                "the DE read path is not built on vLLM engines yet: serve them with "
-                "--read-path pe (or --mode basic)"
-            )
-        num_slots = -(-len(assignment.prompt_token_ids) // self.block_size)
+        prompt = list(assignment.prompt_token_ids)
+        num_slots = -(-len(prompt) // self.block_size)
         self.buffer.check_fits(num_slots)
-        request = _DecodeRequest(assignment, sampling_params_from_dict(assignment.sampling))
+        first, end = assignment.num_prefill_side_blocks, assignment.num_hit_blocks
+        keys = block_keys(prompt[: end * self.block_size], self.block_size, self.host.fingerprint)
+        request = _DecodeRequest(
+            assignment, sampling_params_from_dict(assignment.sampling), keys[first:end]
+        )
         self.requests[request.request_id] = request
-        self._slot_queue.add(request, num_slots, partial(setattr, request, "slots"))
+        self._slot_queue.add(request, num_slots, partial(self._start_reads, request))
+
+    def _start_reads(self, request: _DecodeRequest, slots: list[int]) -> None:
+        request.slots = slots
+        first = request.assignment.num_prefill_side_blocks
+        request.reads = self.reader.submit(
+            request.keys,
+            slots[first : first + len(request.keys)],
+            f"request {request.request_id} DE side",
+        )
 
     def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
         request = self.requests.get(msg.request_id) if isinstance(msg, PrefillDone) else None
@@ -374,6 +436,8 @@ class VllmDecodeRole:
             if request.plan.load is None:
                 return  # loaded: the slots were freed then
         if not self._slot_queue.remove(request):
+            if request.reads is not None:
+                request.reads.result()  # the read thread owns the slots until it returns
             self._free_slots(request)
 
     def _free_slots(self, request: _DecodeRequest) -> None:
@@ -412,9 +476,10 @@ class VllmDecodeRole:
 
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
         for request in self.requests.values():
-            if request.slots and not request.is_ready_sent:
-                request.is_ready_sent = True
-                send(DecodeReady(request.request_id, tuple(request.slots), 0))
+            if request.is_ready_sent or request.reads is None or not request.reads.done():
+                continue
+            request.is_ready_sent = True
+            send(DecodeReady(request.request_id, tuple(request.slots), request.reads.result()))
         self._adopt_prefilled()
         if not self.engine.has_unfinished_requests():
             return False
@@ -474,19 +539,22 @@ class VllmDecodeRole:
             len(self.requests),
             num_tokens,
             self._block_pool.get_num_free_blocks(),
-            0,
+            self.reader.num_queued_blocks * self.block_size,
             num_writes * self.block_size,
         )
 
     @property
     def num_read_bytes(self) -> int:
-        return 0  # no DE-side reads on vLLM engines yet
+        return self.reader.num_read_bytes
+
+    num_engine_cached_bytes = 0  # the PE's vLLM holds the hits it did not read
 
     @property
     def store(self) -> KVStore | None:
         return self.host.store
 
     def close(self, flush_timeout_s: float) -> int:
+        self.reader.close()
         store_io = self.host.store_io
         return 0 if store_io is None else store_io.flush(flush_timeout_s)
 
@@ -519,6 +587,7 @@ def make_vllm_role(
         identity.fingerprint,
         store=store if config.role == DECODE else None,  # a PE persists nothing (SPEC §2)
         mover=mover,
+        is_layerwise=config.cluster.settings.is_layerwise,
         num_io_threads=engine_config.num_io_threads,
         max_pending_write_bytes=engine_config.max_pending_write_bytes,
     )
@@ -542,7 +611,14 @@ def make_vllm_role(
     )
     eos_token_ids = tuple(model_config.eos_token_ids)
     if config.role == DECODE:
-        return VllmDecodeRole(engine, host, buffer, eos_token_ids=eos_token_ids)
+        return VllmDecodeRole(
+            engine,
+            host,
+            buffer,
+            wake=wake,
+            eos_token_ids=eos_token_ids,
+            num_io_threads=engine_config.num_io_threads,
+        )
     max_blocks = -(-model_config.max_position_embeddings // engine_config.block_size_tokens)
     staging = TransportStaging(
         transport, identity.layout, max_read_blocks=max_blocks, ring_blocks=max_blocks

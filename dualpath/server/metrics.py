@@ -35,6 +35,8 @@ _TPOT_BUCKETS_S = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
 STORE_READ_KEY = "store_read_bytes"  # EngineReport.link_bytes: hit KV an engine read
+# EngineReport.link_bytes: hit KV counted cached that no side read (the engine held it)
+ENGINE_CACHED_KEY = "engine_cached_bytes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,6 +361,15 @@ class ClusterCollector(Collector):
         for role, value in by_role.items():
             read_path.add_metric([role], value)
         yield read_path
+        yield CounterMetricFamily(
+            "dualpath_engine_cached_bytes",
+            "Hit KV counted as cached that neither side read from the store because the "
+            "prefill engine still held it in its own prefix cache (vLLM engines; 0 on ours). "
+            "With dualpath_read_path_bytes_total it sums to the cached tokens' KV.",
+            value=sum(
+                counters.get(ENGINE_CACHED_KEY, 0) for counters in snapshot.link_bytes.values()
+            ),
+        )
         snic_reads = CounterMetricFamily(
             "dualpath_snic_read_bytes",
             "Hit KV read from the store through each node's SNIC (the read-side choices' "

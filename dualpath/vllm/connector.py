@@ -12,12 +12,14 @@ and a worker side that moves bytes; both find the host through the key. Each req
 engine adds carries ``{"dualpath_request_id": N}`` in its ``kv_transfer_params`` and its
 ``KVPlan`` sits in the host under N. A plan says up to three things::
 
-    load      hit KV in host memory (a buffer's Full Block slots: the PE's store hits, or the
-              DE's whole prompt) copied into vLLM's blocks layer by layer, each layer just
-              before its attention (``wait_for_layer_load``); vLLM's own prefix cache is a tier
-              above it: tokens it already holds are not loaded again
+    load      hit KV copied into vLLM's blocks layer by layer, each layer ready before its
+              attention (``wait_for_layer_load``) and the next one loading meanwhile, from
+              host memory (a buffer's Full Block slots: the PE's store hits, or the DE's whole
+              prompt) or, on the DE read path, pulled from the DE's buffer over the transport;
+              vLLM's own prefix cache is a tier above it: tokens it holds are not loaded again
     send      after each layer (``save_kv_layer``), that layer's KV of every block the request
-              reached, to the DE's buffer through the engine's mover (the PE side of SPEC §2)
+              reached and the DE does not hold (its own reads), to the DE's buffer through the
+              engine's mover (the PE side of SPEC §2)
     persist   each full block not in the store yet, once all its layers are computed
               (``wait_for_save``): the DE's prompt blocks and every block decode fills
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -58,29 +61,57 @@ REQUEST_ID_PARAM = "dualpath_request_id"  # our request id in vLLM's kv_transfer
 
 
 @dataclass(eq=False)
+class RemoteBlocks:
+    """Hit blocks in a DE's buffer (the DE read path, SPEC §2): block j of the request's tokens
+    (``first_block <= j < first_block + len(slots)``) in the DE's slot ``slots[j -
+    first_block]``, pulled one layer at a time over the transport."""
+
+    remote: RemoteBuffer
+    slots: Sequence[int]
+    first_block: int
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + len(self.slots)
+
+
+@dataclass(eq=False)
 class LoadSource:
-    """Hit KV in host memory: block j of the request's tokens (j >= ``first_block``) in
-    ``buffer`` slot ``slots[j - first_block]``, tokens up to ``num_tokens`` valid. The blocks
-    before ``first_block`` were in vLLM's own prefix cache when the engine planned the request
-    (``PrefixCacheProbe``), so they were not read."""
+    """Hit KV to load: block j of the request's tokens (``first_block <= j``) in ``buffer``
+    slot ``slots[j - first_block]``, then the blocks of ``remote`` (if any), tokens up to
+    ``num_tokens`` valid. The blocks before ``first_block`` were in vLLM's own prefix cache
+    when the engine planned the request (``PrefixCacheProbe``), so they were not read."""
 
     buffer: KVBuffer
     slots: Sequence[int]
     num_tokens: int
     first_block: int = 0
+    remote: RemoteBlocks | None = None
+
+    def __post_init__(self) -> None:
+        remote = self.remote
+        if remote is not None and remote.first_block != self.first_block + len(self.slots):
+            raise ValueError(  # a bug: the two sides' blocks must meet
+                f"DE-side blocks start at {remote.first_block}, not after the local ones "
+                f"({self.first_block} + {len(self.slots)})"
+            )
 
     def slot(self, block: int) -> int:
         return self.slots[block - self.first_block]
+
+    def is_local(self, block: int) -> bool:
+        return block < self.first_block + len(self.slots)
 
 
 @dataclass(eq=False)
 class SendTarget:
     """A DE's buffer: block j of the prompt goes to slot ``slots[j]``; ``num_tokens`` prompt
-    tokens are sent."""
+    tokens are sent, except the blocks in ``held`` (the DE read them itself)."""
 
     remote: RemoteBuffer
     slots: Sequence[int]
     num_tokens: int
+    held: range = range(0)
 
 
 @dataclass(eq=False)
@@ -97,8 +128,9 @@ class KVPlan:
     # buffer slots are free then).
     on_loaded: Callable[[], None] | None = None
     num_sent_blocks: int = 0  # leading blocks sent complete
-    # Why a send failed (a DE died or timed out): the request's sends stop, the engine fails it.
-    send_error: Exception | None = None
+    # Why a send or a pull from the DE failed (it died or timed out): the request's transfers
+    # stop, the engine fails it.
+    transfer_error: Exception | None = None
     num_loaded_tokens: int = 0  # tokens loaded from ``load`` (0 if vLLM's own cache had them)
     persisted_keys: list[BlockKey] = field(default_factory=list)
 
@@ -112,6 +144,9 @@ class ConnectorHost:
     fingerprint: str
     store: KVStore | None = None
     mover: Mover = direct_move
+    # Loads overlap the forward, one layer ahead (SPEC §3); False (``basic``): every layer is
+    # loaded before the forward starts.
+    is_layerwise: bool = True
     num_io_threads: int = 4
     max_pending_write_bytes: int = 256 << 20
     plans: dict[int, KVPlan] = field(default_factory=dict)
@@ -323,9 +358,32 @@ class DualpathConnector(KVConnectorBase_V1):
                 max_pending_write_bytes=host.max_pending_write_bytes,
                 mover=host.mover,
             )
+        # Loads run one layer ahead of the forward: layer l+1 while layer l computes.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="vllm-layer-load")
+        self._load_meta: KVConnectorMetadata | None = None  # the step the loads below are of
+        self._load_steps: list[StepPlan] = []
+        self._layer_loads: dict[int, Future[None]] = {}
+        self._failed_load_blocks: set[int] = set()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Nothing to start: every load is a copy from host memory, done per layer."""
+        """Start loading layer 0 of every load of the step (the rest follow the forward).
+        vLLM calls this before the forward of a step with loads, after it otherwise."""
+        self._begin_loads()
+
+    def _begin_loads(self) -> None:
+        """This step's loads, layer 0 started; once per step (the metadata is the step's)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if meta is self._load_meta:
+            return
+        self._drain_loads()
+        self._load_meta = meta
+        self._load_steps = [step for step in self._steps() if step.load_num]
+        if self._load_steps and not self.host.is_layerwise:
+            for layer in range(self.host.layout.num_layers):
+                self._load_layer(self._load_steps, layer)
+            self._load_steps = []
+        elif self._load_steps:
+            self._layer_loads[0] = self._loader.submit(self._load_layer, self._load_steps, 0)
 
     def _steps(self) -> list[StepPlan]:
         if not self.has_connector_metadata():
@@ -335,22 +393,78 @@ class DualpathConnector(KVConnectorBase_V1):
         return meta.steps
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Copy this layer of every load of the step into vLLM's blocks (host memory ->
-        vLLM's cache), before the layer's attention reads them."""
+        """Return once this layer of every load of the step is in vLLM's blocks, the next
+        layer's load started."""
+        self._begin_loads()
+        if not self._load_steps:
+            return
         layer = layer_index(layer_name)
+        for needed in (layer, layer + 1):
+            if needed < self.host.layout.num_layers and needed not in self._layer_loads:
+                self._layer_loads[needed] = self._loader.submit(
+                    self._load_layer, self._load_steps, needed
+                )
+        self._layer_loads.pop(layer).result()
+
+    def _drain_loads(self) -> None:
+        """Wait for every layer load still running (none, after a whole forward)."""
+        for future in self._layer_loads.values():
+            future.result()
+        self._layer_loads.clear()
+
+    def _load_layer(self, steps: Sequence[StepPlan], layer: int) -> None:
+        """Layer ``layer`` of every load of the step into vLLM's blocks (on the loader thread):
+        the local blocks from the buffer, the DE-side ones pulled from the DE's buffer."""
         cache = self.host.cache
         assert cache is not None, "vLLM ran a layer before registering its cache"
-        for step in self._steps():
-            if not step.load_num:
-                continue
-            source = step.plan.load
-            assert source is not None, f"request {step.plan.request_id}: a load without a source"
+        for step in steps:
+            plan = step.plan
+            source = plan.load
+            assert source is not None, f"request {plan.request_id}: a load without a source"
+            pulled = []  # (block, first, num) in the DE's buffer
             for block, first, num in _block_ranges(step.load_first, step.load_num, self.block_size):
-                page = source.buffer.layer_block(source.slot(block), layer)
-                if num == self.block_size:
-                    cache.write_layer_page(layer, step.block_ids[block], page)
-                else:
-                    cache.write_layer_tokens(layer, step.block_ids[block], page, first, num)
+                if not source.is_local(block):
+                    pulled.append((block, first, num))
+                    continue
+                self._write(
+                    cache,
+                    layer,
+                    step.block_ids[block],
+                    source.buffer.layer_block(source.slot(block), layer),
+                    first,
+                    num,
+                )
+            if not pulled or plan.transfer_error is not None:
+                continue
+            remote = source.remote
+            assert remote is not None, f"request {plan.request_id}: blocks past its sources"
+            pages = np.empty((len(pulled), *self.host.layout.layer_block_shape), np.uint8)
+            slots = [remote.slots[block - remote.first_block] for block, _, _ in pulled]
+            try:
+                self.host.mover(
+                    "cnic", pages.nbytes, partial(remote.remote.read_layer, slots, layer, pages)
+                )
+            except Exception as exc:  # kept for the engine: raised here, it would stop vLLM
+                plan.transfer_error = exc
+                # vLLM must not keep (nor cache) what these blocks hold: it fails the request.
+                self._failed_load_blocks.update(step.block_ids[block] for block, _, _ in pulled)
+                continue
+            for page, (block, first, num) in zip(pages, pulled, strict=True):
+                self._write(cache, layer, step.block_ids[block], page, first, num)
+
+    def _write(
+        self,
+        cache: VllmPagedCache,
+        layer: int,
+        block_id: int,
+        page: np.ndarray,
+        first: int,
+        num: int,
+    ) -> None:
+        if num == self.block_size:
+            cache.write_layer_page(layer, block_id, page)
+        else:
+            cache.write_layer_tokens(layer, block_id, page, first, num)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -363,42 +477,45 @@ class DualpathConnector(KVConnectorBase_V1):
         block_size = self.block_size
         for step in self._steps():
             send = step.plan.send
-            if send is None or step.plan.send_error is not None:
+            if send is None or step.plan.transfer_error is not None:
                 continue
             num_tokens = min(step.num_reached, send.num_tokens)
-            first_block = step.plan.num_sent_blocks
             end_block = -(-num_tokens // block_size)
-            if end_block <= first_block:
+            blocks = [
+                block
+                for block in range(step.plan.num_sent_blocks, end_block)
+                if block not in send.held
+            ]
+            if not blocks:
                 continue
-            data = np.empty(
-                (end_block - first_block, *self.host.layout.layer_block_shape), np.uint8
-            )
-            cache.read_layer_pages(layer, step.block_ids[first_block:end_block], data)
-            slots = list(send.slots[first_block:end_block])
+            data = np.empty((len(blocks), *self.host.layout.layer_block_shape), np.uint8)
+            cache.read_layer_pages(layer, [step.block_ids[block] for block in blocks], data)
+            slots = [send.slots[block] for block in blocks]
             try:
                 self.host.mover(
                     "cnic", data.nbytes, partial(send.remote.write_layer, slots, layer, data)
                 )
             except Exception as exc:  # kept for the engine: raised here, it would stop vLLM
-                step.plan.send_error = exc
+                step.plan.transfer_error = exc
         if self.host.between_layers is not None:
             self.host.between_layers()
 
     def wait_for_save(self) -> None:
         """The step's KV is all computed: advance the sends (flushed once a prompt is sent
         whole), persist the blocks that filled, and end the loads."""
+        self._drain_loads()
         block_size = self.block_size
         for step in self._steps():
             plan = step.plan
             send = plan.send
-            if send is not None and plan.send_error is None:
+            if send is not None and plan.transfer_error is None:
                 num_tokens = min(step.num_reached, send.num_tokens)
                 plan.num_sent_blocks = max(plan.num_sent_blocks, num_tokens // block_size)
                 if num_tokens == send.num_tokens:
                     try:
                         send.remote.flush()
                     except Exception as exc:
-                        plan.send_error = exc
+                        plan.transfer_error = exc
                     plan.num_sent_blocks = -(-send.num_tokens // block_size)
             if step.persist:
                 store_io = self.host.store_io
@@ -412,7 +529,14 @@ class DualpathConnector(KVConnectorBase_V1):
                     plan.on_loaded()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()  # loads are copies from host memory: they cannot fail partway
+        """Blocks whose pull from a DE failed this step (a copy from host memory cannot)."""
+        failed, self._failed_load_blocks = self._failed_load_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        loader = getattr(self, "_loader", None)  # worker side only
+        if loader is not None:
+            loader.shutdown(wait=True)
 
 
 def _block_ranges(first: int, num: int, block_size: int) -> list[tuple[int, int, int]]:

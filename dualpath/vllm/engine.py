@@ -71,6 +71,9 @@ def build_engine(spec: VllmEngineSpec) -> Any:
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
             kv_connector_extra_config={"engine_key": spec.engine_key},
+            # A block whose pull from a DE failed: vLLM fails the request (the engine then
+            # re-places it) and evicts the block, so its prefix cache never holds it.
+            kv_load_failure_policy="fail",
         ),
     )
     args.update(spec.args)

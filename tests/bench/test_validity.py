@@ -129,3 +129,26 @@ def test_hit_kv_read_must_be_what_the_cached_tokens_hold() -> None:
         "dualpath: the sides read 81920 B of hit KV, but 128 cached tokens hold 163840 B "
         "(1280 B per token)"
     ]
+
+
+def test_hit_kv_a_vllm_engine_held_counts_beside_what_the_sides_read() -> None:
+    same = {"s0/0": "a"}
+    model = {"kv_bytes_per_token": 1280}
+
+    def result(pe: int, de: int, held: int) -> dict:
+        return {
+            **_result(2.0, same),
+            "cached_tokens": 128,
+            "path_bytes": {"pe": pe, "de": de},
+            "engine_cached_bytes": held,
+        }
+
+    exact = finish_report({"model": model, "modes": {"basic": result(81920, 0, 81920)}}, ["basic"])
+    assert exact["valid"] is True
+    double = finish_report(
+        {"model": model, "modes": {"basic": result(163840, 0, 81920)}}, ["basic"]
+    )
+    assert double["problems"] == [
+        "basic: the sides read 163840 B of hit KV (and 81920 B the engine held), but 128 "
+        "cached tokens hold 163840 B (1280 B per token)"
+    ]

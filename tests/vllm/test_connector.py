@@ -39,18 +39,28 @@ class Served:
 
 
 class LocalRemote:
-    """A DE buffer in this process, as a PE's RemoteBuffer sees it."""
+    """A DE buffer in this process, as a PE's RemoteBuffer sees it; it counts the Layer Blocks
+    pulled and written per slot, and can fail the pulls from layer ``fail_from_layer`` on."""
 
-    def __init__(self, buffer: KVBuffer) -> None:
+    def __init__(self, buffer: KVBuffer, fail_from_layer: int | None = None) -> None:
         self.buffer = buffer
+        self.fail_from_layer = fail_from_layer
+        self.num_pulled: dict[int, int] = {}
+        self.num_written: dict[int, int] = {}
 
     def read_layer(self, slots, layer, out) -> None:
+        if self.fail_from_layer is not None and layer >= self.fail_from_layer:
+            from dualpath.errors import TransferError
+
+            raise TransferError(f"the DE is gone (layer {layer})")
         for i, slot in enumerate(slots):
             out[i] = self.buffer.layer_block(slot, layer)
+            self.num_pulled[slot] = self.num_pulled.get(slot, 0) + 1
 
     def write_layer(self, slots, layer, data) -> None:
         for i, slot in enumerate(slots):
             self.buffer.layer_block(slot, layer)[...] = data[i]
+            self.num_written[slot] = self.num_written.get(slot, 0) + 1
 
     def flush(self) -> None:
         pass
@@ -242,3 +252,86 @@ def _cached_block_ids(served: Served, prompt: list[int], num_blocks: int) -> lis
         pool.get_cached_block(block_hash, [0])[0].block_id
         for block_hash in probe.block_hashes(prompt, num_blocks)
     ]
+
+
+def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent_back(
+    served: Served,
+) -> None:
+    """The DE read path: blocks 0..5 of the hit in the PE buffer, 6..14 in the DE's buffer (read
+    there from the store); the PE pulls each layer of the DE's blocks as vLLM reaches it and
+    sends the DE only what it lacks (the PE side's blocks and the miss). The DE then decodes
+    from its buffer: plain vLLM's tokens. A pull that fails (the DE died) fails the request,
+    and vLLM keeps none of what it loaded: the prompt served next gives the same tokens."""
+    from dualpath.vllm.connector import KVPlan, LoadSource, RemoteBlocks, SendTarget
+    from dualpath.vllm.engine import PrefixCacheProbe
+
+    prompt = _prompt(1000, seed=11)
+    served.engine.reset_prefix_cache()
+    # Plain vLLM's tokens; the run persists the prompt's blocks, as a DE would.
+    reference, reference_logprobs, _ = _run(served, prompt, 8, KVPlan(5, persist_from_block=0))
+    served.host.store_io.flush()
+    num_blocks, num_hit, num_pe = -(-len(prompt) // BLOCK), (len(prompt) - 1) // BLOCK, 6
+    keys = block_keys(prompt[: num_hit * BLOCK], BLOCK, served.fingerprint)
+    layout = served.layout
+
+    def buffers():
+        pe_buffer = KVBuffer(layout, num_pe * layout.full_block_bytes)
+        pe_slots = pe_buffer.allocate(num_pe)
+        de_buffer = KVBuffer(layout, num_blocks * layout.full_block_bytes)
+        de_slots = de_buffer.allocate(num_blocks)
+        for key, slot in zip(keys[:num_pe], pe_slots, strict=True):
+            served.store.read(key, pe_buffer.full_block(slot))
+        for key, slot in zip(keys[num_pe:], de_slots[num_pe:num_hit], strict=True):
+            served.store.read(key, de_buffer.full_block(slot))
+        return pe_buffer, pe_slots, de_buffer, de_slots
+
+    pe_buffer, pe_slots, de_buffer, de_slots = buffers()
+    de_side = de_buffer.array[de_slots[num_pe:num_hit]].copy()
+    remote = LocalRemote(de_buffer)
+    held = range(num_pe, num_hit)
+    served.engine.reset_prefix_cache()
+    pe_plan = KVPlan(
+        1,
+        load=LoadSource(
+            pe_buffer,
+            pe_slots,
+            num_hit * BLOCK,
+            remote=RemoteBlocks(remote, de_slots[num_pe:num_hit], num_pe),
+        ),
+        send=SendTarget(remote, de_slots, len(prompt), held),
+    )
+    first, _, num_cached = _run(served, prompt, 1, pe_plan)
+    assert num_cached == num_hit * BLOCK and pe_plan.transfer_error is None
+    assert pe_plan.num_loaded_tokens == num_hit * BLOCK
+    layers = layout.num_layers
+    assert remote.num_pulled == {slot: layers for slot in de_slots[num_pe:num_hit]}
+    assert remote.num_written == {
+        slot: layers for slot in [*de_slots[:num_pe], *de_slots[num_hit:]]
+    }
+    assert np.array_equal(de_buffer.array[de_slots[num_pe:num_hit]], de_side)  # untouched
+
+    served.engine.reset_prefix_cache()  # the DE's tokens can only come from its buffer
+    de_plan = KVPlan(2, load=LoadSource(de_buffer, de_slots, len(prompt)))
+    rest, _, _ = _run(served, prompt + first, len(reference) - 1, de_plan)
+    _assert_same_greedy(reference, reference_logprobs, first + rest, "DE read path")
+
+    # The DE dies while the PE pulls layer 10: the request fails, vLLM keeps nothing of it.
+    pe_buffer, pe_slots, de_buffer, de_slots = buffers()
+    dead = LocalRemote(de_buffer, fail_from_layer=10)
+    served.engine.reset_prefix_cache()
+    failed_plan = KVPlan(
+        3,
+        load=LoadSource(
+            pe_buffer,
+            pe_slots,
+            num_hit * BLOCK,
+            remote=RemoteBlocks(dead, de_slots[num_pe:num_hit], num_pe),
+        ),
+        send=SendTarget(dead, de_slots, len(prompt), held),
+    )
+    _run(served, prompt, 1, failed_plan)
+    assert failed_plan.transfer_error is not None
+    # vLLM's prefix cache kept none of the blocks the pull failed for (nor any after them).
+    assert PrefixCacheProbe(served.engine).num_cached_blocks(prompt, num_hit) <= num_pe
+    after, after_logprobs, _ = _run(served, prompt, 8)
+    _assert_same_greedy(reference, reference_logprobs, after, "after a failed pull")
