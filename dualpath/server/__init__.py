@@ -19,6 +19,7 @@ uvicorn, one asyncio loop); every engine is its own process. Modules, outside in
     detokenizer.py  incremental text with stop strings and stop tokens handled
     context.py      ``ServingContext``: what the routes share; the bounded waiting queue
     metrics.py      Prometheus metrics, one registry per app
+    vllm_metrics.py the request series under vLLM's names too (vLLM dashboards)
     errors.py       OpenAI's error shape and the one place statuses are chosen
     config.py       ``ServerConfig``; args.py: the ``serve`` flags and ``--config FILE``
 """

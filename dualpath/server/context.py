@@ -83,6 +83,8 @@ class ServingContext:
             ),
             store_stats=store.stats if store is not None else lambda: None,  # --no-kv-store
             window_s=config.metrics_window_s,
+            model_name=self.model.name,
+            max_model_len=self.model.max_model_len,
         )
         self.state = ServerState.STARTING
         self.created_unix_s = int(time.time())

@@ -60,6 +60,7 @@ class Choice:
     has_first_event: bool = False
     first_token_s: float | None = None
     second_token_s: float | None = None
+    last_token_s: float | None = None  # the latest event that brought tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -232,6 +233,10 @@ class Generation:
             choice.first_token_s = now_s
         if num_before <= 1 < num_after:
             choice.second_token_s = now_s
+        if num_after > num_before:
+            if choice.last_token_s is not None:
+                self.context.metrics.inter_token_latency.observe(now_s - choice.last_token_s)
+            choice.last_token_s = now_s
         choice.logprobs.extend(logprobs)
         choice.num_cached_tokens = event.num_cached_tokens
         if event.finish_reason is not None:

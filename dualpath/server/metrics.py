@@ -4,7 +4,10 @@ share a time series).
 Request metrics are recorded here as requests finish; cluster metrics (links, queues,
 engines) are read from the scheduler's latest ``ClusterSnapshot`` when /metrics is scraped.
 Every name is prefixed ``dualpath_``; times are seconds and sizes bytes, per Prometheus'
-conventions.
+conventions. The request series (requests running and waiting, finished generations, tokens,
+TTFT, inter-token, TPOT and end-to-end latency) also go out under vLLM 0.32's names, written by
+the same calls (``dualpath.server.vllm_metrics`` has the mapping), so a vLLM dashboard reads
+this server.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from prometheus_client.registry import Collector
 from dualpath.cluster.coordinator import ClusterSnapshot
 from dualpath.kv.store import StoreStats
 from dualpath.protocol import DECODE, PREFILL
+from dualpath.server.vllm_metrics import Twinned, twinned
 from dualpath.units import gbps_to_bytes_per_s
 
 _LATENCY_BUCKETS_S = (
@@ -61,21 +65,31 @@ class ServerMetrics:
         link_capacity_bytes_per_s: Callable[[str], float],
         store_stats: Callable[[], StoreStats | None],
         window_s: float,
+        model_name: str,
+        max_model_len: int,
     ) -> None:
+        """``model_name`` (the served name) and ``max_model_len`` label and size the series
+        under vLLM's names."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+
+        def with_vllm_names(ours: Counter | Gauge | Histogram) -> Twinned:
+            return twinned(ours, r, model_name=model_name, max_model_len=max_model_len)
+
         self.http_requests = Counter(
             "dualpath_http_requests",
             "HTTP requests answered, by route and status code (429s included).",
             ["route", "status_code"],
             registry=r,
         )
-        self.generations = Counter(
-            "dualpath_generations",
-            "Generations (one prompt x one choice) ended, by finish reason; 'cancelled' when "
-            "the client went away or the server stopped.",
-            ["finish_reason"],
-            registry=r,
+        self.generations = with_vllm_names(
+            Counter(
+                "dualpath_generations",
+                "Generations (one prompt x one choice) ended, by finish reason; 'cancelled' "
+                "when the client went away or the server stopped.",
+                ["finish_reason"],
+                registry=r,
+            )
         )
         self.rejected = Counter(
             "dualpath_requests_rejected",
@@ -83,11 +97,13 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "dualpath_time_to_first_token_seconds",
-            "Arrival at the server to the first generated token.",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=r,
+        self.ttft = with_vllm_names(
+            Histogram(
+                "dualpath_time_to_first_token_seconds",
+                "Arrival at the server to the first generated token.",
+                buckets=_LATENCY_BUCKETS_S,
+                registry=r,
+            )
         )
         self.time_to_second_token = Histogram(
             "dualpath_time_to_second_token_seconds",
@@ -95,39 +111,58 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
-        self.tpot = Histogram(
-            "dualpath_time_per_output_token_seconds",
-            "Mean time between output tokens after the first, per generation.",
-            buckets=_TPOT_BUCKETS_S,
-            registry=r,
+        self.inter_token_latency = with_vllm_names(
+            Histogram(
+                "dualpath_inter_token_latency_seconds",
+                "Between two deliveries of a generation's tokens to the server, after the "
+                "first (one engine event each; the first gap is the prefill-to-decode handoff).",
+                buckets=_TPOT_BUCKETS_S,
+                registry=r,
+            )
         )
-        self.e2e = Histogram(
-            "dualpath_e2e_request_latency_seconds",
-            "Arrival at the server to the last token, per generation.",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=r,
+        self.tpot = with_vllm_names(
+            Histogram(
+                "dualpath_time_per_output_token_seconds",
+                "Mean time between output tokens after the first, per generation.",
+                buckets=_TPOT_BUCKETS_S,
+                registry=r,
+            )
         )
-        self.prompt_tokens = Counter(
-            "dualpath_prompt_tokens", "Prompt tokens of finished generations.", registry=r
+        self.e2e = with_vllm_names(
+            Histogram(
+                "dualpath_e2e_request_latency_seconds",
+                "Arrival at the server to the last token, per generation.",
+                buckets=_LATENCY_BUCKETS_S,
+                registry=r,
+            )
         )
-        self.cached_prompt_tokens = Counter(
-            "dualpath_cached_prompt_tokens",
-            "Prompt tokens whose KV was loaded from the store (store hits, in tokens).",
-            registry=r,
+        self.prompt_tokens = with_vllm_names(
+            Counter("dualpath_prompt_tokens", "Prompt tokens of finished generations.", registry=r)
         )
-        self.generation_tokens = Counter(
-            "dualpath_generation_tokens", "Generated tokens.", registry=r
+        self.cached_prompt_tokens = with_vllm_names(
+            Counter(
+                "dualpath_cached_prompt_tokens",
+                "Prompt tokens whose KV was loaded from the store (store hits, in tokens).",
+                registry=r,
+            )
         )
-        self.waiting = Gauge(
-            "dualpath_requests_waiting",
-            "Generations accepted by the server without a first token yet (bounded; 429 "
-            "beyond the bound).",
-            registry=r,
+        self.generation_tokens = with_vllm_names(
+            Counter("dualpath_generation_tokens", "Generated tokens.", registry=r)
         )
-        self.running = Gauge(
-            "dualpath_requests_running",
-            "Generations with a first token and no last one yet.",
-            registry=r,
+        self.waiting = with_vllm_names(
+            Gauge(
+                "dualpath_requests_waiting",
+                "Generations accepted by the server without a first token yet (bounded; 429 "
+                "beyond the bound).",
+                registry=r,
+            )
+        )
+        self.running = with_vllm_names(
+            Gauge(
+                "dualpath_requests_running",
+                "Generations with a first token and no last one yet.",
+                registry=r,
+            )
         )
         self.links = LinkRateTracker(window_s)
         r.register(

@@ -7,7 +7,9 @@ lenient about extra keys: agent frameworks send back the assistant message they 
 with fields such as ``refusal`` or ``annotations`` set to null.
 
 vLLM's extensions are accepted: ``ignore_eos``, ``min_tokens``, ``top_k``,
-``stop_token_ids`` and ``return_token_ids``.
+``stop_token_ids`` and ``return_token_ids``; ``repetition_penalty`` at its neutral 1 (what
+vLLM's own benchmark client sends), and /tokenize's ``add_special_tokens`` as false (what the
+server does to every prompt).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class _GenerationRequest(_Strict):
     # vLLM extensions.
     top_k: int | None = Field(default=None, ge=-1, le=MAX_WIRE_INT)  # 0 or -1 = off
     ignore_eos: bool = False
+    repetition_penalty: float | None = None  # only 1 (off): vLLM's bench client sends it
     min_tokens: int = Field(default=0, ge=0, le=MAX_WIRE_INT)
     stop_token_ids: list[TokenId] | None = None
     return_token_ids: bool = False
@@ -68,6 +71,11 @@ class _GenerationRequest(_Strict):
         """400 for fields we accept syntactically but cannot honour."""
         if self.presence_penalty or self.frequency_penalty:
             raise bad_request("presence_penalty and frequency_penalty are not supported", "penalty")
+        if self.repetition_penalty not in (None, 1.0):
+            raise bad_request(
+                f"repetition_penalty {self.repetition_penalty} is not supported (only 1, off)",
+                "repetition_penalty",
+            )
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -256,6 +264,17 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # vLLM's field. Prompts are encoded without added special tokens (BOS, ...), so this /tokenize
+    # gives the ids a completion's prompt gets only as false.
+    add_special_tokens: bool = False
+
+    def check_supported(self) -> None:
+        if self.add_special_tokens:
+            raise bad_request(
+                "add_special_tokens=true is not supported: the server adds no special tokens "
+                "to a prompt",
+                "add_special_tokens",
+            )
 
 
 class DetokenizeRequest(_Strict):

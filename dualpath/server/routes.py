@@ -76,6 +76,7 @@ def build_router(context: ServingContext) -> APIRouter:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
             _check_model(context, body.model)
+        body.check_supported()
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.prompt is not None:

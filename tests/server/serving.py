@@ -53,21 +53,27 @@ def free_port() -> int:
 
 @contextmanager
 def start_server(
-    model_dir: Path, root: Path, *extra_args: str, has_engine_log_dir: bool = True
+    model_dir: Path,
+    root: Path,
+    *extra_args: str,
+    has_engine_log_dir: bool = True,
+    has_api_key: bool = True,
 ) -> Iterator[Server]:
     """`dualpath serve` on ``model_dir`` with its store, logs and home under ``root``; healthy
     on entry, killed (if still running) on exit. Without ``has_engine_log_dir`` the engines
-    log where the server chooses (under ``root / "home"``)."""
+    log where the server chooses (under ``root / "home"``); without ``has_api_key`` no route
+    asks for ``API_KEY``."""
     port = free_port()
     argv = [
         sys.executable, "-m", "dualpath.cli", "--log-level", "INFO", "serve",
         "--model", str(model_dir),
         "--kv-store", str(root / "kv"),
         "--port", str(port),
-        "--api-key", API_KEY,
         "--served-model-name", MODEL,
         *extra_args,
     ]  # fmt: skip
+    if has_api_key:
+        argv += ["--api-key", API_KEY]
     if has_engine_log_dir:
         argv += ["--engine-log-dir", str(root / "logs")]
     env = dict(os.environ, DUALPATH_HOME=str(root / "home"))

@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from dualpath.server.vllm_metrics import VLLM_SERIES
 from tests.server.serving import (
     MODEL,
     Server,
@@ -459,6 +461,69 @@ def test_metrics_count_requests_and_tokens(server: Server) -> None:
     assert len(occupancy) == 3 and all(0 <= after[k] <= 1 for k in occupancy)
     busy = {k: v for k, v in after.items() if k[0] == "dualpath_engine_busy_seconds_total"}
     assert len(busy) == 3 and max(busy.values()) > 0
+
+
+def test_request_series_under_vllms_names_are_ours(server: Server) -> None:
+    before = metric_values(server)
+    out = server.client.completions.create(
+        model=MODEL, prompt="count me", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    text = httpx.get(f"{server.url}/metrics").text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    after = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in families.values()
+        for s in family.samples
+    }
+    # Every series of VLLM_SERIES, as vLLM types and labels it, for the served model.
+    for series in VLLM_SERIES:
+        family = families[series.name]
+        assert family.type == series.kind, series.name
+        label_names = {"model_name", "engine"} | ({series.label} if series.label else set())
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} == label_names, sample
+            assert (sample.labels["model_name"], sample.labels["engine"]) == (MODEL, "0")
+    vllm = (("engine", "0"), ("model_name", MODEL))
+
+    def finished(reason: str) -> tuple:
+        return tuple(sorted((*vllm, ("finished_reason", reason))))
+
+    # The same numbers as ours, at one scrape.
+    for ours, theirs in (
+        ("dualpath_prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("dualpath_prompt_tokens_total", "vllm:prefix_cache_queries_total"),
+        ("dualpath_prompt_tokens_total", "vllm:request_prompt_tokens_sum"),
+        ("dualpath_cached_prompt_tokens_total", "vllm:prefix_cache_hits_total"),
+        ("dualpath_cached_prompt_tokens_total", "vllm:prompt_tokens_cached_total"),
+        ("dualpath_generation_tokens_total", "vllm:generation_tokens_total"),
+        ("dualpath_generation_tokens_total", "vllm:request_generation_tokens_sum"),
+        ("dualpath_requests_waiting", "vllm:num_requests_waiting"),
+        ("dualpath_requests_running", "vllm:num_requests_running"),
+        ("dualpath_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("dualpath_time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum"),
+        ("dualpath_inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count"),
+        ("dualpath_time_per_output_token_seconds_count",
+         "vllm:request_time_per_output_token_seconds_count"),
+        ("dualpath_e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
+    ):  # fmt: skip
+        assert after[(ours, ())] == after[(theirs, vllm)], theirs
+    for (name, labels), value in after.items():
+        if name == "dualpath_generations_total":
+            reason = dict(labels)["finish_reason"]
+            vllm_reason = "abort" if reason == "cancelled" else reason  # vLLM's word for it
+            assert after[("vllm:request_success_total", finished(vllm_reason))] == value, reason
+
+    # The request counted once, its usage in the token series.
+    def grown(name: str, labels: tuple = vllm) -> float:
+        return after[(name, labels)] - before[(name, labels)]
+
+    assert grown("vllm:request_success_total", finished("length")) == 1
+    assert grown("vllm:time_to_first_token_seconds_count") == 1
+    assert grown("vllm:e2e_request_latency_seconds_count") == 1
+    assert grown("vllm:request_time_per_output_token_seconds_count") == 1
+    assert grown("vllm:prompt_tokens_total") == out.usage.prompt_tokens
+    assert grown("vllm:generation_tokens_total") == out.usage.completion_tokens == 3
+    assert grown("vllm:prefix_cache_hits_total") == out.usage.prompt_tokens_details.cached_tokens
 
 
 def test_sigterm_ends_requests_stops_every_child_and_exits_0(server: Server) -> None:

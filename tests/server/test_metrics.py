@@ -15,6 +15,7 @@ from dualpath.server.metrics import (
     link_capacity_lookup,
     link_totals,
 )
+from dualpath.server.vllm_metrics import VLLM_SERIES, request_tokens_buckets
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -33,6 +34,8 @@ def make_metrics(snapshots: list[ClusterSnapshot]) -> ServerMetrics:
         link_capacity_bytes_per_s=link_capacity_lookup(8.0, 0.0),  # SNIC 1 GB/s
         store_stats=lambda: StoreStats(hit_blocks=5, miss_blocks=2, corrupt_blocks=1),
         window_s=10.0,
+        model_name="tiny",
+        max_model_len=2048,
     )
 
 
@@ -106,6 +109,74 @@ def test_request_metrics() -> None:
     assert values[("dualpath_generation_tokens_total", ())] == 9
     key = (("route", "/v1/completions"), ("status_code", "429"))
     assert values[("dualpath_http_requests_total", key)] == 1
+
+
+def vllm_labels(**extra: str) -> tuple:
+    return tuple(sorted({"model_name": "tiny", "engine": "0", **extra}.items()))
+
+
+def test_request_series_under_vllm_names_are_ours() -> None:
+    metrics = make_metrics([snapshot(0.0, 0, 0)])
+    metrics.on_generation_finished(
+        "length",
+        GenerationTimes(10.0, 10.5, 10.75, 12.5, num_output_tokens=9),
+        num_prompt_tokens=100,
+        num_cached_tokens=64,
+    )
+    metrics.generations.labels("cancelled").inc()
+    metrics.inter_token_latency.observe(0.03)
+    metrics.waiting.set(3)
+    metrics.running.inc()
+    values = samples(metrics)
+    vllm = vllm_labels()
+    for ours, theirs, value in (
+        ("dualpath_prompt_tokens_total", "vllm:prompt_tokens_total", 100),
+        ("dualpath_prompt_tokens_total", "vllm:prefix_cache_queries_total", 100),
+        ("dualpath_cached_prompt_tokens_total", "vllm:prefix_cache_hits_total", 64),
+        ("dualpath_cached_prompt_tokens_total", "vllm:prompt_tokens_cached_total", 64),
+        ("dualpath_generation_tokens_total", "vllm:generation_tokens_total", 9),
+        ("dualpath_requests_waiting", "vllm:num_requests_waiting", 3),
+        ("dualpath_requests_running", "vllm:num_requests_running", 1),
+        ("dualpath_time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum", 0.5),
+        ("dualpath_time_per_output_token_seconds_sum",
+         "vllm:request_time_per_output_token_seconds_sum", 0.25),
+        ("dualpath_inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_sum", 0.03),
+        ("dualpath_e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum", 2.5),
+    ):  # fmt: skip
+        assert values[(ours, ())] == values[(theirs, vllm)] == value, theirs
+    # One observation per finished generation, of its tokens, in vLLM's 1-2-5 buckets.
+    assert values[("vllm:request_prompt_tokens_bucket", vllm_labels(le="100.0"))] == 1
+    assert values[("vllm:request_prompt_tokens_bucket", vllm_labels(le="50.0"))] == 0
+    assert values[("vllm:request_generation_tokens_sum", vllm)] == 9
+    # vLLM's TTFT buckets, not ours: 0.5 s falls in le=0.5, and ours has no 0.75 bound.
+    assert values[("vllm:time_to_first_token_seconds_bucket", vllm_labels(le="0.5"))] == 1
+    assert values[("vllm:time_to_first_token_seconds_bucket", vllm_labels(le="0.25"))] == 0
+    assert ("vllm:time_to_first_token_seconds_bucket", vllm_labels(le="0.75")) in values
+    # vLLM's finish reasons, each from the start; our 'cancelled' is its 'abort'.
+    success = {
+        dict(labels)["finished_reason"]: value
+        for (name, labels), value in values.items()
+        if name == "vllm:request_success_total"
+    }
+    assert success == {"stop": 0, "length": 1, "abort": 1, "error": 0, "repetition": 0}
+
+
+def test_every_vllm_series_is_exported_with_vllms_type_and_labels() -> None:
+    metrics = make_metrics([snapshot(0.0, 0, 0)])
+    text = generate_latest(metrics.registry).decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    for series in VLLM_SERIES:
+        family = families[series.name]
+        assert family.type == series.kind, series.name
+        label_names = {"model_name", "engine"} | ({series.label} if series.label else set())
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} == label_names, sample
+            assert sample.labels["model_name"] == "tiny" and sample.labels["engine"] == "0"
+
+
+def test_request_token_buckets_are_vllms_1_2_5_series_up_to_the_context() -> None:
+    assert request_tokens_buckets(2048) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+    assert request_tokens_buckets(1) == (1,)
 
 
 def test_two_servers_in_one_process_do_not_share_metrics() -> None:
