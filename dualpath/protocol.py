@@ -9,6 +9,7 @@ A request's life on the wire::
     engine  --EngineInfo-->  scheduler  --PeerTable-->  every client       (membership)
     engine  --EngineReport--> scheduler  (every fetch interval: the pull, SPEC §6)
     scheduler --Assignment--> PE and DE  (pair and LoadPlan fixed; reads start)
+    PE --PrefillHeld--> scheduler --> DE (vLLM engines: hit blocks the PE's engine holds)
     DE --DecodeReady--> scheduler --> PE (DE buffer slots known, DE-side hit KV in them)
     PE --PrefillDone--> scheduler --> DE (every layer's KV written into the DE buffer)
     DE --TokenUpdate--> scheduler        (streamed tokens; the last one carries finish_reason)
@@ -141,6 +142,17 @@ def _is_packed(token_ids: object) -> bool:
     return type(token_ids) is array.array and token_ids.typecode == "I"
 
 
+@message("prefill-held")
+@dataclass(frozen=True, slots=True)
+class PrefillHeld:
+    """PE -> DE, from a PE whose engine keeps a prefix cache of its own (vLLM's): it holds the
+    prompt's first ``num_blocks`` blocks, so the DE reads none of them on its side (the PE
+    sends them) and starts its side's reads only once it knows this."""
+
+    request_id: int
+    num_blocks: int
+
+
 @message("decode-ready")
 @dataclass(frozen=True, slots=True)
 class DecodeReady:
@@ -149,8 +161,8 @@ class DecodeReady:
 
     request_id: int
     slots: tuple[int, ...]
-    # Leading DE-side hit blocks actually read; a block the DE could not read (and those
-    # after it) must be recomputed by the PE.
+    # Leading DE-side hit blocks actually read (with those the PE said it holds: PrefillHeld);
+    # a block the DE could not read (and those after it) must be recomputed by the PE.
     num_decode_side_blocks_read: int
 
 

@@ -47,6 +47,7 @@ from dualpath.protocol import (
     EngineReport,
     KVPersisted,
     PrefillDone,
+    PrefillHeld,
     RequestEvent,
     RequestFailed,
     Shutdown,
@@ -165,6 +166,9 @@ class Coordinator:
             ),
             DecodeReady: lambda engine, msg, now_s: lifecycle.relay(
                 msg.request_id, msg, to_prefill=True
+            ),
+            PrefillHeld: lambda engine, msg, now_s: lifecycle.relay(
+                msg.request_id, msg, to_prefill=False
             ),
             PrefillDone: lambda engine, msg, now_s: lifecycle.on_prefill_done(msg, now_s),
             TokenUpdate: lambda engine, msg, now_s: lifecycle.on_tokens(msg, now_s),

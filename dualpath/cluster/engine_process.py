@@ -45,6 +45,7 @@ from dualpath.protocol import (
     Heartbeat,
     PeerTable,
     PrefillDone,
+    PrefillHeld,
     RequestFailed,
     Shutdown,
 )
@@ -259,7 +260,7 @@ class _EngineProcess:
         self.last_heard_s = time.monotonic()
         if isinstance(msg, Assignment):
             self._assign(msg)
-        elif isinstance(msg, (DecodeReady, PrefillDone)):
+        elif isinstance(msg, (DecodeReady, PrefillDone, PrefillHeld)):
             self.role.on_peer_message(msg)
         elif isinstance(msg, CancelRequest):
             self.role.cancel(msg.request_id)

@@ -38,6 +38,7 @@ from dualpath.protocol import (
     EngineInfo,
     PeerTable,
     PrefillDone,
+    PrefillHeld,
     RequestFailed,
     client_id_of,
     engine_id_of,
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 _MAX_PROFILED_CONTEXT_TOKENS = 2048
 
 Send = Callable[[object], None]
+# What the scheduler relays between a request's two engines.
+PeerMessage = DecodeReady | PrefillDone | PrefillHeld
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +79,7 @@ class RoleEngine(Protocol):
         """Take a placed request (``ValueError`` for one it cannot serve)."""
         ...
 
-    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
+    def on_peer_message(self, msg: PeerMessage) -> None:
         """A message the scheduler relays from the request's other engine."""
         ...
 
@@ -252,7 +255,7 @@ class PrefillRole:
     def add(self, assignment: Assignment) -> None:
         self.engine.add(assignment)
 
-    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
+    def on_peer_message(self, msg: PeerMessage) -> None:
         if isinstance(msg, DecodeReady):
             self.engine.on_decode_ready(msg)
         else:
@@ -326,7 +329,7 @@ class DecodeRole:
     def add(self, assignment: Assignment) -> None:
         self.engine.add(assignment)
 
-    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
+    def on_peer_message(self, msg: PeerMessage) -> None:
         if isinstance(msg, PrefillDone):
             self.engine.on_prefill_done(msg)
         else:

@@ -13,8 +13,10 @@ interface as ours: the same messages in and out, the same buffers, store reads a
                       KVPersisted
 
 A PE's vLLM keeps the KV of prompts it computed in its prefix cache: hit blocks it still holds
-are neither read by the PE nor pulled from the DE (``num_engine_cached_bytes`` counts them, so
-that the sides' reads plus these equal the cached tokens' KV). A seeded sampler restarts on the
+are read by neither side (``num_engine_cached_bytes`` counts them, so that the sides' reads
+plus these equal the cached tokens' KV). The PE tells the DE how many it holds (PrefillHeld,
+relayed by the scheduler as soon as the PE takes the request), and the DE starts its side's
+reads once it knows, skipping those; the PE sends them with the rest the DE lacks. A seeded sampler restarts on the
 DE (vLLM samples the DE's tokens), so only greedy requests give one vLLM instance's exact
 tokens.
 """
@@ -29,7 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dualpath.cluster.roles import DecodePeers, RoleLoad, Send, failed_batch_messages
+from dualpath.cluster.roles import DecodePeers, PeerMessage, RoleLoad, Send, failed_batch_messages
 from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
 from dualpath.engine.decode import PersistingRequests
@@ -45,6 +47,7 @@ from dualpath.protocol import (
     DecodeReady,
     PeerTable,
     PrefillDone,
+    PrefillHeld,
     RequestFailed,
     TokenUpdate,
 )
@@ -156,6 +159,7 @@ class VllmPrefillRole:
         self.requests: dict[int, _PrefillRequest] = {}
         # Hit KV counted cached but read by neither side: vLLM still held it.
         self.num_engine_cached_bytes = 0
+        self._outbox: list[object] = []  # messages to the DEs, sent at the next chance
 
     def add(self, assignment: Assignment) -> None:
         num_pe_blocks = assignment.num_prefill_side_blocks
@@ -173,6 +177,8 @@ class VllmPrefillRole:
             num_engine_cached_blocks=num_cached,
         )
         self.requests[request.request_id] = request
+        if assignment.num_decode_side_blocks:  # the DE waits for this before reading
+            self._outbox.append(PrefillHeld(request.request_id, num_cached))
         self._slot_queue.add(request, len(request.keys), partial(self._start_reads, request))
 
     def _start_reads(self, request: _PrefillRequest, slots: list[int]) -> None:
@@ -181,7 +187,7 @@ class VllmPrefillRole:
             request.keys, slots, f"request {request.request_id} PE side"
         )
 
-    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
+    def on_peer_message(self, msg: PeerMessage) -> None:
         request = self.requests.get(msg.request_id) if isinstance(msg, DecodeReady) else None
         if request is not None:
             request.decode_ready = msg
@@ -239,10 +245,11 @@ class VllmPrefillRole:
         num_pe_read = request.reads.result()
         num_de_read = ready.num_decode_side_blocks_read
         request.num_hit = num_cached + num_pe_read
-        held = range(0)
+        held = range(0)  # blocks the DE read itself: not sent to it
         if request.num_hit >= num_pe:  # the PE side whole: the DE side's blocks follow
-            held = range(num_pe, num_pe + num_de_read)
-            request.num_hit = max(request.num_hit, held.stop)
+            # The DE skipped the DE-side blocks this engine said it holds (PrefillHeld).
+            held = range(max(num_pe, num_cached), num_pe + num_de_read)
+            request.num_hit = max(request.num_hit, num_pe + num_de_read)
         remote_blocks = None
         first_pulled = max(num_cached, num_pe)
         if held and held.stop > first_pulled:
@@ -258,19 +265,29 @@ class VllmPrefillRole:
                 num_cached,
                 remote_blocks,
             )
-        # The engine-cached blocks nobody read (the DE read those on its side).
-        request.num_unread_cached = num_cached - max(0, min(num_cached, held.stop) - held.start)
+        request.num_unread_cached = num_cached  # the DE skipped them too
         return KVPlan(
             request.request_id,
             load=load,
             send=SendTarget(remote, ready.slots, len(assignment.prompt_token_ids), held),
         )
 
+    def _flush_outbox(self, send: Send) -> None:
+        outbox, self._outbox = self._outbox, []
+        for msg in outbox:
+            send(msg)
+
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
+        self._flush_outbox(send)
         self._submit_ready()
         if not self.engine.has_unfinished_requests():
             return False
-        self.host.between_layers = between_layers
+
+        def between_layers_and_send() -> None:  # requests placed mid-step tell their DEs now
+            between_layers()
+            self._flush_outbox(send)
+
+        self.host.between_layers = between_layers_and_send
         try:
             outputs = self.engine.step()
         finally:
@@ -357,8 +374,11 @@ class _DecodeRequest:
     assignment: Assignment
     params: SamplingParams
     keys: list  # the DE-side hit blocks' keys
+    # Leading blocks the PE's engine holds (PrefillHeld): not read here. None: not known yet.
+    num_held_by_prefill: int | None = None
     slots: list[int] = field(default_factory=list)
     reads: Any = None  # Future[int]: leading DE-side blocks read into ``slots``
+    num_skipped: int = 0  # leading DE-side blocks not read: the PE's engine holds them
     is_ready_sent: bool = False
     prefill_done: PrefillDone | None = None
     plan: KVPlan | None = None  # set once it is in vLLM
@@ -406,21 +426,37 @@ class VllmDecodeRole:
         request = _DecodeRequest(
             assignment, sampling_params_from_dict(assignment.sampling), keys[first:end]
         )
+        if not request.keys:
+            request.num_held_by_prefill = 0  # nothing to read: no need to wait for the PE
         self.requests[request.request_id] = request
-        self._slot_queue.add(request, num_slots, partial(self._start_reads, request))
+        self._slot_queue.add(request, num_slots, partial(self._on_slots, request))
 
-    def _start_reads(self, request: _DecodeRequest, slots: list[int]) -> None:
+    def _on_slots(self, request: _DecodeRequest, slots: list[int]) -> None:
         request.slots = slots
+        self._start_reads(request)
+
+    def _start_reads(self, request: _DecodeRequest) -> None:
+        """Read the DE side's hit blocks the PE's engine does not hold, once the slots are
+        there and the PE has said what it holds."""
+        if not request.slots or request.num_held_by_prefill is None or request.reads is not None:
+            return
         first = request.assignment.num_prefill_side_blocks
+        request.num_skipped = min(len(request.keys), max(0, request.num_held_by_prefill - first))
+        start = first + request.num_skipped
         request.reads = self.reader.submit(
-            request.keys,
-            slots[first : first + len(request.keys)],
+            request.keys[request.num_skipped :],
+            request.slots[start : first + len(request.keys)],
             f"request {request.request_id} DE side",
         )
 
-    def on_peer_message(self, msg: DecodeReady | PrefillDone) -> None:
-        request = self.requests.get(msg.request_id) if isinstance(msg, PrefillDone) else None
-        if request is not None:
+    def on_peer_message(self, msg: PeerMessage) -> None:
+        request = self.requests.get(msg.request_id)
+        if request is None or isinstance(msg, DecodeReady):
+            return
+        if isinstance(msg, PrefillHeld):
+            request.num_held_by_prefill = msg.num_blocks
+            self._start_reads(request)
+        else:
             request.prefill_done = msg
 
     def connect_peers(self, table: PeerTable) -> None:
@@ -479,7 +515,8 @@ class VllmDecodeRole:
             if request.is_ready_sent or request.reads is None or not request.reads.done():
                 continue
             request.is_ready_sent = True
-            send(DecodeReady(request.request_id, tuple(request.slots), request.reads.result()))
+            num_covered = request.num_skipped + request.reads.result()
+            send(DecodeReady(request.request_id, tuple(request.slots), num_covered))
         self._adopt_prefilled()
         if not self.engine.has_unfinished_requests():
             return False

@@ -1,7 +1,9 @@
 """A vLLM decode engine SIGKILLed while 8 streams decode (`dualpath serve --engine vllm` 1P2D,
 the embedded checkpoint): every stream goes on elsewhere and ends with plain vLLM's greedy
 tokens (the near-tie rule of ``reference.near_ties``), and the engine is started again and
-rejoins.
+rejoins. Twice: with every hit read by the PE, and with every hit read by the DEs
+(`--read-path de`, on a store an earlier server filled with the prompts, so the killed engine
+holds hit KV that the PE pulls from it for requests still waiting for their prefill).
 
 The kill strikes once the engine decodes and holds requests, seen on /metrics
 (``tests/faults/strike.py``: it is sure to hit one, on any machine); the waits are hang guards.
@@ -42,11 +44,26 @@ def references(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     return plain_vllm(smollm2_model_dir, CONTEXT, requests, tmp_path_factory.mktemp("reference"))
 
 
+@pytest.fixture(params=["pe", "de"])
+def read_path(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture
-def server(smollm2_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
-    args = ("--engine", "vllm", "--read-path", "pe", "--nodes", "1P2D")
-    with start_server(smollm2_model_dir, tmp_path, *args, "--max-model-len", str(CONTEXT)) as s:
+def server(read_path: str, smollm2_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    args = ("--engine", "vllm", "--read-path", read_path, "--nodes", "1P2D")
+    args += ("--max-model-len", str(CONTEXT))
+    if read_path == "de":  # the prompts in the store; the next server's engines start empty
+        with start_server(smollm2_model_dir, tmp_path, *args) as first:
+            client = first.client.with_options(timeout=HANG_GUARD_S)
+            for prompt in _prompts():
+                client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    with start_server(smollm2_model_dir, tmp_path, *args) as s:
         yield s
+
+
+def _side_read_bytes(server: Server, side: str) -> float:
+    return metric_values(server).get(("dualpath_read_path_bytes_total", (("side", side),)), 0.0)
 
 
 def _stream(server: Server, prompt: list[int]) -> dict:
@@ -74,11 +91,15 @@ def _num_live_engines(server: Server) -> int:
 
 
 def test_a_killed_vllm_decode_engines_streams_go_on_and_it_comes_back(
-    server: Server, references: list[dict]
+    read_path: str, server: Server, references: list[dict]
 ) -> None:
     pid_before = engine_pids(server)[VICTIM_ID]
 
     def is_decoding(samples) -> bool:  # its requests have tokens to go on from
+        if read_path == "de" and not samples.get(
+            ("dualpath_read_path_bytes_total", (("side", "decode"),))
+        ):
+            return False  # and it has read hit KV on the DE side
         return engine_sample(samples, "dualpath_engine_busy_seconds_total", VICTIM_ID) > 0
 
     with ThreadPoolExecutor(NUM_STREAMS) as pool:
@@ -102,6 +123,8 @@ def test_a_killed_vllm_decode_engines_streams_go_on_and_it_comes_back(
     metrics = metric_values(server)
     replaced = metrics[("dualpath_scheduler_replaced_requests_total", ())]
     assert replaced >= 1, "the kill hit no stream"
+    if read_path == "de":  # every hit was read on the DE side
+        assert _side_read_bytes(server, "decode") > 0 and _side_read_bytes(server, "prefill") == 0
     print(f"{replaced:.0f} stream(s) placed again; {num_ties} near-tie difference(s)")
     # Started again under the same id, it rejoins: /health counts 3 live engines.
     deadline_s = time.monotonic() + HANG_GUARD_S
