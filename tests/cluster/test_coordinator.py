@@ -21,6 +21,7 @@ from dualpath.protocol import (
     KVPersisted,
     PeerTable,
     PrefillDone,
+    PrefillHeld,
     RequestFailed,
     TokenUpdate,
 )
@@ -97,6 +98,9 @@ def test_request_is_placed_relayed_and_finished(cluster) -> None:
     assert pe_view.num_hit_blocks == 2  # cached prefix: 8 tokens
     assert pe_view.prompt_token_ids.tolist() == prompt
 
+    engines[0].client.send(PrefillHeld(request_id, 1))  # a vLLM PE: to its DE
+    settle(coordinator, engines)
+    assert engines[2].receive(PrefillHeld) == [PrefillHeld(request_id, 1)]
     engines[2].client.send(DecodeReady(request_id, (5, 6, 7, 8), 2))
     settle(coordinator, engines)
     assert engines[0].receive(DecodeReady) == [DecodeReady(request_id, (5, 6, 7, 8), 2)]
