@@ -30,6 +30,7 @@ RESERVED_VLLM_ARGS = (
     "data_parallel_size",
     "enable_prefix_caching",
     "seed",
+    "num_gpu_blocks_override",
 )
 
 
@@ -40,7 +41,7 @@ def check_vllm_args(args: Mapping[str, Any]) -> None:
         raise ValueError(
             f"vLLM argument(s) {', '.join(reserved)} are set by dualpath and cannot be passed "
             "through (use dualpath's own flags: --model, --block-size, --dtype, "
-            "--max-model-len)"
+            "--max-model-len, --kv-cache-gb)"
         )
 
 

@@ -59,6 +59,7 @@ class ModeRun:
     max_prompt_tokens: int | None = None
     engine: str = "native"  # what runs the model in every engine (serve --engine)
     vllm_args: tuple[tuple[str, Any], ...] = ()  # with engine "vllm": serve --vllm-arg
+    kv_cache_gb: float | None = None  # each engine's device KV memory (None: serve's default)
     extra_serve_args: tuple[str, ...] = ()
 
 
@@ -86,6 +87,8 @@ def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
         args += ["--engine", run.engine]
     for key, value in run.vllm_args:
         args += ["--vllm-arg", f"{key}={json.dumps(value)}"]
+    if run.kv_cache_gb is not None:
+        args += ["--kv-cache-gb", str(run.kv_cache_gb)]
     return args + list(run.extra_serve_args)
 
 

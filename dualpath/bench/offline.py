@@ -37,7 +37,8 @@ the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores
 process kept busy: ``process_cpu.py``), ``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
 (turns whose tokens differ from the first mode's); top level ``valid``, ``problems``,
 ``ratios``, ``rho``, ``snic_caps_gbps``, ``prefill_tokens_per_s``, ``prompt_tokens_per_busy_s``,
-``kv_bytes_per_token``, ``shaping`` (the workload's shaping: ``presets.WorkloadShape``) and
+``kv_bytes_per_token``, ``calibration_run`` (the uncapped run the caps come from: its JCT, PE
+busy fraction, tokens and bytes read), ``shaping`` (the workload's shaping: ``presets.WorkloadShape``) and
 ``workload`` (its statistics, with ``ideal_hit_ratio``, the infinite-cache hit bound at the
 servers' block size).
 """
@@ -176,6 +177,7 @@ def oracle_run(
     max_prompt_tokens: int | None = None,
     engine: str = "native",
     vllm_args: dict | None = None,
+    kv_cache_gb: float | None = None,
 ) -> ModeRun:
     """The preset's cluster in ``oracle`` mode (other modes: ``replace(run, mode=...)``)."""
     return ModeRun(
@@ -188,6 +190,7 @@ def oracle_run(
         max_prompt_tokens=max_prompt_tokens,
         engine=engine,
         vllm_args=tuple((vllm_args or {}).items()),
+        kv_cache_gb=kv_cache_gb,
     )
 
 
@@ -199,8 +202,9 @@ def check_engine_modes(engine: str) -> None:
 
 
 def engine_report(run: ModeRun) -> dict:
-    """The JSON's ``engine`` and ``vllm_args``: what ran the model in every server."""
-    return {"engine": run.engine, "vllm_args": dict(run.vllm_args)}
+    """The JSON's ``engine``, ``vllm_args`` and ``kv_cache_gb`` (null: the server's default):
+    what ran the model in every server, with how much KV memory."""
+    return {"engine": run.engine, "vllm_args": dict(run.vllm_args), "kv_cache_gb": run.kv_cache_gb}
 
 
 def workload_report(workload: Workload, shape: WorkloadShape) -> dict:
@@ -229,6 +233,7 @@ def run_offline(
     max_prompt_tokens: int | None = None,
     engine: str = "native",
     vllm_args: dict | None = None,
+    kv_cache_gb: float | None = None,
     progress: bool = True,
 ) -> dict:
     """Every mode on the shaped workload; the report, ``valid`` or not (``validity.py``)."""
@@ -259,6 +264,7 @@ def run_offline(
         max_prompt_tokens=max_prompt_tokens,
         engine=engine,
         vllm_args=vllm_args,
+        kv_cache_gb=kv_cache_gb,
     )
     report: dict = {
         "benchmark": "offline",
@@ -336,6 +342,15 @@ def calibrate(oracle: dict, rho: float, model_dir: Path) -> dict:
     hit_bytes = sum(oracle["path_bytes"].values())
     if busy_s <= 0 or hit_bytes <= 0:
         raise RuntimeError("calibration run read no hit KV or never prefilled: cannot fix caps")
+    held_bytes = oracle.get("engine_cached_bytes") or 0
+    if held_bytes > hit_bytes:
+        raise RuntimeError(
+            f"in the calibration run the prefill engine's own prefix cache held "
+            f"{held_bytes / (held_bytes + hit_bytes):.0%} of the hit KV, so the store is not "
+            "where this workload's hits come from and no SNIC cap makes reads the bottleneck "
+            "(the regime rho describes): give the engines less KV memory (--kv-cache-gb) or "
+            "a workload whose contexts exceed it"
+        )
     demand_bytes_per_s = hit_bytes / busy_s
     return {
         "rho": rho,
@@ -347,7 +362,17 @@ def calibrate(oracle: dict, rho: float, model_dir: Path) -> dict:
         "prompt_tokens_per_busy_s": oracle["prompt_tokens"] / busy_s,
         "kv_bytes_per_token": kv_bytes_per_token,
         "ideal_speedup": ideal_speedup(rho),
+        "calibration_run": calibration_figures(oracle),
     }
+
+
+def calibration_figures(oracle: dict) -> dict:
+    """What the caps were computed from (the JSON's ``calibration_run``)."""
+    keys = (
+        "jct_s", "pe_busy_fraction", "prompt_tokens", "cached_tokens", "path_bytes",
+        "engine_cached_bytes",
+    )  # fmt: skip
+    return {key: oracle.get(key) for key in keys}
 
 
 def finish_report(report: dict, modes: list[str]) -> dict:
@@ -445,8 +470,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="force one read path in every mode (default: each mode's own)",
     )
-    add_engine_kind_arguments(
-        parser, where="every server the benchmark starts; the PE read path only, for now"
+    add_engine_kind_arguments(parser, where="every server the benchmark starts")
+    parser.add_argument(
+        "--kv-cache-gb",
+        type=positive_float,
+        default=None,
+        help="each engine's device KV memory, GB (serve --kv-cache-gb; default: serve's). On "
+        "vLLM engines it also bounds the prefill engine's own prefix cache, a tier above the "
+        "store: a regime where storage supplies the hits needs it well below the agents' KV",
     )
     add_output_arguments(parser)
 
@@ -529,6 +560,7 @@ def main(args: argparse.Namespace) -> int:
             gen_scale=args.gen_scale,
             clones=args.clones,
             max_prompt_tokens=args.max_prompt_tokens,
+            kv_cache_gb=args.kv_cache_gb,
             **engine_kind_args(args),
         )
         for rho in rhos

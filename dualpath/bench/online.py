@@ -199,6 +199,7 @@ def run_online(
     slo_basis: str = "oracle",
     engine: str = "native",
     vllm_args: dict | None = None,
+    kv_cache_gb: float | None = None,
     progress: bool = True,
 ) -> dict:
     """Every mode at the starting rate (or its capacity search); the report, ``valid`` or not
@@ -244,6 +245,7 @@ def run_online(
         max_prompt_tokens=max_prompt_tokens,
         engine=engine,
         vllm_args=vllm_args,
+        kv_cache_gb=kv_cache_gb,
     )
     report: dict = {
         "benchmark": "online",
@@ -459,6 +461,7 @@ def main(args: argparse.Namespace) -> int:
         max_gap_s=args.max_gap_s,
         min_agents=args.min_agents,
         slo_basis=args.slo_basis,
+        kv_cache_gb=args.kv_cache_gb,
         **engine_kind_args(args),
     )
     write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="online")

@@ -642,6 +642,9 @@ def make_vllm_role(
             dtype=engine_config.dtype,
             max_model_len=engine_config.max_model_len,
             kv_cache_bytes=engine_config.kv_cache_bytes,
+            # The engine's KV memory as configured, not rounded to vLLM's whole GiB.
+            num_kv_blocks=engine_config.num_device_blocks
+            or engine_config.kv_cache_bytes // identity.layout.full_block_bytes,
             cores=cores,
             args=engine_config.vllm_args,
         )

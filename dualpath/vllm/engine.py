@@ -36,6 +36,9 @@ class VllmEngineSpec:
     dtype: str = "float32"
     max_model_len: int | None = None
     kv_cache_bytes: int = 1 << 30  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB)
+    # Exactly this many KV blocks (vLLM's num_gpu_blocks_override; within kv_cache_bytes rounded
+    # up to GiB); None: as many as kv_cache_bytes holds.
+    num_kv_blocks: int | None = None
     cores: tuple[int, ...] | None = None  # pin the process here; None: leave it as it is
     # vLLM engine arguments passed through (EngineArgs field -> value); RESERVED_ARGS refused.
     args: Mapping[str, Any] = field(default_factory=dict)
@@ -52,7 +55,7 @@ def build_engine(spec: VllmEngineSpec) -> Any:
         os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(len(spec.cores))  # before vLLM's worker freezes the count
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, spec.kv_cache_bytes // GIB))
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-spec.kv_cache_bytes // GIB)))
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -76,6 +79,8 @@ def build_engine(spec: VllmEngineSpec) -> Any:
             kv_load_failure_policy="fail",
         ),
     )
+    if spec.num_kv_blocks is not None:
+        args["num_gpu_blocks_override"] = spec.num_kv_blocks
     args.update(spec.args)
     return LLMEngine.from_engine_args(EngineArgs(**args))
 
