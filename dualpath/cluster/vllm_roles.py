@@ -112,8 +112,10 @@ class _PrefillRequest:
     assignment: Assignment
     params: SamplingParams
     keys: list
-    # Leading PE-side hit blocks vLLM's own prefix cache held when the request came: not read.
+    # Leading hit blocks vLLM's own prefix cache held when the request came: not read, pinned
+    # there (``pinned``) until the request leaves this engine.
     num_engine_cached_blocks: int = 0
+    pinned: list = field(default_factory=list)
     pe_slots: list[int] = field(default_factory=list)
     reads: Any = None  # Future[int]: leading PE-side blocks read (after the engine-cached ones)
     decode_ready: DecodeReady | None = None
@@ -166,7 +168,8 @@ class VllmPrefillRole:
         self.buffer.check_fits(num_pe_blocks)
         prompt = list(assignment.prompt_token_ids)
         # A hit already in vLLM's memory is not read (nor pulled) again: only the blocks after.
-        num_cached = self.prefix_cache.num_cached_blocks(prompt, assignment.num_hit_blocks)
+        pinned = self.prefix_cache.pin(prompt, assignment.num_hit_blocks)
+        num_cached = len(pinned)
         keys = block_keys(
             prompt[: num_pe_blocks * self.block_size], self.block_size, self.host.fingerprint
         )
@@ -175,6 +178,7 @@ class VllmPrefillRole:
             sampling_params_from_dict(assignment.sampling),
             keys[num_cached:],
             num_engine_cached_blocks=num_cached,
+            pinned=pinned,
         )
         self.requests[request.request_id] = request
         if assignment.num_decode_side_blocks:  # the DE waits for this before reading
@@ -202,12 +206,17 @@ class VllmPrefillRole:
         if request.plan is not None:
             self.engine.abort_request([str(request_id)])
             self.host.plans.pop(request_id, None)
+        self._unpin(request)
         if self._slot_queue.remove(request):
             return
         if request.reads is not None:
             request.reads.result()  # the read thread owns the slots until it returns
         self.buffer.free(request.pe_slots)
         self._slot_queue.start_waiting()
+
+    def _unpin(self, request: _PrefillRequest) -> None:
+        self.prefix_cache.unpin(request.pinned)
+        request.pinned = []
 
     def _submit_ready(self) -> None:
         """Hand vLLM every request whose reads are done, whose DE is ready and reachable."""
@@ -311,6 +320,7 @@ class VllmPrefillRole:
         self.num_engine_cached_bytes += (
             request.num_unread_cached * self.host.layout.full_block_bytes
         )
+        self._unpin(request)
         self.buffer.free(request.pe_slots)
         self._slot_queue.start_waiting()
         completion = output.outputs[0]

@@ -91,9 +91,11 @@ class PrefixCacheProbe:
 
     It hashes the prompt's blocks the way vLLM's engine does for a plain token-id request (no
     LoRA, multimodal input, cache salt or prompt embeddings: our requests carry none) and looks
-    each up in vLLM's block pool. vLLM may evict a block between this look-up and the request's
-    scheduling; the connector then finds a smaller local hit than the PE planned for and loads
-    nothing (vLLM recomputes those tokens: slower, never wrong)."""
+    each up in vLLM's block pool. A look-up alone does not keep the blocks: vLLM may evict one
+    before the request is scheduled (the connector then finds a smaller local hit than planned
+    and loads nothing: vLLM recomputes, slower, never wrong). So a PE ``pin``s what it counts
+    on: the blocks stay in vLLM's cache (a reference each, as a running request holds them)
+    until it ``unpin``s them, at most ``max_pinned_fraction`` of vLLM's blocks at once."""
 
     def __init__(self, engine: Any) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -105,6 +107,7 @@ class PrefixCacheProbe:
         self.block_size = config.block_size
         self._pool = manager.block_pool
         self._hash = get_hash_fn_by_name(config.prefix_caching_hash_algo)
+        self.num_pinned = 0  # blocks pinned and not unpinned (with multiplicity)
 
     def block_hashes(self, token_ids: Sequence[int], num_blocks: int) -> list[Any]:
         """vLLM's hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
@@ -120,10 +123,34 @@ class PrefixCacheProbe:
 
     def num_cached_blocks(self, token_ids: Sequence[int], max_blocks: int) -> int:
         """Leading blocks of ``token_ids`` (at most ``max_blocks``) in vLLM's prefix cache."""
+        return len(self._cached_blocks(token_ids, max_blocks))
+
+    def _cached_blocks(self, token_ids: Sequence[int], max_blocks: int) -> list[Any]:
         if not self.enabled:
-            return 0
+            return []
         max_blocks = min(max_blocks, (len(token_ids) - 1) // self.block_size)  # vLLM's cap
-        for index, block_hash in enumerate(self.block_hashes(token_ids, max_blocks)):
-            if self._pool.get_cached_block(block_hash, [0]) is None:
-                return index
-        return max(max_blocks, 0)
+        blocks = []
+        for block_hash in self.block_hashes(token_ids, max(max_blocks, 0)):
+            found = self._pool.get_cached_block(block_hash, [0])
+            if found is None:
+                break
+            blocks.append(found[0])
+        return blocks
+
+    def pin(
+        self, token_ids: Sequence[int], max_blocks: int, max_pinned_fraction: float = 0.5
+    ) -> list[Any]:
+        """The leading blocks of ``token_ids`` (at most ``max_blocks``) vLLM's prefix cache
+        holds, kept there until ``unpin``; fewer when pins would pass ``max_pinned_fraction``
+        of vLLM's blocks (the rest of the cache stays free for running requests)."""
+        budget = int(self._pool.num_gpu_blocks * max_pinned_fraction) - self.num_pinned
+        blocks = self._cached_blocks(token_ids, max_blocks)[: max(budget, 0)]
+        self._pool.touch(blocks)
+        self.num_pinned += len(blocks)
+        return blocks
+
+    def unpin(self, blocks: Sequence[Any]) -> None:
+        """Give back ``pin``'s blocks (the last block first in line for eviction, as vLLM
+        frees a request's)."""
+        self._pool.free_blocks(reversed(blocks))
+        self.num_pinned -= len(blocks)

@@ -242,6 +242,30 @@ def test_a_hit_in_vllms_prefix_cache_is_not_loaded_and_need_not_be_read(served: 
     _assert_same_greedy(reference, reference_logprobs, tokens, "evicted, recomputed")
 
 
+def test_pinned_blocks_stay_in_vllms_cache_until_unpinned(served: Served) -> None:
+    """What a PE counts as held by vLLM, it pins: when vLLM needs every free block (here taken
+    straight from its pool, evicting what they cached), the pinned blocks stay cached and the
+    others go; pins stop at the budget's share of vLLM's blocks."""
+    from dualpath.vllm.engine import PrefixCacheProbe
+
+    probe = PrefixCacheProbe(served.engine)
+    pool = served.engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    prompt = _prompt(700, seed=21)
+    num_hit = (len(prompt) - 1) // BLOCK
+    served.engine.reset_prefix_cache()
+    _run(served, prompt, 1)
+    pinned = probe.pin(prompt, 4)
+    assert len(pinned) == 4 and probe.num_pinned == 4
+    assert probe.pin(prompt, num_hit, max_pinned_fraction=4 / pool.num_gpu_blocks) == []
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())  # evicts every unpinned block
+    pool.free_blocks(taken)
+    assert probe.num_cached_blocks(prompt, num_hit) == 4
+    probe.unpin(pinned)
+    assert probe.num_pinned == 0
+    pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+    assert probe.num_cached_blocks(prompt, num_hit) == 0
+
+
 def _cached_block_ids(served: Served, prompt: list[int], num_blocks: int) -> list[int]:
     """vLLM's block ids holding the prompt's first ``num_blocks`` blocks (cached)."""
     from dualpath.vllm.engine import PrefixCacheProbe
