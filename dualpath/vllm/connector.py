@@ -434,19 +434,24 @@ class DualpathConnector(KVConnectorBase_V1):
                     first,
                     num,
                 )
-            if not pulled or plan.transfer_error is not None:
+            if not pulled:
                 continue
-            remote = source.remote
-            assert remote is not None, f"request {plan.request_id}: blocks past its sources"
-            pages = np.empty((len(pulled), *self.host.layout.layer_block_shape), np.uint8)
-            slots = [remote.slots[block - remote.first_block] for block, _, _ in pulled]
-            try:
-                self.host.mover(
-                    "cnic", pages.nbytes, partial(remote.remote.read_layer, slots, layer, pages)
-                )
-            except Exception as exc:  # kept for the engine: raised here, it would stop vLLM
-                plan.transfer_error = exc
-                # vLLM must not keep (nor cache) what these blocks hold: it fails the request.
+            if plan.transfer_error is None:
+                remote = source.remote
+                assert remote is not None, f"request {plan.request_id}: blocks past its sources"
+                pages = np.empty((len(pulled), *self.host.layout.layer_block_shape), np.uint8)
+                slots = [remote.slots[block - remote.first_block] for block, _, _ in pulled]
+                try:
+                    self.host.mover(
+                        "cnic", pages.nbytes, partial(remote.remote.read_layer, slots, layer, pages)
+                    )
+                except Exception as exc:  # kept for the engine: raised here, it would stop vLLM
+                    plan.transfer_error = exc
+            if plan.transfer_error is not None:
+                # This layer of these blocks is not pulled (this pull failed, or an earlier
+                # one, or a send to the same DE): vLLM must neither keep nor cache what they
+                # hold, nor the blocks computed after them. Reported, it fails the request and
+                # evicts them all from its prefix cache.
                 self._failed_load_blocks.update(step.block_ids[block] for block, _, _ in pulled)
                 continue
             for page, (block, first, num) in zip(pages, pulled, strict=True):

@@ -40,24 +40,36 @@ class Served:
 
 class LocalRemote:
     """A DE buffer in this process, as a PE's RemoteBuffer sees it; it counts the Layer Blocks
-    pulled and written per slot, and can fail the pulls from layer ``fail_from_layer`` on."""
+    pulled and written per slot, and can fail from layer ``fail_from_layer`` on (the DE died):
+    the pulls (``failing="read"``) or the sends (``failing="write"``)."""
 
-    def __init__(self, buffer: KVBuffer, fail_from_layer: int | None = None) -> None:
+    def __init__(
+        self, buffer: KVBuffer, fail_from_layer: int | None = None, failing: str = "read"
+    ) -> None:
         self.buffer = buffer
         self.fail_from_layer = fail_from_layer
+        self.failing = failing
         self.num_pulled: dict[int, int] = {}
         self.num_written: dict[int, int] = {}
 
-    def read_layer(self, slots, layer, out) -> None:
-        if self.fail_from_layer is not None and layer >= self.fail_from_layer:
+    def _check(self, op: str, layer: int) -> None:
+        if (
+            self.failing == op
+            and self.fail_from_layer is not None
+            and layer >= self.fail_from_layer
+        ):
             from dualpath.errors import TransferError
 
-            raise TransferError(f"the DE is gone (layer {layer})")
+            raise TransferError(f"the DE is gone ({op} of layer {layer})")
+
+    def read_layer(self, slots, layer, out) -> None:
+        self._check("read", layer)
         for i, slot in enumerate(slots):
             out[i] = self.buffer.layer_block(slot, layer)
             self.num_pulled[slot] = self.num_pulled.get(slot, 0) + 1
 
     def write_layer(self, slots, layer, data) -> None:
+        self._check("write", layer)
         for i, slot in enumerate(slots):
             self.buffer.layer_block(slot, layer)[...] = data[i]
             self.num_written[slot] = self.num_written.get(slot, 0) + 1
@@ -339,23 +351,26 @@ def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent
     rest, _, _ = _run(served, prompt + first, len(reference) - 1, de_plan)
     _assert_same_greedy(reference, reference_logprobs, first + rest, "DE read path")
 
-    # The DE dies while the PE pulls layer 10: the request fails, vLLM keeps nothing of it.
-    pe_buffer, pe_slots, de_buffer, de_slots = buffers()
-    dead = LocalRemote(de_buffer, fail_from_layer=10)
-    served.engine.reset_prefix_cache()
-    failed_plan = KVPlan(
-        3,
-        load=LoadSource(
-            pe_buffer,
-            pe_slots,
-            num_hit * BLOCK,
-            remote=RemoteBlocks(dead, de_slots[num_pe:num_hit], num_pe),
-        ),
-        send=SendTarget(dead, de_slots, len(prompt), held),
-    )
-    _run(served, prompt, 1, failed_plan)
-    assert failed_plan.transfer_error is not None
-    # vLLM's prefix cache kept none of the blocks the pull failed for (nor any after them).
-    assert PrefixCacheProbe(served.engine).num_cached_blocks(prompt, num_hit) <= num_pe
-    after, after_logprobs, _ = _run(served, prompt, 8)
-    _assert_same_greedy(reference, reference_logprobs, after, "after a failed pull")
+    # The DE dies while the PE is at layer 10, found by a pull or first by a send (the pulls
+    # of the layers after it are then not made): the request fails, vLLM keeps nothing of it.
+    for failing in ("read", "write"):
+        pe_buffer, pe_slots, de_buffer, de_slots = buffers()
+        dead = LocalRemote(de_buffer, fail_from_layer=10, failing=failing)
+        served.engine.reset_prefix_cache()
+        failed_plan = KVPlan(
+            3,
+            load=LoadSource(
+                pe_buffer,
+                pe_slots,
+                num_hit * BLOCK,
+                remote=RemoteBlocks(dead, de_slots[num_pe:num_hit], num_pe),
+            ),
+            send=SendTarget(dead, de_slots, len(prompt), held),
+        )
+        _run(served, prompt, 1, failed_plan)
+        assert failed_plan.transfer_error is not None, failing
+        # vLLM's prefix cache kept none of the blocks not wholly pulled (nor any after them).
+        num_kept = PrefixCacheProbe(served.engine).num_cached_blocks(prompt, num_hit)
+        assert num_kept <= num_pe, f"{failing} failed: vLLM kept {num_kept} blocks"
+        after, after_logprobs, _ = _run(served, prompt, 8)
+        _assert_same_greedy(reference, reference_logprobs, after, f"after a failed {failing}")
