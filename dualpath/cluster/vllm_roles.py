@@ -121,7 +121,6 @@ class _PrefillRequest:
     decode_ready: DecodeReady | None = None
     plan: KVPlan | None = None  # set once it is in vLLM
     num_hit: int = 0  # leading blocks with KV: engine-cached, read by the PE, read by the DE
-    num_unread_cached: int = 0  # engine-cached hit blocks neither side read
 
     @property
     def request_id(self) -> int:
@@ -274,7 +273,6 @@ class VllmPrefillRole:
                 num_cached,
                 remote_blocks,
             )
-        request.num_unread_cached = num_cached  # the DE skipped them too
         return KVPlan(
             request.request_id,
             load=load,
@@ -317,8 +315,9 @@ class VllmPrefillRole:
             return
         del self.requests[request_id]
         self.host.plans.pop(request_id, None)
+        # Neither side read the engine-cached blocks (the DE skipped them: PrefillHeld).
         self.num_engine_cached_bytes += (
-            request.num_unread_cached * self.host.layout.full_block_bytes
+            request.num_engine_cached_blocks * self.host.layout.full_block_bytes
         )
         self._unpin(request)
         self.buffer.free(request.pe_slots)
