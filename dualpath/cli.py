@@ -333,6 +333,11 @@ def _build_vllm_llm(args: argparse.Namespace):  # -> VllmLLM
     from dualpath.vllm_args import check_vllm_device, check_vllm_installed
 
     kind = engine_kind_args(args)
+    if kind["vllm_prefill_batching"] != "vllm":
+        raise ValueError(
+            "--vllm-prefill-batching is a prefill engine's (serve, engine): generate runs one "
+            "engine that hands vLLM one request at a time"
+        )
     check_vllm_device(args.device)
     check_vllm_installed()
     kv_store = None if args.no_kv_store else (args.kv_store or default_kv_store_dir())
@@ -353,7 +358,7 @@ def _build_vllm_llm(args: argparse.Namespace):  # -> VllmLLM
 
 
 def _refuse_vllm_engine(args: argparse.Namespace, command: str) -> None:
-    if args.engine != "native" or args.vllm_arg:
+    if args.engine != "native" or args.vllm_arg or args.vllm_prefill_batching != "vllm":
         raise ValueError(
             f"{command} runs the native engine; --engine vllm serves with `dualpath serve`, "
             "`dualpath engine` or `dualpath generate`"
@@ -779,6 +784,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         engine=_serve_engine_config(s, dtype),
         transport=s.transport,
         prefill_tokens_per_s=s.prefill_tokens_per_s,
+        attention_quota_s=s.attention_quota_s,
         log_dir=s.engine_log_dir or _server_log_dir(),
         spawn_engines=not s.external_engines,
         token=token,

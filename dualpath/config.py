@@ -44,6 +44,9 @@ class KVStoreConfig:
 
 
 ENGINE_KINDS = ("native", "vllm")
+VLLM_PREFILL_BATCHING = ("vllm", "quota")
+# SPEC §6: a PE batch's predicted time of one attention layer, on the paper's Hopper nodes.
+DEFAULT_ATTENTION_QUOTA_S = 0.300
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,11 @@ class EngineConfig:
     engine: str = "native"
     # vLLM engine arguments passed through (EngineArgs field -> value), "vllm" engines only.
     vllm_args: dict[str, Any] = field(default_factory=dict)
+    # What a vLLM PE hands its engine (docs/vllm.md): "vllm", every request whose reads are
+    # done (vLLM's scheduler packs its steps by max_num_batched_tokens); "quota", one batch
+    # at a time packed by the compute-quota batcher (SPEC §6, attention_quota_s) with a
+    # predictor profiled on the vLLM engine, whole requests only.
+    vllm_prefill_batching: str = "vllm"
 
     def __post_init__(self) -> None:
         if self.block_size_tokens <= 0:
@@ -111,6 +119,16 @@ class EngineConfig:
             raise ValueError(f"engine must be one of {ENGINE_KINDS}, got {self.engine!r}")
         if self.vllm_args and self.engine != "vllm":
             raise ValueError("vllm_args are vLLM engine arguments: give them with engine 'vllm'")
+        if self.vllm_prefill_batching not in VLLM_PREFILL_BATCHING:
+            raise ValueError(
+                f"vllm_prefill_batching must be one of {VLLM_PREFILL_BATCHING}, "
+                f"got {self.vllm_prefill_batching!r}"
+            )
+        if self.vllm_prefill_batching != "vllm" and self.engine != "vllm":
+            raise ValueError(
+                "vllm_prefill_batching is what a vLLM prefill engine hands vLLM: give it with "
+                "engine 'vllm'"
+            )
 
 
 SCHEDULER_NAMES = ("dualpath", "round_robin")
@@ -150,7 +168,7 @@ class SchedulerConfig:
     fetch_interval_s: float = 0.010
     # Predicted time of one attention layer allowed per PE batch (SPEC §6: 300 ms on the
     # paper's Hopper nodes; profile it on other hardware).
-    attention_quota_s: float = 0.300
+    attention_quota_s: float = DEFAULT_ATTENTION_QUOTA_S
     # Smallest chunk the batcher cuts; a batch may exceed the quota only by one such chunk,
     # so a request that alone overflows the quota still makes progress. One Full Block.
     min_prefill_chunk_tokens: int = 64

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from dualpath.config import ClusterConfig, EngineConfig
+from dualpath.config import VLLM_PREFILL_BATCHING, ClusterConfig, EngineConfig
 
 ENGINE_KIND_CHOICES = ("native", "vllm")
 
@@ -88,6 +88,16 @@ def add_engine_kind_arguments(parser: argparse.ArgumentParser, *, where: str) ->
         f"venv `make test-vllm` builds; {where}) (default native)",
     )
     add_vllm_arg_argument(parser, where="with --engine vllm")
+    parser.add_argument(
+        "--vllm-prefill-batching",
+        choices=VLLM_PREFILL_BATCHING,
+        default="vllm",
+        help="with --engine vllm, what a prefill engine hands vLLM: 'vllm', every request "
+        "whose KV reads are done, vLLM's scheduler packing its steps (max_num_batched_tokens, "
+        "chunked prefill); 'quota', one batch at a time, packed FIFO under the compute quota "
+        "(--attention-quota-s, SPEC §6) with a layer-time predictor profiled on vLLM at start, "
+        "whole requests only (default vllm)",
+    )
 
 
 def add_vllm_arg_argument(parser: argparse.ArgumentParser, *, where: str) -> None:
@@ -119,10 +129,17 @@ def vllm_arg(text: str) -> tuple[str, Any]:
 
 
 def engine_kind_args(args: argparse.Namespace) -> dict[str, Any]:
-    """``{"engine": ..., "vllm_args": {...}}`` from ``--engine`` and ``--vllm-arg`` (later
-    keys win), refusing arguments given without ``--engine vllm`` or reserved ones."""
+    """``{"engine": ..., "vllm_args": {...}, "vllm_prefill_batching": ...}`` from
+    ``--engine``, ``--vllm-arg`` (later keys win) and ``--vllm-prefill-batching``, refusing
+    vLLM settings given without ``--engine vllm`` and reserved arguments."""
     vllm_args = dict(args.vllm_arg or ())
     if vllm_args and args.engine != "vllm":
         raise ValueError("--vllm-arg passes arguments to vLLM: give it with --engine vllm")
+    batching = getattr(args, "vllm_prefill_batching", "vllm")
+    if batching != "vllm" and args.engine != "vllm":
+        raise ValueError(
+            "--vllm-prefill-batching is what a vLLM prefill engine hands vLLM: give it with "
+            "--engine vllm"
+        )
     check_vllm_args(vllm_args)
-    return {"engine": args.engine, "vllm_args": vllm_args}
+    return {"engine": args.engine, "vllm_args": vllm_args, "vllm_prefill_batching": batching}

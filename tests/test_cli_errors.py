@@ -78,6 +78,11 @@ CASES = {
         "generate --no-kv-store --prompt hi --model {model} --engine vllm --device cuda:0",
         "--device cuda:0 is the native engine's",
     ),
+    "generate/vllm-prefill-batching": Case(
+        "generate --no-kv-store --prompt hi --model {model} --engine vllm "
+        "--vllm-prefill-batching quota",
+        "--vllm-prefill-batching is a prefill engine's",
+    ),
     "demo/vllm-engine": Case("demo --no-kv-store --engine vllm", "demo runs the native engine"),
     "generate/no-such-cuda-device": Case(
         "generate --no-kv-store --prompt hi --model {model} --device cuda:99",
@@ -183,6 +188,14 @@ CASES = {
     ),
     "bench-offline/vllm-arg-without-vllm-engine": Case(
         "bench offline --model {model} --vllm-arg max_num_seqs=4", "give it with --engine vllm"
+    ),
+    "bench-offline/vllm-prefill-batching-without-vllm-engine": Case(
+        "bench offline --model {model} --vllm-prefill-batching quota",
+        "--vllm-prefill-batching is what a vLLM prefill engine hands vLLM",
+    ),
+    "serve/vllm-prefill-batching-without-vllm-engine": Case(
+        "serve --model {model} --vllm-prefill-batching quota",
+        "--vllm-prefill-batching is what a vLLM prefill engine hands vLLM",
     ),
     "bench-offline/engine-with-url": Case(
         "bench offline --model {model} --url http://127.0.0.1:1 --engine vllm",

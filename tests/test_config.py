@@ -128,6 +128,7 @@ def _non_default_configs() -> dict[type, dict]:
         max_model_len=4096,
         engine="vllm",
         vllm_args={"max_num_seqs": 8},
+        vllm_prefill_batching="quota",
     )
     scheduler = dict(
         scheduler="round_robin",

@@ -60,6 +60,8 @@ class ModeRun:
     engine: str = "native"  # what runs the model in every engine (serve --engine)
     vllm_args: tuple[tuple[str, Any], ...] = ()  # with engine "vllm": serve --vllm-arg
     kv_cache_gb: float | None = None  # each engine's device KV memory (None: serve's default)
+    vllm_prefill_batching: str = "vllm"  # with engine "vllm": serve --vllm-prefill-batching
+    attention_quota_s: float | None = None  # the PEs' compute quota (None: serve's default)
     extra_serve_args: tuple[str, ...] = ()
 
 
@@ -89,6 +91,10 @@ def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
         args += ["--vllm-arg", f"{key}={json.dumps(value)}"]
     if run.kv_cache_gb is not None:
         args += ["--kv-cache-gb", str(run.kv_cache_gb)]
+    if run.attention_quota_s is not None:
+        args += ["--attention-quota-s", str(run.attention_quota_s)]
+    if run.vllm_prefill_batching != "vllm":
+        args += ["--vllm-prefill-batching", run.vllm_prefill_batching]
     return args + list(run.extra_serve_args)
 
 

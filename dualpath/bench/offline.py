@@ -178,6 +178,8 @@ def oracle_run(
     engine: str = "native",
     vllm_args: dict | None = None,
     kv_cache_gb: float | None = None,
+    vllm_prefill_batching: str = "vllm",
+    attention_quota_s: float | None = None,
 ) -> ModeRun:
     """The preset's cluster in ``oracle`` mode (other modes: ``replace(run, mode=...)``)."""
     return ModeRun(
@@ -191,6 +193,8 @@ def oracle_run(
         engine=engine,
         vllm_args=tuple((vllm_args or {}).items()),
         kv_cache_gb=kv_cache_gb,
+        vllm_prefill_batching=vllm_prefill_batching,
+        attention_quota_s=attention_quota_s,
     )
 
 
@@ -202,9 +206,16 @@ def check_engine_modes(engine: str) -> None:
 
 
 def engine_report(run: ModeRun) -> dict:
-    """The JSON's ``engine``, ``vllm_args`` and ``kv_cache_gb`` (null: the server's default):
-    what ran the model in every server, with how much KV memory."""
-    return {"engine": run.engine, "vllm_args": dict(run.vllm_args), "kv_cache_gb": run.kv_cache_gb}
+    """The JSON's ``engine``, ``vllm_args``, ``kv_cache_gb`` (null: the server's default) and
+    ``vllm_prefill_batching`` and ``attention_quota_s`` (null: serve's): what ran the model in
+    every server, with how much KV memory, and how a prefill engine batched."""
+    return {
+        "engine": run.engine,
+        "vllm_args": dict(run.vllm_args),
+        "kv_cache_gb": run.kv_cache_gb,
+        "vllm_prefill_batching": run.vllm_prefill_batching,
+        "attention_quota_s": run.attention_quota_s,
+    }
 
 
 def workload_report(workload: Workload, shape: WorkloadShape) -> dict:
@@ -234,6 +245,8 @@ def run_offline(
     engine: str = "native",
     vllm_args: dict | None = None,
     kv_cache_gb: float | None = None,
+    vllm_prefill_batching: str = "vllm",
+    attention_quota_s: float | None = None,
     progress: bool = True,
 ) -> dict:
     """Every mode on the shaped workload; the report, ``valid`` or not (``validity.py``)."""
@@ -265,6 +278,8 @@ def run_offline(
         engine=engine,
         vllm_args=vllm_args,
         kv_cache_gb=kv_cache_gb,
+        vllm_prefill_batching=vllm_prefill_batching,
+        attention_quota_s=attention_quota_s,
     )
     report: dict = {
         "benchmark": "offline",
@@ -479,6 +494,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM engines it also bounds the prefill engine's own prefix cache, a tier above the "
         "store: a regime where storage supplies the hits needs it well below the agents' KV",
     )
+    parser.add_argument(
+        "--attention-quota-s",
+        type=positive_float,
+        default=None,
+        help="the prefill engines' compute quota, predicted seconds of one layer per batch "
+        "(serve --attention-quota-s; default: serve's)",
+    )
     add_output_arguments(parser)
 
 
@@ -561,6 +583,7 @@ def main(args: argparse.Namespace) -> int:
             clones=args.clones,
             max_prompt_tokens=args.max_prompt_tokens,
             kv_cache_gb=args.kv_cache_gb,
+            attention_quota_s=args.attention_quota_s,
             **engine_kind_args(args),
         )
         for rho in rhos

@@ -200,6 +200,8 @@ def run_online(
     engine: str = "native",
     vllm_args: dict | None = None,
     kv_cache_gb: float | None = None,
+    vllm_prefill_batching: str = "vllm",
+    attention_quota_s: float | None = None,
     progress: bool = True,
 ) -> dict:
     """Every mode at the starting rate (or its capacity search); the report, ``valid`` or not
@@ -246,6 +248,8 @@ def run_online(
         engine=engine,
         vllm_args=vllm_args,
         kv_cache_gb=kv_cache_gb,
+        vllm_prefill_batching=vllm_prefill_batching,
+        attention_quota_s=attention_quota_s,
     )
     report: dict = {
         "benchmark": "online",
@@ -462,6 +466,7 @@ def main(args: argparse.Namespace) -> int:
         min_agents=args.min_agents,
         slo_basis=args.slo_basis,
         kv_cache_gb=args.kv_cache_gb,
+        attention_quota_s=args.attention_quota_s,
         **engine_kind_args(args),
     )
     write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="online")

@@ -32,6 +32,7 @@ from dualpath.cluster.coordinator import ClusterSnapshot, Coordinator
 from dualpath.cluster.engine_processes import EngineProcesses
 from dualpath.cluster.hits import open_store_for_lookups
 from dualpath.config import (
+    DEFAULT_ATTENTION_QUOTA_S,
     ClusterConfig,
     EngineConfig,
     EngineProcessConfig,
@@ -72,7 +73,10 @@ class ClusterOutput:
 
 
 def _scheduler_config(
-    cluster: ClusterConfig, engine: EngineConfig, prefill_tokens_per_s: float
+    cluster: ClusterConfig,
+    engine: EngineConfig,
+    prefill_tokens_per_s: float,
+    attention_quota_s: float = DEFAULT_ATTENTION_QUOTA_S,
 ) -> SchedulerConfig:
     """The scheduler's config when none is given: the mode's policies, Full Block chunks."""
     settings = cluster.settings
@@ -81,6 +85,7 @@ def _scheduler_config(
         read_path=settings.read_path,
         block_size_tokens=engine.block_size_tokens,
         prefill_tokens_per_s=prefill_tokens_per_s,
+        attention_quota_s=attention_quota_s,
         # The PEs cut prompts at Full Blocks, one block at least.
         min_prefill_chunk_tokens=engine.block_size_tokens,
     )
@@ -120,6 +125,7 @@ class LocalCluster:
         scheduler: SchedulerConfig | None = None,
         transport: str = "nixl",
         prefill_tokens_per_s: float = 2000.0,
+        attention_quota_s: float = DEFAULT_ATTENTION_QUOTA_S,
         log_dir: Path | None = None,
         spawn_engines: bool = True,
         token: str | None = None,
@@ -149,7 +155,7 @@ class LocalCluster:
         check_capacity(cluster, self.engine_config, self.identity.layout, self.max_model_len)
         check_engine_kind(cluster, self.engine_config)
         self.scheduler_config = scheduler or _scheduler_config(
-            cluster, self.engine_config, prefill_tokens_per_s
+            cluster, self.engine_config, prefill_tokens_per_s, attention_quota_s
         )
         _warn_of_pd_ratio(cluster)
         self.token = token or new_cluster_token()

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 # Longest context the start-up profile times (~0.4 s for the tiny model on one CPU thread);
 # the fitted quadratic term extrapolates beyond it.
-_MAX_PROFILED_CONTEXT_TOKENS = 2048
+MAX_PROFILED_CONTEXT_TOKENS = 2048
 
 Send = Callable[[object], None]
 # What the scheduler relays between a request's two engines.
@@ -153,7 +153,7 @@ def make_role(
     predictor = profile_layer_time(
         loaded.model,
         device=loaded.device,
-        max_context_tokens=min(max_model_len, _MAX_PROFILED_CONTEXT_TOKENS),
+        max_context_tokens=min(max_model_len, MAX_PROFILED_CONTEXT_TOKENS),
     )
     engine = PrefillEngine(
         loaded.model,

@@ -31,7 +31,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dualpath.cluster.roles import DecodePeers, PeerMessage, RoleLoad, Send, failed_batch_messages
+from dualpath.cluster.roles import (
+    MAX_PROFILED_CONTEXT_TOKENS,
+    DecodePeers,
+    PeerMessage,
+    RoleLoad,
+    Send,
+    failed_batch_messages,
+    prefill_batcher,
+)
 from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
 from dualpath.engine.decode import PersistingRequests
@@ -51,6 +59,7 @@ from dualpath.protocol import (
     RequestFailed,
     TokenUpdate,
 )
+from dualpath.scheduler.batching import PrefillBatcher, PrefillWork
 from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import Transport
 from dualpath.types import SamplingParams, sampling_params_from_dict
@@ -119,7 +128,8 @@ class _PrefillRequest:
     pe_slots: list[int] = field(default_factory=list)
     reads: Any = None  # Future[int]: leading PE-side blocks read (after the engine-cached ones)
     decode_ready: DecodeReady | None = None
-    plan: KVPlan | None = None  # set once it is in vLLM
+    plan: KVPlan | None = None  # set once its reads on both sides are done
+    is_in_vllm: bool = False
     num_hit: int = 0  # leading blocks with KV: engine-cached, read by the PE, read by the DE
 
     @property
@@ -128,7 +138,13 @@ class _PrefillRequest:
 
 
 class VllmPrefillRole:
-    """A PE on vLLM: each request is a one-token vLLM request whose KV the connector sends."""
+    """A PE on vLLM: each request is a one-token vLLM request whose KV the connector sends.
+
+    Without a ``batcher`` every request whose reads are done goes to vLLM at once, and vLLM's
+    scheduler packs its steps (``max_num_batched_tokens``, chunked prefill). With one (the
+    compute-quota batcher, SPEC §6), ready requests queue in it and vLLM gets one batch at a
+    time, when it has nothing left to run: whole requests (a request the batcher would cut
+    goes whole; vLLM chunks what exceeds its step budget itself)."""
 
     num_kv_blocks = 0
 
@@ -144,8 +160,10 @@ class VllmPrefillRole:
         wake: Callable[[], None],
         eos_token_ids: tuple[int, ...],
         num_io_threads: int,
+        batcher: PrefillBatcher | None = None,
     ) -> None:
         self.engine = engine
+        self.batcher = batcher
         self.prefix_cache = PrefixCacheProbe(engine)
         self.host = host
         self.buffer = buffer
@@ -202,9 +220,11 @@ class VllmPrefillRole:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        if request.plan is not None:
+        if request.is_in_vllm:
             self.engine.abort_request([str(request_id)])
             self.host.plans.pop(request_id, None)
+        elif request.plan is not None and self.batcher is not None:
+            self.batcher.remove(request_id)
         self._unpin(request)
         if self._slot_queue.remove(request):
             return
@@ -218,7 +238,8 @@ class VllmPrefillRole:
         request.pinned = []
 
     def _submit_ready(self) -> None:
-        """Hand vLLM every request whose reads are done, whose DE is ready and reachable."""
+        """Plan every request whose reads are done, whose DE is ready and reachable, and hand
+        vLLM the planned ones (all, or the batcher's next batch once vLLM is idle)."""
         for request in self.requests.values():
             if request.plan is not None or request.decode_ready is None:
                 continue
@@ -228,19 +249,33 @@ class VllmPrefillRole:
             if remote is None:
                 continue
             request.plan = self._plan(request, remote)
-            self.host.plans[request.request_id] = request.plan
-            params = vllm_sampling_params(
-                request.params,
-                max_tokens=1,
-                min_tokens=1
-                if request.assignment.num_output_tokens < request.params.min_tokens
-                else 0,
-            )
-            self.engine.add_request(
-                str(request.request_id),
-                {"prompt_token_ids": list(request.assignment.prompt_token_ids)},
-                with_plan(params, request.request_id),
-            )
+            if self.batcher is None:
+                self._submit(request)
+                continue
+            num_cached = request.num_hit * self.block_size
+            num_prompt = len(request.assignment.prompt_token_ids)
+            self.batcher.add(PrefillWork(request.request_id, num_cached, num_prompt - num_cached))
+        if self.batcher is None or self.engine.has_unfinished_requests():
+            return
+        for chunk in self.batcher.next_batch().chunks:
+            if not chunk.is_last_chunk:  # cut by the quota: it goes whole, vLLM chunks it
+                self.batcher.remove(chunk.request_id)
+            self._submit(self.requests[chunk.request_id])
+
+    def _submit(self, request: _PrefillRequest) -> None:
+        assert request.plan is not None, f"request {request.request_id} is not planned"
+        request.is_in_vllm = True
+        self.host.plans[request.request_id] = request.plan
+        params = vllm_sampling_params(
+            request.params,
+            max_tokens=1,
+            min_tokens=1 if request.assignment.num_output_tokens < request.params.min_tokens else 0,
+        )
+        self.engine.add_request(
+            str(request.request_id),
+            {"prompt_token_ids": list(request.assignment.prompt_token_ids)},
+            with_plan(params, request.request_id),
+        )
 
     def _plan(self, request: _PrefillRequest, remote: RemoteBuffer) -> KVPlan:
         """What the connector loads and sends for a request whose reads on both sides are done:
@@ -619,7 +654,7 @@ def make_vllm_role(
     connector; the process is pinned to one core per thread (vLLM's CPU build ignores its own
     binding variable in-process), engine ``e`` of a host on cores ``e * threads ...``."""
     from dualpath.vllm.connector import register_host
-    from dualpath.vllm.engine import VllmEngineSpec, build_engine
+    from dualpath.vllm.engine import VllmEngineSpec, build_engine, profile_vllm_layer_time
 
     engine_config = config.engine
     check_engine_kind(config.cluster, engine_config)
@@ -668,6 +703,23 @@ def make_vllm_role(
             eos_token_ids=eos_token_ids,
             num_io_threads=engine_config.num_io_threads,
         )
+    batcher = None
+    if engine_config.vllm_prefill_batching == "quota":
+        max_model_len = engine_config.max_model_len or model_config.max_position_embeddings
+        predictor = profile_vllm_layer_time(
+            engine,
+            # A profiled prompt reaches the whole context, and vLLM adds one output token.
+            max_context_tokens=min(max_model_len - 1, MAX_PROFILED_CONTEXT_TOKENS),
+            num_layers=identity.layout.num_layers,
+        )
+        batcher = prefill_batcher(config, predictor)
+        logger.info(
+            "prefill batching: quota %.4f s a layer; vLLM's profile predicts %.4f s a layer "
+            "for 1,024 new tokens, %.4f s for 1,024 after 1,024 cached",
+            batcher.quota_s,
+            predictor.predict_s([(0, 1024)]),
+            predictor.predict_s([(1024, 1024)]),
+        )
     max_blocks = -(-model_config.max_position_embeddings // engine_config.block_size_tokens)
     staging = TransportStaging(
         transport, identity.layout, max_read_blocks=max_blocks, ring_blocks=max_blocks
@@ -682,4 +734,5 @@ def make_vllm_role(
         wake=wake,
         eos_token_ids=eos_token_ids,
         num_io_threads=engine_config.num_io_threads,
+        batcher=batcher,
     )

@@ -36,6 +36,18 @@ _GRID = (
 )
 
 
+def profile_batches(max_context_tokens: int) -> list[tuple[tuple[int, int], ...]]:
+    """The profiled batches: ``(num_cached_tokens, num_new_tokens)`` per chunk, the grid's
+    fractions of ``max_context_tokens`` (every engine kind profiles the same ones)."""
+    return [
+        tuple(
+            (int(cached * max_context_tokens), max(1, int(new * max_context_tokens)))
+            for cached, new in fractions
+        )
+        for fractions in _GRID
+    ]
+
+
 @torch.inference_mode()
 def profile_layer_time(
     model: LayerwiseModel,
@@ -51,11 +63,7 @@ def profile_layer_time(
     config = model.config
     dtype = model.model.embed_tokens.weight.dtype
     samples = []
-    for fractions in _GRID:
-        chunks = tuple(
-            (int(cached * max_context_tokens), max(1, int(new * max_context_tokens)))
-            for cached, new in fractions
-        )
+    for chunks in profile_batches(max_context_tokens):
         batch = PackedBatch(
             num_cached_tokens=tuple(c for c, _ in chunks),
             num_new_tokens=tuple(n for _, n in chunks),

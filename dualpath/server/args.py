@@ -230,6 +230,15 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         "offline` measures it (prompt_tokens_per_busy_s) (default 2000)",
     )
     group.add_argument(
+        "--attention-quota-s",
+        type=positive_float,
+        default=0.3,
+        help="the prefill engines' compute quota: predicted seconds of one layer per prefill "
+        "batch (SPEC §6: 0.3 on the paper's GPUs; profile it on other hardware); the batch "
+        "that would pass it is cut (native engine) or ends before the request (--engine vllm "
+        "--vllm-prefill-batching quota) (default 0.3)",
+    )
+    group.add_argument(
         "--engine-log-dir",
         type=Path,
         default=None,

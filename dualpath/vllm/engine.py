@@ -13,6 +13,7 @@ sets (they would break what the connector relies on): those are refused by name.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -154,3 +155,59 @@ class PrefixCacheProbe:
         frees a request's)."""
         self._pool.free_blocks(reversed(blocks))
         self.num_pinned -= len(blocks)
+
+
+def profile_vllm_layer_time(
+    engine: Any, *, max_context_tokens: int, num_layers: int, num_repeats: int = 2, seed: int = 0
+) -> Any:  # -> FittedAttentionTimePredictor
+    """The compute-quota batcher's predictor (SPEC §6) for a vLLM engine: the batches the
+    native PE profiles (``profile_batches``), each run through vLLM itself, its cached tokens
+    in vLLM's prefix cache (computed by an earlier request), the new ones fresh each repeat;
+    a batch's time is its steps' wall time over ``num_layers`` (median of ``num_repeats``,
+    after one warm-up). vLLM's prefix cache is emptied after. The engine must be idle."""
+    import random
+    import statistics
+    import time
+
+    from vllm import SamplingParams
+
+    from dualpath.engine.profile import profile_batches
+    from dualpath.scheduler.attention_predictor import (
+        AttentionProfileSample,
+        FittedAttentionTimePredictor,
+    )
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("profile a vLLM engine before it takes requests")  # a bug
+    config = engine.engine_core.engine_core.vllm_config
+    block_size = config.cache_config.block_size
+    vocab_size = config.model_config.get_vocab_size()
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    ids = itertools.count()
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    def run(prompts: list[list[int]]) -> float:
+        for prompt in prompts:
+            engine.add_request(f"profile-{next(ids)}", {"prompt_token_ids": prompt}, params)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - start
+
+    samples = []
+    for chunks in profile_batches(max_context_tokens):
+        # vLLM caches whole blocks: the cached part is rounded down to them.
+        chunks = tuple((cached // block_size * block_size, new) for cached, new in chunks)
+        prefixes = [tokens(cached) for cached, _ in chunks]
+        times_s = []
+        for _ in range(num_repeats + 1):
+            run([prefix for prefix in prefixes if prefix])  # in vLLM's prefix cache now
+            times_s.append(
+                run([p + tokens(new) for p, (_, new) in zip(prefixes, chunks, strict=True)])
+            )
+        samples.append(AttentionProfileSample(chunks, statistics.median(times_s[1:]) / num_layers))
+    engine.reset_prefix_cache()
+    return FittedAttentionTimePredictor.fit(samples)

@@ -54,6 +54,7 @@ def test_vllm_arguments_from_a_config_section_under_the_flags(tmp_path: Path) ->
     assert engine_kind_args(s) == {  # the flag wins key by key
         "engine": "vllm",
         "vllm_args": {"max_num_seqs": 16, "enable_chunked_prefill": False},
+        "vllm_prefill_batching": "vllm",
     }
     config.write_text("engine: vllm\nvllm-arg: [max_num_seqs=8]\n")
     assert engine_kind_args(serve_settings("--config", str(config)))["vllm_args"] == {
@@ -127,12 +128,16 @@ def test_a_benchmarks_engine_kind_reaches_its_servers_as_serve_reads_it() -> Non
         read_path="pe",
         engine="vllm",
         vllm_args=(("max_num_seqs", 16), ("enable_chunked_prefill", False)),
+        vllm_prefill_batching="quota",
+        attention_quota_s=0.01,
     )
     s = serve_settings(*serve_args(run, Path("kv"), Path("logs")))
     assert engine_kind_args(s) == {
         "engine": "vllm",
         "vllm_args": {"max_num_seqs": 16, "enable_chunked_prefill": False},
+        "vllm_prefill_batching": "quota",
     }
+    assert s.attention_quota_s == 0.01
     assert "--engine" not in serve_args(
         ModeRun("basic", Path("m"), "1P1D", 0.0), Path("kv"), Path("l")
     )

@@ -374,3 +374,24 @@ def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent
         assert num_kept <= num_pe, f"{failing} failed: vLLM kept {num_kept} blocks"
         after, after_logprobs, _ = _run(served, prompt, 8)
         _assert_same_greedy(reference, reference_logprobs, after, f"after a failed {failing}")
+
+
+def test_the_quota_batchers_predictor_is_profiled_on_vllm_and_leaves_it_empty(
+    served: Served,
+) -> None:
+    """``--vllm-prefill-batching quota``'s predictor: the native PE's profile batches run
+    through vLLM (cached tokens in its prefix cache); more work never predicts less time, and
+    the engine is idle with nothing of the profile in its prefix cache after."""
+    from dualpath.vllm.engine import PrefixCacheProbe, profile_vllm_layer_time
+
+    prompt = _prompt(300, seed=3)
+    _run(served, prompt, 1)
+    probe = PrefixCacheProbe(served.engine)
+    assert probe.num_cached_blocks(prompt, 4) == 4
+    predictor = profile_vllm_layer_time(
+        served.engine, max_context_tokens=512, num_layers=served.layout.num_layers, num_repeats=1
+    )
+    assert not served.engine.has_unfinished_requests()
+    assert probe.num_cached_blocks(prompt, 4) == 0  # emptied
+    small, large = predictor.predict_s([(0, 64)]), predictor.predict_s([(256, 512)])
+    assert 0 < small <= large
