@@ -13,9 +13,9 @@ message, a cancel; do one unit of work; say its load) without asking which one i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgpack
 
@@ -208,13 +208,26 @@ class DecodePeers:
 
 
 def failed_batch_messages(
-    exc: Exception, failed: list[int], queued_for: Callable[[int], list[int]]
+    exc: Exception,
+    failed: list[int],
+    requests: Mapping[int, Any],
+    cancel: Callable[[int], None],
 ) -> list[RequestFailed]:
     """``RequestFailed`` for the requests of a PE batch that raised ``exc``. A DE died or timed
     out mid-transfer (a ``DualPathError``): placing them again may succeed. Any other error is
     a bug these requests met: placing them again would repeat it. When the transfer names the
-    DE, the requests still queued for it (``queued_for(engine id)``, cancelled by the caller)
-    are given back with the batch: they would fail the next batches one by one."""
+    DE, the PE's other ``requests`` (id -> request with its ``assignment``) bound for it are
+    cancelled (``cancel(id)``) and given back with the batch: they would fail the next batches
+    one by one."""
+
+    def queued_for(engine_id: int) -> list[int]:
+        queued = [
+            r.request_id for r in requests.values() if r.assignment.decode_engine_id == engine_id
+        ]
+        for request_id in queued:
+            cancel(request_id)
+        return queued
+
     is_retryable = isinstance(exc, DualPathError)
     if is_retryable:
         logger.error("prefill batch failed: %s", exc)
@@ -277,20 +290,9 @@ class PrefillRole:
         try:
             finished = self.engine.run_batch(batch, self.remotes.__getitem__, between_layers)
         except Exception as exc:  # its requests are cancelled here; the engine goes on
-            engine = self.engine
-
-            def queued_for(engine_id: int) -> list[int]:
-                queued = [
-                    r.request_id
-                    for r in engine.requests.values()
-                    if r.assignment.decode_engine_id == engine_id
-                ]
-                for request_id in queued:
-                    engine.cancel(request_id)
-                return queued
-
             failed = [request.request_id for request, _ in batch]
-            for message in failed_batch_messages(exc, failed, queued_for):
+            messages = failed_batch_messages(exc, failed, self.engine.requests, self.engine.cancel)
+            for message in messages:
                 send(message)
             return True
         for done in finished:

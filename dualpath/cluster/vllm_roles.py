@@ -379,19 +379,8 @@ class VllmPrefillRole:
     def _fail(self, request: _PrefillRequest, exc: Exception, send: Send) -> None:
         """A send to the request's DE failed: it and every request queued for that DE go back
         to the scheduler (as a native PE's failed batch)."""
-
-        def queued_for(engine_id: int) -> list[int]:
-            queued = [
-                r.request_id
-                for r in self.requests.values()
-                if r.assignment.decode_engine_id == engine_id
-            ]
-            for request_id in queued:
-                self.cancel(request_id)
-            return queued
-
         self.cancel(request.request_id)
-        for message in failed_batch_messages(exc, [request.request_id], queued_for):
+        for message in failed_batch_messages(exc, [request.request_id], self.requests, self.cancel):
             send(message)
 
     def load(self) -> RoleLoad:

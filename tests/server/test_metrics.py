@@ -90,7 +90,9 @@ def test_cluster_metrics_come_from_the_snapshot() -> None:
     assert values[("dualpath_store_corrupt_blocks_total", ())] == 1
 
 
-def test_request_metrics() -> None:
+def metrics_after_one_generation():
+    """Metrics that saw one request of 100 prompt tokens (64 cached) and 9 outputs: first
+    token 0.5 s after its arrival, second 0.25 s later, the last 2.5 s after it came."""
     metrics = make_metrics([snapshot(0.0, 0, 0)])
     metrics.on_generation_finished(
         "length",
@@ -98,6 +100,11 @@ def test_request_metrics() -> None:
         num_prompt_tokens=100,
         num_cached_tokens=64,
     )
+    return metrics
+
+
+def test_request_metrics() -> None:
+    metrics = metrics_after_one_generation()
     metrics.http_requests.labels("/v1/completions", "429").inc()
     values = samples(metrics)
     assert values[("dualpath_generations_total", (("finish_reason", "length"),))] == 1
@@ -116,13 +123,7 @@ def vllm_labels(**extra: str) -> tuple:
 
 
 def test_request_series_under_vllm_names_are_ours() -> None:
-    metrics = make_metrics([snapshot(0.0, 0, 0)])
-    metrics.on_generation_finished(
-        "length",
-        GenerationTimes(10.0, 10.5, 10.75, 12.5, num_output_tokens=9),
-        num_prompt_tokens=100,
-        num_cached_tokens=64,
-    )
+    metrics = metrics_after_one_generation()
     metrics.generations.labels("cancelled").inc()
     metrics.inter_token_latency.observe(0.03)
     metrics.waiting.set(3)

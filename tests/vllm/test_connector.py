@@ -321,21 +321,27 @@ def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent
             served.store.read(key, de_buffer.full_block(slot))
         return pe_buffer, pe_slots, de_buffer, de_slots
 
+    held = range(num_pe, num_hit)
+
+    def pe_plan_of(request_id, pe_buffer, pe_slots, remote, de_slots) -> KVPlan:
+        """The PE's plan: blocks 0..5 from its buffer, the rest of the hit pulled from the
+        DE's, every block but the DE's own sent to the DE."""
+        return KVPlan(
+            request_id,
+            load=LoadSource(
+                pe_buffer,
+                pe_slots,
+                num_hit * BLOCK,
+                remote=RemoteBlocks(remote, de_slots[num_pe:num_hit], num_pe),
+            ),
+            send=SendTarget(remote, de_slots, len(prompt), held),
+        )
+
     pe_buffer, pe_slots, de_buffer, de_slots = buffers()
     de_side = de_buffer.array[de_slots[num_pe:num_hit]].copy()
     remote = LocalRemote(de_buffer)
-    held = range(num_pe, num_hit)
     served.engine.reset_prefix_cache()
-    pe_plan = KVPlan(
-        1,
-        load=LoadSource(
-            pe_buffer,
-            pe_slots,
-            num_hit * BLOCK,
-            remote=RemoteBlocks(remote, de_slots[num_pe:num_hit], num_pe),
-        ),
-        send=SendTarget(remote, de_slots, len(prompt), held),
-    )
+    pe_plan = pe_plan_of(1, pe_buffer, pe_slots, remote, de_slots)
     first, _, num_cached = _run(served, prompt, 1, pe_plan)
     assert num_cached == num_hit * BLOCK and pe_plan.transfer_error is None
     assert pe_plan.num_loaded_tokens == num_hit * BLOCK
@@ -357,16 +363,7 @@ def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent
         pe_buffer, pe_slots, de_buffer, de_slots = buffers()
         dead = LocalRemote(de_buffer, fail_from_layer=10, failing=failing)
         served.engine.reset_prefix_cache()
-        failed_plan = KVPlan(
-            3,
-            load=LoadSource(
-                pe_buffer,
-                pe_slots,
-                num_hit * BLOCK,
-                remote=RemoteBlocks(dead, de_slots[num_pe:num_hit], num_pe),
-            ),
-            send=SendTarget(dead, de_slots, len(prompt), held),
-        )
+        failed_plan = pe_plan_of(3, pe_buffer, pe_slots, dead, de_slots)
         _run(served, prompt, 1, failed_plan)
         assert failed_plan.transfer_error is not None, failing
         # vLLM's prefix cache kept none of the blocks not wholly pulled (nor any after them).
