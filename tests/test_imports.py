@@ -20,6 +20,7 @@ TORCH_FREE = (
     "dualpath.model.presets",
     "dualpath.model.identity",
     "dualpath.cli",
+    "dualpath.home",
     "dualpath.workload",
     "dualpath.sim",
 )
@@ -65,6 +66,8 @@ LAYERS = {
     # The scheduler process knows nothing of the HTTP server or the benchmarks (the group
     # leaders' protocol is the scheduler benchmark's: it imports the coordinator, not back).
     "dualpath.cluster": ("dualpath.server", "dualpath.bench"),
+    # The command line builds the benchmarks' parsers; they never import it back.
+    "dualpath.bench": ("dualpath.cli",),
 }
 
 

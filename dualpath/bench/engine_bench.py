@@ -733,7 +733,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dualpath.cli import _resolve_model
+    from dualpath.model.default import resolve_model_dir
 
     settings = {
         "dtypes": args.dtypes,
@@ -747,7 +747,7 @@ def main(args: argparse.Namespace) -> int:
         "engines": args.engines,
     }
     EngineBenchConfig(Path(), **settings)  # bad flags fail before a first use converts the model
-    config = EngineBenchConfig(_resolve_model(args.model), **settings)
+    config = EngineBenchConfig(resolve_model_dir(args.model), **settings)
     report = run_engine_bench(config, show_progress=True)
     text = markdown(report)
     print(text)

@@ -554,9 +554,9 @@ def _rho_values(text: str) -> list[float]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dualpath.cli import _resolve_model
+    from dualpath.model.default import resolve_model_dir
 
-    model_dir = _resolve_model(args.model, tiny=True)
+    model_dir = resolve_model_dir(args.model, tiny=True)
     if args.url is not None:
         if args.modes is not None:
             raise ValueError("--url runs against one existing server: do not give --modes")

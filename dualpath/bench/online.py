@@ -438,7 +438,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dualpath.cli import _resolve_model
+    from dualpath.model.default import resolve_model_dir
 
     if args.url is not None:
         raise ValueError("bench online starts its own servers: --url is for bench offline")
@@ -447,7 +447,7 @@ def main(args: argparse.Namespace) -> int:
     report = run_online(
         modes,
         args.preset,
-        model_dir=_resolve_model(args.model, tiny=True),
+        model_dir=resolve_model_dir(args.model, tiny=True),
         seed=args.seed,
         aps=args.aps,
         find_capacity=args.find_capacity,

@@ -283,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (engines: 1)")
     parser.add_argument("--json", type=Path, required=True, help="write the profile here")
     args = parser.parse_args(argv)
-    from dualpath.cli import _resolve_model
+    from dualpath.model.default import resolve_model_dir
 
-    profile = measure_all(_resolve_model(args.model, tiny=True), num_threads=args.threads)
+    profile = measure_all(resolve_model_dir(args.model, tiny=True), num_threads=args.threads)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(profile, indent=1) + "\n")
     return 0

