@@ -50,6 +50,7 @@ from tqdm import tqdm
 from dualpath.bench.hardware import hardware_info
 from dualpath.flags import positive_int
 from dualpath.model.identity import kv_facts
+from dualpath.options import add_json_argument, add_model_argument
 
 if TYPE_CHECKING:  # imported where it runs: building the CLI's parser must not import torch
     import torch
@@ -663,13 +664,7 @@ def _default_threads() -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="Hugging Face checkpoint directory both engines load (default: the embedded "
-        "SmolLM2-135M-Instruct, converted from its packaged GGUF on first use)",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--dtypes",
         type=_csv(str, DTYPES),
@@ -723,12 +718,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engines side by side: ours and transformers, and vllm (vLLM's engine in this "
         "process; needs vLLM installed, e.g. .venv-vllm) (default: ours,transformers)",
     )
-    parser.add_argument(
-        "--json",
-        type=Path,
-        default=None,
-        help="write the result (config, every raw timing, ratios, targets) here, and the "
-        "Markdown summary beside it as .md",
+    add_json_argument(
+        parser,
+        what="the result (config, every raw timing, ratios, targets)",
+        detail=", and the Markdown summary beside it as .md",
     )
 
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,6 +24,7 @@ from dualpath.bench.hardware import hardware_info
 from dualpath.model.deepseek import DeepseekDecoderModel
 from dualpath.model.deepseek_config import DeepseekConfig
 from dualpath.model.layerwise import PackedBatch, PaddedPast
+from dualpath.options import add_json_argument
 
 # (name, sequences, new tokens each, cached tokens each)
 SHAPES = (("decode", 8, 1, 1024), ("prefill", 1, 512, 1024))
@@ -129,7 +129,7 @@ def run(device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    add_json_argument(parser, what="the figures")
     args = parser.parse_args(argv)
     report = run(args.device)
     if args.json is not None:

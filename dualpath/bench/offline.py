@@ -69,7 +69,13 @@ from dualpath.config import MODES, READ_PATHS, EngineConfig
 from dualpath.flags import non_negative_int, positive_float, positive_int
 from dualpath.model.identity import kv_facts
 from dualpath.model.registry import read_config
-from dualpath.transfer.transport import TRANSPORT_KINDS
+from dualpath.options import (
+    add_attention_quota_argument,
+    add_model_argument,
+    add_trace_shape_arguments,
+    add_transport_argument,
+    add_workload_seed_argument,
+)
 from dualpath.units import bytes_per_s_to_gbps
 from dualpath.vllm_args import (
     add_engine_kind_arguments,
@@ -431,8 +437,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated modes to compare, in order (of {', '.join(MODES)}; "
         "default basic,dualpath,oracle)",
     )
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: tiny)")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    add_model_argument(parser, tiny=True)
+    add_workload_seed_argument(parser)
     parser.add_argument(
         "--trace", type=Path, default=None, help="replay a Mooncake-format JSONL trace instead"
     )
@@ -443,25 +449,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="sessions to replay: trajectories generated, or a trace's first sessions (default: "
         "the preset's agents)",
     )
-    parser.add_argument(
-        "--length-scale",
-        type=positive_float,
-        default=None,
-        help="multiply every length (prompts, appends, outputs) by this, a trace's too "
-        "(default: the preset's)",
-    )
-    parser.add_argument(
-        "--max-turns",
-        type=positive_int,
-        default=None,
-        help="keep each session's first N turns, a trace's too (default: the preset's cap)",
-    )
-    parser.add_argument(
-        "--gen-scale",
-        type=positive_float,
-        default=None,
-        help="multiply every generation's length by this, after --length-scale (default: the "
-        "preset's)",
+    add_trace_shape_arguments(
+        parser,
+        defaults={"length_scale": None, "max_turns": None, "gen_scale": None},
+        default_help={
+            "length_scale": "the preset's",
+            "max_turns": "the preset's cap",
+            "gen_scale": "the preset's",
+        },
+        where="a trace's too: ",
     )
     parser.add_argument(
         "--max-prompt-tokens",
@@ -478,7 +474,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", default=None, help="bearer key for --url")
     parser.add_argument("--served-model-name", default=None, help="model id to request from --url")
-    parser.add_argument("--transport", choices=TRANSPORT_KINDS, default="nixl")
+    add_transport_argument(parser)
     parser.add_argument(
         "--read-path",
         choices=READ_PATHS,
@@ -494,13 +490,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM engines it also bounds the prefill engine's own prefix cache, a tier above the "
         "store: a regime where storage supplies the hits needs it well below the agents' KV",
     )
-    parser.add_argument(
-        "--attention-quota-s",
-        type=positive_float,
-        default=None,
-        help="the prefill engines' compute quota, predicted seconds of one layer per batch "
-        "(serve --attention-quota-s; default: serve's)",
-    )
+    add_attention_quota_argument(parser, default_help="serve's")
     add_output_arguments(parser)
 
 

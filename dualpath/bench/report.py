@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from dualpath.bench.stats import ideal_speedup
+from dualpath.options import add_json_argument
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -119,7 +120,7 @@ def write_markdown(report: dict, path: Path | None) -> str:
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--json`` and ``--out-dir``: where ``write_outputs`` writes a benchmark's result."""
-    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    add_json_argument(parser)
     parser.add_argument(
         "--out-dir",
         type=Path,

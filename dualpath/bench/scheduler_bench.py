@@ -30,7 +30,6 @@ import json
 import logging
 import random
 import time
-from pathlib import Path
 
 from dualpath.bench import scheduler_wire
 from dualpath.bench.hardware import hardware_info
@@ -42,6 +41,7 @@ from dualpath.bench.paper_cluster import (
     SNIC_BANDWIDTH_GBPS,
 )
 from dualpath.flags import positive_int
+from dualpath.options import add_json_argument
 from dualpath.scheduler import (
     READ_PATHS,
     SCHEDULER_NAMES,
@@ -330,7 +330,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=positive_int, default=3, help="runs of the same queue; best"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    add_json_argument(parser)
     scheduler_wire.add_arguments(parser)
 
 

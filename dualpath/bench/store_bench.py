@@ -42,6 +42,7 @@ from dualpath.flags import positive_int
 from dualpath.kv.hashing import block_keys, model_fingerprint
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import FileKVStore, block_file_path
+from dualpath.options import add_json_argument
 from dualpath.units import GB
 
 logger = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="the random blocks' seed")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timings per case; medians")
-    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    add_json_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -23,13 +23,13 @@ import logging
 import multiprocessing
 import statistics
 import time
-from pathlib import Path
 
 import msgpack
 import numpy as np
 
 from dualpath.bench.hardware import hardware_info
 from dualpath.flags import positive_int
+from dualpath.options import add_json_argument
 from dualpath.transfer.transport import (
     TRANSPORT_KINDS,
     BufferDescriptor,
@@ -273,7 +273,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats; medians")
-    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    add_json_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:

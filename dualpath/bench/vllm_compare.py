@@ -55,6 +55,11 @@ from dualpath.bench.server_process import ChildServer
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.flags import non_negative_int, positive_float, positive_int
 from dualpath.model.registry import read_config
+from dualpath.options import (
+    add_model_argument,
+    add_trace_shape_arguments,
+    add_workload_seed_argument,
+)
 from dualpath.units import GIB
 from dualpath.vllm_args import add_vllm_arg_argument, check_vllm_args, check_vllm_installed
 
@@ -307,16 +312,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated systems to run, in order (of {', '.join(SYSTEMS)}; default all); "
         "token agreement is counted against the first",
     )
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="checkpoint (default: the embedded SmolLM2-135M-Instruct, converted on first use)",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--preset", default="agentic", choices=sorted(PRESETS), help="workload (default agentic)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    add_workload_seed_argument(parser)
     parser.add_argument(
         "--trace", type=Path, default=None, help="replay this Mooncake-format JSONL trace instead"
     )
@@ -326,24 +326,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SHAPE["max_sessions"],
         help=f"a trace's first sessions (default {DEFAULT_SHAPE['max_sessions']})",
     )
-    parser.add_argument(
-        "--max-turns",
-        type=positive_int,
-        default=DEFAULT_SHAPE["max_turns"],
-        help=f"each session's first turns (default {DEFAULT_SHAPE['max_turns']})",
-    )
-    parser.add_argument(
-        "--length-scale",
-        type=positive_float,
-        default=DEFAULT_SHAPE["length_scale"],
-        help=f"multiply every length by this (default {DEFAULT_SHAPE['length_scale']}: "
-        "contexts up to ~6K tokens)",
-    )
-    parser.add_argument(
-        "--gen-scale",
-        type=positive_float,
-        default=None,
-        help="multiply every generation's length by this (default: the preset's)",
+    add_trace_shape_arguments(
+        parser,
+        defaults={**DEFAULT_SHAPE, "gen_scale": None},
+        default_help={
+            "length_scale": f"{DEFAULT_SHAPE['length_scale']}, contexts up to ~6K tokens",
+            "max_turns": str(DEFAULT_SHAPE["max_turns"]),
+            "gen_scale": "the preset's",
+        },
     )
     parser.add_argument(
         "--clones",

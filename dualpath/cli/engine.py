@@ -7,9 +7,16 @@ import os
 from pathlib import Path
 
 from dualpath.cli.configs import engine_process_config
-from dualpath.cli.options import add_engine_arguments
-from dualpath.flags import non_negative_float, non_negative_int, positive_float, positive_int
-from dualpath.transfer.transport import TRANSPORT_KINDS
+from dualpath.flags import non_negative_int
+from dualpath.options import (
+    add_attention_quota_argument,
+    add_engine_arguments,
+    add_engine_memory_arguments,
+    add_heartbeat_argument,
+    add_link_cap_arguments,
+    add_mode_argument,
+    add_transport_argument,
+)
 
 
 def _control_endpoint(text: str) -> str:
@@ -28,8 +35,6 @@ def _control_endpoint(text: str) -> str:
 
 
 def add_engine(sub: argparse._SubParsersAction) -> None:
-    from dualpath.config import MODES
-
     p = sub.add_parser(
         "engine",
         help="run one prefill or decode engine process that joins a scheduler",
@@ -72,42 +77,12 @@ def add_engine(sub: argparse._SubParsersAction) -> None:
         "--engine-id", type=non_negative_int, default=None, help="this engine's id in the topology"
     )
     p.add_argument("--node-id", type=non_negative_int, default=None, help="the node it belongs to")
-    p.add_argument(
-        "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
-    )
-    p.add_argument(
-        "--transport", choices=TRANSPORT_KINDS, default="nixl", help="PE<->DE KV transport"
-    )
-    p.add_argument(
-        "--snic-gbps", type=non_negative_float, default=0.0, help="node SNIC cap, Gbps (0 = none)"
-    )
-    p.add_argument(
-        "--cnic-gbps", type=non_negative_float, default=0.0, help="engine CNIC cap, Gbps (0 = none)"
-    )
-    p.add_argument(
-        "--buffer-gb",
-        type=positive_float,
-        default=None,
-        help="host KV buffer, GB (default: sized at start to hold two requests of the model's "
-        "whole context; a size that cannot hold one is refused, naming the size needed)",
-    )
-    p.add_argument("--kv-cache-gb", type=positive_float, default=1.0, help="device KV cache, GB")
-    p.add_argument(
-        "--max-num-batched-tokens", type=positive_int, default=8192, help="tokens per step"
-    )
-    p.add_argument(
-        "--heartbeat-timeout-s",
-        type=positive_float,
-        default=5.0,
-        help="exit when the scheduler is silent this long (default 5)",
-    )
-    p.add_argument(
-        "--attention-quota-s",
-        type=positive_float,
-        default=0.3,
-        help="PE: predicted seconds of one layer per prefill batch, the compute quota "
-        "(default 0.3); longer prompts are prefilled in chunks across batches",
-    )
+    add_mode_argument(p)
+    add_transport_argument(p)
+    add_link_cap_arguments(p)
+    add_engine_memory_arguments(p)
+    add_heartbeat_argument(p, default=5.0)
+    add_attention_quota_argument(p)
     # Every flag but --config and --restart at its default: what --config may be given with.
     defaults = vars(p.parse_args([]))
     del defaults["config"], defaults["restart"]

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from dualpath.cli.configs import store_config
-from dualpath.cli.options import add_engine_arguments
 from dualpath.flags import positive_int
 from dualpath.home import default_kv_store_dir
 from dualpath.model.default import resolve_model_dir
+from dualpath.options import add_engine_arguments
 from dualpath.vllm_args import engine_kind_args
 
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from dualpath.cli.options import (
+from dualpath.flags import positive_int
+from dualpath.options import (
     add_jobs_argument,
+    add_json_argument,
     add_no_progress_argument,
     add_profile_arguments,
     preset_for_max_len,
 )
-from dualpath.flags import positive_int
 
 
 def add_plan(sub: argparse._SubParsersAction) -> None:
@@ -40,12 +40,11 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         "simulate --quota-per-forward` (default: per attention layer)",
     )
     add_jobs_argument(p, "the candidate shapes")
-    p.add_argument(
-        "--json",
-        type=Path,
-        default=None,
-        help="write the advice here: what was planned for, pd_range, candidates (nodes, "
-        "jct_s, turns_per_s_per_gpu, pd_ratio, inside_pd_range) and recommended",
+    add_json_argument(
+        p,
+        what="the advice",
+        detail=": what was planned for, pd_range, candidates (nodes, jct_s, "
+        "turns_per_s_per_gpu, pd_ratio, inside_pd_range) and recommended",
     )
     add_no_progress_argument(p)
     p.set_defaults(func=_run_plan)

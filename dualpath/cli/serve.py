@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from dualpath.cli.configs import engine_config, store_config
-from dualpath.cli.options import add_engine_arguments
 from dualpath.home import data_home, default_kv_store_dir
 from dualpath.model.default import resolve_model_dir
+from dualpath.options import add_engine_arguments
 from dualpath.units import gb_to_bytes
 
 

@@ -6,13 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from dualpath.cli.options import (
+from dualpath.flags import positive_float, positive_int
+from dualpath.options import (
     add_jobs_argument,
+    add_json_argument,
     add_no_progress_argument,
     add_profile_arguments,
+    add_trace_shape_arguments,
     preset_for_max_len,
 )
-from dualpath.flags import positive_float, positive_int
 
 
 def add_simulate(sub: argparse._SubParsersAction) -> None:
@@ -84,26 +86,11 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
         "--modes", default="basic,dualpath,oracle", help=f"comma-separated, from {', '.join(MODES)}"
     )
     p.add_argument("--trace", type=Path, default=None, help="a Mooncake-format JSONL trace")
-    p.add_argument(
-        "--length-scale",
-        type=positive_float,
-        default=None,
-        help="free-form runs on --trace: scale every prompt's lengths by this (default 1: the "
-        "trace's own), as 'dualpath bench' does",
-    )
-    p.add_argument(
-        "--max-turns",
-        type=positive_int,
-        default=None,
-        help="free-form runs on --trace: keep each session's first N turns (default: all), as "
-        "'dualpath bench' does",
-    )
-    p.add_argument(
-        "--gen-scale",
-        type=positive_float,
-        default=None,
-        help="free-form runs on --trace: every turn generates max(1, round(g x this)) tokens "
-        "instead of g (default 1), as 'dualpath bench' does",
+    add_trace_shape_arguments(
+        p,
+        defaults={"length_scale": None, "max_turns": None, "gen_scale": None},
+        default_help={"length_scale": "1, the trace's own", "max_turns": "all", "gen_scale": "1"},
+        where="free-form runs on --trace, as 'dualpath bench' does: ",
     )
     p.add_argument(
         "--online",
@@ -150,7 +137,7 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
         help="workload seed (default 0) of a free-form run or of every run of --experiment "
         "(except fidelity): the paper checks were made on 0, and the fitted one was fitted on it",
     )
-    p.add_argument("--json", type=Path, default=None, help="write runs and checks here")
+    add_json_argument(p, what="runs and checks")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
     add_jobs_argument(p, "experiments and free-form runs")
     add_no_progress_argument(p)

@@ -18,8 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.flags import non_negative_float, positive_float, positive_int
+from dualpath.options import (
+    add_attention_quota_argument,
+    add_engine_memory_arguments,
+    add_heartbeat_argument,
+    add_link_cap_arguments,
+    add_mode_argument,
+    add_transport_argument,
+)
 from dualpath.server.config import GENERATION_CONFIG_MODES
-from dualpath.transfer.transport import TRANSPORT_KINDS
 
 # Flags that exclude each other: the command line giving one drops the file's other.
 _EXCLUSIVE_DESTS = (("kv_store", "no_kv_store"),)
@@ -40,7 +47,7 @@ def port_number(text: str) -> int:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Every ``serve`` flag except the engine ones ``dualpath.cli.options.add_engine_arguments`` adds."""
+    """Every ``serve`` flag except the engine ones ``dualpath.options.add_engine_arguments`` adds."""
     p.add_argument(
         "--config",
         type=Path,
@@ -103,7 +110,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
-    from dualpath.config import MODES, READ_PATHS
+    from dualpath.config import READ_PATHS
 
     group.add_argument(
         "--nodes",
@@ -119,9 +126,7 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         default=1,
         help="nodes per engine group, which fetch work together (default 1)",
     )
-    group.add_argument(
-        "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
-    )
+    add_mode_argument(group)
     group.add_argument(
         "--read-path",
         choices=READ_PATHS,
@@ -129,18 +134,7 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         help="force one read path for every request (pe, de, split, dual, round_robin: the "
         "sides in turn); default: the mode's",
     )
-    group.add_argument(
-        "--snic-gbps",
-        type=non_negative_float,
-        default=0.0,
-        help="storage NIC cap per node, Gbps (default 0 = no cap)",
-    )
-    group.add_argument(
-        "--cnic-gbps",
-        type=non_negative_float,
-        default=0.0,
-        help="compute NIC cap per engine, Gbps (default 0 = no cap)",
-    )
+    add_link_cap_arguments(group)
     group.add_argument(
         "--host-memory-gbps",
         type=non_negative_float,
@@ -149,33 +143,8 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         "P/D ratio (default 0 = no check); no cap is applied, KV crossing host memory is "
         "already charged to the NIC it crosses",
     )
-    group.add_argument(
-        "--buffer-gb",
-        type=positive_float,
-        default=None,
-        help="host KV buffer per engine (PE and DE buffers), GB (default: sized at start to "
-        "hold two requests of the model's whole context, e.g. 0.755 GB for the float32 "
-        "SmolLM2-135M at 8,192 tokens; a size that cannot hold one such request is refused "
-        "at start, naming the size needed)",
-    )
-    group.add_argument(
-        "--kv-cache-gb",
-        type=positive_float,
-        default=1.0,
-        help="device KV cache per engine, GB (default 1)",
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=8192,
-        help="tokens per engine step (default 8192)",
-    )
-    group.add_argument(
-        "--transport",
-        choices=TRANSPORT_KINDS,
-        default="nixl",
-        help="PE<->DE KV transport (default nixl)",
-    )
+    add_engine_memory_arguments(group)
+    add_transport_argument(group)
     group.add_argument(
         "--scheduler-endpoint",
         default="tcp://127.0.0.1:0",
@@ -202,16 +171,10 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         default=300.0,
         help="how long start-up waits for every engine to join (default 300)",
     )
-    group.add_argument(
-        "--heartbeat-timeout-s",
-        type=positive_float,
-        # NOTE: longer than the runtime's 5 s: a PE reports between the layers of a batch,
-        # but one layer of a full 8K-token batch on a CPU takes a good part of a second, and
-        # a remote engine's detection time is this (the scheduler checks every quarter).
-        default=10.0,
-        help="an engine silent this long is declared dead, and vice versa; a local engine's "
-        "exit is seen at once (default 10)",
-    )
+    # NOTE: longer than the runtime's 5 s: a PE reports between the layers of a batch,
+    # but one layer of a full 8K-token batch on a CPU takes a good part of a second, and
+    # a remote engine's detection time is this (the scheduler checks every quarter).
+    add_heartbeat_argument(group, default=10.0)
     group.add_argument(
         "--persist-wait-s",
         type=non_negative_float,
@@ -229,15 +192,7 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         "§6). Too low leaves a PE idle while its requests' KV is read; `dualpath bench "
         "offline` measures it (prompt_tokens_per_busy_s) (default 2000)",
     )
-    group.add_argument(
-        "--attention-quota-s",
-        type=positive_float,
-        default=0.3,
-        help="the prefill engines' compute quota: predicted seconds of one layer per prefill "
-        "batch (SPEC §6: 0.3 on the paper's GPUs; profile it on other hardware); the batch "
-        "that would pass it is cut (native engine) or ends before the request (--engine vllm "
-        "--vllm-prefill-batching quota) (default 0.3)",
-    )
+    add_attention_quota_argument(group)
     group.add_argument(
         "--engine-log-dir",
         type=Path,

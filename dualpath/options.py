@@ -1,0 +1,295 @@
+"""The options that several ``dualpath`` commands share, each defined once here.
+
+    add_model_argument(parser)                  # --model: a checkpoint directory
+    add_json_argument(parser, what="the result")
+
+A command adds its own options and calls these for the shared ones, so an option means the
+same, reads the same in ``--help`` and is checked the same way everywhere. It sits below both
+``dualpath.cli`` and ``dualpath.bench``: the benchmarks' parsers use it too, and they never
+import the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dualpath.flags import non_negative_float, positive_float, positive_int
+from dualpath.vllm_args import add_engine_kind_arguments
+
+# --- model, store, engine ----------------------------------------------------------------------
+
+
+def add_model_argument(p: argparse.ArgumentParser, *, tiny: bool = False) -> None:
+    """``--model DIR``; without it ``dualpath.model.default.resolve_model_dir`` picks the
+    embedded default, or with ``tiny`` the random-weight tiny preset."""
+    default = (
+        "the random-weight tiny preset under $DUALPATH_HOME/models/, generated on first use"
+        if tiny
+        else "the embedded SmolLM2-135M-Instruct under $DUALPATH_HOME/models/, converted from "
+        "its packaged GGUF on first use"
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help=f"Hugging Face checkpoint directory (default: {default})",
+    )
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    """``--kv-store DIR`` or ``--no-kv-store``, and ``--kv-store-capacity-gb``
+    (``dualpath.cli.configs.store_config`` reads them)."""
+    store = p.add_mutually_exclusive_group()
+    store.add_argument(
+        "--kv-store",
+        type=Path,
+        default=None,
+        help="KV-cache store directory, local or on a POSIX DFS mount (default: $DUALPATH_HOME/kv)",
+    )
+    store.add_argument(
+        "--no-kv-store", action="store_true", help="disable the store: recompute every prompt"
+    )
+    p.add_argument(
+        "--kv-store-capacity-gb",
+        type=float,
+        default=None,
+        help="store budget in GB (1e9 bytes); least-recently-used blocks are evicted beyond it "
+        "(default: 25%% of the free space on the store's file system at start)",
+    )
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, default_threads: int | None = None) -> None:
+    """What one engine runs and how: the model, the store, device, dtype, block size, threads,
+    context and the engine kind (generate, demo, engine, serve)."""
+    add_model_argument(p)
+    add_store_arguments(p)
+    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights and KV dtype (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=64,
+        help="tokens per KV block, the store's unit (default 64)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=default_threads,
+        help="torch CPU threads per engine (default: "
+        + (
+            "torch's choice, usually one per core)"
+            if default_threads is None
+            else f"{default_threads})"
+        ),
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="context limit in tokens (default: the checkpoint's)",
+    )
+    add_engine_kind_arguments(
+        p,
+        where="serve and engine; generate: one vLLM engine in this process, its KV from the store",
+    )
+
+
+def add_profile_arguments(p: argparse.ArgumentParser, *, default_model: str, what: str) -> None:
+    from dualpath.sim.profiles import HARDWARE, MODELS
+
+    file_help = (
+        'or a JSON file of the profile\'s fields, or of "base" (a built-in name) and the '
+        "fields that differ (dualpath/sim/profiles.py)"
+    )
+    p.add_argument(
+        "--model",
+        default=default_model,
+        help=f"{what}: model profile, {', '.join(MODELS)} (default {default_model}), {file_help}",
+    )
+    p.add_argument(
+        "--hardware",
+        default="hopper-8x400",
+        help=f"{what}: node and fabric profile, {', '.join(HARDWARE)} (default hopper-8x400; "
+        f"'local' only for plan's SPEC §5 bounds), {file_help}",
+    )
+
+
+def add_jobs_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help=f"{what}: simulate independent runs N at a time in worker processes, one core "
+        "each (default 1; the results are the same either way, wall times aside; with N > 1 "
+        "one progress bar counts the runs)",
+    )
+
+
+def add_no_progress_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar per simulated run and no line per finished run on stderr",
+    )
+
+
+def preset_for_max_len(max_len: int) -> str:
+    """The SPEC §7 workload preset of ``--max-len`` (a CLI error names the choices)."""
+    from dualpath.sim.runner import PRESET_BY_MAX_LEN
+
+    if max_len not in PRESET_BY_MAX_LEN:
+        raise ValueError(f"--max-len must be one of {sorted(PRESET_BY_MAX_LEN)}, got {max_len}")
+    return PRESET_BY_MAX_LEN[max_len]
+
+
+# --- cluster: what serve and engine both configure ---------------------------------------------
+
+
+def add_mode_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    from dualpath.config import MODES
+
+    p.add_argument(
+        "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
+    )
+
+
+def add_link_cap_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--snic-gbps`` and ``--cnic-gbps``: the links' bandwidth caps (0 = none)."""
+    p.add_argument(
+        "--snic-gbps",
+        type=non_negative_float,
+        default=0.0,
+        help="storage NIC cap per node, Gbps (default 0 = no cap)",
+    )
+    p.add_argument(
+        "--cnic-gbps",
+        type=non_negative_float,
+        default=0.0,
+        help="compute NIC cap per engine, Gbps (default 0 = no cap)",
+    )
+
+
+def add_engine_memory_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--buffer-gb``, ``--kv-cache-gb`` and ``--max-num-batched-tokens``: an engine's host
+    buffer, device KV cache and step size."""
+    p.add_argument(
+        "--buffer-gb",
+        type=positive_float,
+        default=None,
+        help="host KV buffer per engine (PE and DE buffers), GB (default: sized at start to "
+        "hold two requests of the model's whole context, e.g. 0.755 GB for the float32 "
+        "SmolLM2-135M at 8,192 tokens; a size that cannot hold one such request is refused "
+        "at start, naming the size needed)",
+    )
+    p.add_argument(
+        "--kv-cache-gb",
+        type=positive_float,
+        default=1.0,
+        help="device KV cache per engine, GB (default 1)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=8192,
+        help="tokens per engine step (default 8192)",
+    )
+
+
+def add_transport_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    from dualpath.transfer.transport import TRANSPORT_KINDS
+
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORT_KINDS,
+        default="nixl",
+        help="PE<->DE KV transport (default nixl)",
+    )
+
+
+def add_heartbeat_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: float
+) -> None:
+    p.add_argument(
+        "--heartbeat-timeout-s",
+        type=positive_float,
+        default=default,
+        help="an engine silent this long is declared dead, and vice versa; a local engine's "
+        f"exit is seen at once (default {default:g})",
+    )
+
+
+def add_attention_quota_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, default_help: str | None = None
+) -> None:
+    """``--attention-quota-s``, SPEC §6's compute quota; ``default_help`` says what its
+    absence means where it defaults to None (a benchmark passes serve's on)."""
+    p.add_argument(
+        "--attention-quota-s",
+        type=positive_float,
+        default=0.3 if default_help is None else None,
+        help="the prefill engines' compute quota: predicted seconds of one layer per prefill "
+        "batch (SPEC §6: 0.3 on the paper's GPUs; profile it on other hardware); the batch "
+        "that would pass it is cut (native engine) or ends before the request (--engine vllm "
+        f"--vllm-prefill-batching quota) (default {default_help or 0.3})",
+    )
+
+
+# --- workload shape ----------------------------------------------------------------------------
+
+
+def add_trace_shape_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    defaults: dict[str, float | int | None],
+    default_help: dict[str, str],
+    where: str = "",
+) -> None:
+    """``--length-scale``, ``--max-turns`` and ``--gen-scale``: how a workload (a trace's,
+    or a preset's) is reshaped, as ``dualpath.workload.shape`` does it. ``defaults`` and
+    ``default_help`` by dest; ``where`` prefixes each help (e.g. "free-form runs on --trace: ")."""
+    p.add_argument(
+        "--length-scale",
+        type=positive_float,
+        default=defaults["length_scale"],
+        help=f"{where}multiply every length (prompts, appends, outputs) by this "
+        f"(default: {default_help['length_scale']})",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=positive_int,
+        default=defaults["max_turns"],
+        help=f"{where}keep each session's first N turns (default: {default_help['max_turns']})",
+    )
+    p.add_argument(
+        "--gen-scale",
+        type=positive_float,
+        default=defaults["gen_scale"],
+        help=f"{where}every turn generates max(1, round(g x this)) tokens instead of g, after "
+        f"--length-scale (default: {default_help['gen_scale']})",
+    )
+
+
+def add_workload_seed_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def add_json_argument(
+    p: argparse.ArgumentParser,
+    *,
+    what: str = "the result",
+    detail: str = "",
+    required: bool = False,
+) -> None:
+    """``--json FILE``: where a command writes ``what`` (``detail`` follows "here")."""
+    p.add_argument(
+        "--json", type=Path, default=None, required=required, help=f"write {what} here{detail}"
+    )
