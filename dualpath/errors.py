@@ -54,3 +54,8 @@ class TransferTimeout(TransferError):
 
 class ClusterUnavailable(DualPathError):
     """The cluster cannot serve a request now: no live engine of a role, or no scheduler."""
+
+
+class CalibrationError(DualPathError):
+    """A benchmark's calibration run could not fix its link caps: the settings it ran with
+    (the engines' KV memory, the workload) do not give the regime it calibrates for."""

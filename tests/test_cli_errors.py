@@ -377,3 +377,28 @@ def _subcommands(parser: argparse.ArgumentParser, prefix: str = "") -> list[str]
                 names.append(f"{prefix}{name}")
                 names += _subcommands(sub, f"{prefix}{name} ")
     return names
+
+
+def test_a_run_that_cannot_calibrate_is_one_error_line(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A calibration run whose prefill engine's own prefix cache held the hits (vLLM's, given
+    KV memory for every agent's context) gives no SNIC caps: one line naming --kv-cache-gb,
+    exit 2, no traceback. NOTE: the calibration run's figures are canned (``run_mode``
+    replaced): a real one starts a cluster of vLLM engines for minutes; the rest is the
+    command as a user runs it."""
+    import dualpath.bench.offline as offline
+
+    held_the_hits = {
+        "jct_s": 10.0, "pe_busy_fraction": 0.5, "prompt_tokens": 10_000, "cached_tokens": 8_000,
+        "path_bytes": {"pe": 0, "de": 0}, "engine_cached_bytes": 16_384_000, "num_failed": 0,
+    }  # fmt: skip
+    monkeypatch.setattr(offline, "run_mode", lambda *args, **kwargs: dict(held_the_hits))
+    argv = "bench offline --preset paper-ratio --max-sessions 2 --modes basic,dualpath"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv.split(), "--model", str(tiny_model_dir), "--kv-cache-gb", "0.5"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dualpath: error: "), lines
+    assert "prefix cache held 100% of the hit KV" in lines[0]
+    assert "less KV memory than their 0.5 GB (--kv-cache-gb)" in lines[0]

@@ -21,6 +21,15 @@ With 1P2D, Basic puts the whole demand on one SNIC (rho = 2: about 2x slower tha
 while DualPath spreads it over three (rho / 3 < 1: about Oracle's speed); the ideal speedup
 is max(1, rho) / max(1, rho / 3).
 
+**The engines' KV memory (vLLM engines).** vLLM's prefix cache is a tier above the store: a
+PE with room for every agent's context holds the hits itself, the store serves none, and the
+calibration refuses the run (one line naming ``--kv-cache-gb``). So on vLLM engines a preset
+with ``engine_kv_fraction`` (``paper-ratio``, ``agentic``: 0.2) gives each engine that fraction
+of the KV of the agents' final contexts (their last prompt and output, summed over sessions),
+at least one request of the model's whole context, raised to the next MB
+(``presets.engine_kv_cache_gb``); ``--kv-cache-gb`` wins. The native engine keeps serve's
+default: it keeps no prefix cache above the store.
+
 **Valid or fail.** Before any server starts, every turn of the shaped workload is checked
 against the model's context (and ``--max-prompt-tokens``): a turn that cannot fit would fail
 in every mode, so the run is refused, naming the session, the turn and the ``--length-scale``
@@ -37,8 +46,9 @@ the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores
 process kept busy: ``process_cpu.py``), ``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
 (turns whose tokens differ from the first mode's); top level ``valid``, ``problems``,
 ``ratios``, ``rho``, ``snic_caps_gbps``, ``prefill_tokens_per_s``, ``prompt_tokens_per_busy_s``,
-``kv_bytes_per_token``, ``calibration_run`` (the uncapped run the caps come from: its JCT, PE
-busy fraction, tokens and bytes read), ``shaping`` (the workload's shaping: ``presets.WorkloadShape``) and
+``kv_bytes_per_token``, ``kv_cache_gb`` with ``kv_cache_gb_source`` ("flag", "preset rule"
+or null: each engine's KV memory, ``engines_kv_cache_gb``), ``calibration_run`` (the uncapped
+run the caps come from: its JCT, PE busy fraction, tokens and bytes read), ``shaping`` (the workload's shaping: ``presets.WorkloadShape``) and
 ``workload`` (its statistics, with ``ideal_hit_ratio``, the infinite-cache hit bound at the
 servers' block size).
 """
@@ -59,6 +69,7 @@ from dualpath.bench.presets import (
     PRESETS,
     BenchPreset,
     WorkloadShape,
+    engine_kv_cache_gb,
     shaped_workload,
     workload_shape,
 )
@@ -66,8 +77,9 @@ from dualpath.bench.report import add_output_arguments, write_outputs
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig
+from dualpath.errors import CalibrationError
 from dualpath.flags import non_negative_int, positive_float, positive_int
-from dualpath.model.identity import kv_facts
+from dualpath.model.identity import kv_facts, kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import (
     add_attention_quota_argument,
@@ -76,7 +88,7 @@ from dualpath.options import (
     add_transport_argument,
     add_workload_seed_argument,
 )
-from dualpath.units import bytes_per_s_to_gbps
+from dualpath.units import GB, bytes_per_s_to_gbps
 from dualpath.vllm_args import (
     add_engine_kind_arguments,
     check_vllm_installed,
@@ -86,6 +98,8 @@ from dualpath.workload import Misfit, Workload, first_misfit, ideal_hit_ratio, w
 
 # The servers' KV block (serve --block-size's default): hits are whole blocks of it.
 BLOCK_SIZE_TOKENS = EngineConfig().block_size_tokens
+# The servers' KV dtype (serve --dtype's default): what a token's KV costs in an engine.
+KV_DTYPE = EngineConfig().dtype
 
 
 def load_workload(
@@ -211,17 +225,53 @@ def check_engine_modes(engine: str) -> None:
         check_vllm_installed()
 
 
-def engine_report(run: ModeRun) -> dict:
-    """The JSON's ``engine``, ``vllm_args``, ``kv_cache_gb`` (null: the server's default) and
+def engine_report(run: ModeRun, kv_cache_gb_source: str | None) -> dict:
+    """The JSON's ``engine``, ``vllm_args``, ``kv_cache_gb`` (null: the server's default) with
+    ``kv_cache_gb_source`` ("flag", "preset rule" or null: ``engines_kv_cache_gb``), and
     ``vllm_prefill_batching`` and ``attention_quota_s`` (null: serve's): what ran the model in
     every server, with how much KV memory, and how a prefill engine batched."""
     return {
         "engine": run.engine,
         "vllm_args": dict(run.vllm_args),
         "kv_cache_gb": run.kv_cache_gb,
+        "kv_cache_gb_source": kv_cache_gb_source,
         "vllm_prefill_batching": run.vllm_prefill_batching,
         "attention_quota_s": run.attention_quota_s,
     }
+
+
+def engines_kv_cache_gb(
+    preset: BenchPreset,
+    workload: Workload,
+    model_dir: Path,
+    *,
+    engine: str,
+    kv_cache_gb: float | None,
+) -> tuple[float | None, str | None]:
+    """Each engine's KV memory (GB) and where it came from: ``--kv-cache-gb`` ("flag"); else,
+    on vLLM engines, the preset's ``engine_kv_fraction`` of the KV of ``workload``'s final
+    contexts, at least one request of the model's context ("preset rule":
+    ``presets.engine_kv_cache_gb``); else None, None (serve's default).
+
+    NOTE: the native engine keeps serve's default: it holds no prefix cache above the store
+    (every hit is read from the store, whatever its KV memory), so its runs are in the
+    presets' regime already, and less memory would only shrink the decode engines' batches."""
+    if kv_cache_gb is not None:
+        return kv_cache_gb, "flag"
+    if engine != "vllm" or preset.engine_kv_fraction is None:
+        return None, None
+    config = read_config(Path(model_dir) / "config.json")
+    layout = kv_layout(config, KV_DTYPE, BLOCK_SIZE_TOKENS)
+    # The servers run the model's whole context (no --max-model-len), and an engine refuses to
+    # start without the blocks of one such request (``capacity.check_device_cache``).
+    num_blocks = -(-config.max_position_embeddings // layout.block_size_tokens)
+    size_gb = engine_kv_cache_gb(
+        workload,
+        fraction=preset.engine_kv_fraction,
+        kv_bytes_per_token=layout.full_block_bytes / layout.block_size_tokens,
+        min_bytes=num_blocks * layout.full_block_bytes,
+    )
+    return size_gb, "preset rule"
 
 
 def workload_report(workload: Workload, shape: WorkloadShape) -> dict:
@@ -275,6 +325,9 @@ def run_offline(
     if preset.snic_bandwidth_gbps is None:
         what = f"--preset {preset_name}" if rho is None else f"--rho {rho:g}"
         check_calibration_workload(workload, what)
+    kv_cache_gb, kv_cache_gb_source = engines_kv_cache_gb(
+        preset, workload, model_dir, engine=engine, kv_cache_gb=kv_cache_gb
+    )
     base = oracle_run(
         preset,
         model_dir,
@@ -294,7 +347,7 @@ def run_offline(
         "seed": seed,
         "model_dir": str(model_dir),
         "model": kv_facts(read_config(Path(model_dir) / "config.json")),
-        **engine_report(base),
+        **engine_report(base, kv_cache_gb_source),
         "transport": transport,
         "read_path": read_path,
         **workload_report(workload, shape),
@@ -310,7 +363,7 @@ def run_offline(
             if problems:  # caps from a broken run would be wrong: no timed run
                 report["modes"] = {}
                 return mark_validity(report, problems)
-            calibration = calibrate(oracle, preset.rho, model_dir)
+            calibration = calibrate(oracle, preset.rho, model_dir, kv_cache_gb=base.kv_cache_gb)
             report.update(calibration)
             base = replace(
                 base,
@@ -352,25 +405,34 @@ def check_calibration_workload(workload: Workload, what: str) -> None:
     )
 
 
-def calibrate(oracle: dict, rho: float, model_dir: Path) -> dict:
+def calibrate(
+    oracle: dict, rho: float, model_dir: Path, *, kv_cache_gb: float | None = None
+) -> dict:
     """SNIC caps from an uncapped run: cap = (hit-KV bytes a PE consumes per second of
-    prefill) / rho."""
-    from dualpath.model.identity import checkpoint_kv_identity
-
-    _, identity = checkpoint_kv_identity(Path(model_dir), "float32", 64)
-    kv_bytes_per_token = identity.layout.full_block_bytes / identity.layout.block_size_tokens
+    prefill) / rho. ``CalibrationError`` naming what to change when the run cannot give them:
+    it read no hit KV from the store, or its prefill engine's own prefix cache held most of
+    the hits (``kv_cache_gb``: the engines' KV memory it ran with, None: serve's default)."""
+    layout = kv_layout(read_config(Path(model_dir) / "config.json"), KV_DTYPE, BLOCK_SIZE_TOKENS)
+    kv_bytes_per_token = layout.full_block_bytes / layout.block_size_tokens
     busy_s = oracle["pe_busy_fraction"] * oracle["jct_s"]
     hit_bytes = sum(oracle["path_bytes"].values())
-    if busy_s <= 0 or hit_bytes <= 0:
-        raise RuntimeError("calibration run read no hit KV or never prefilled: cannot fix caps")
     held_bytes = oracle.get("engine_cached_bytes") or 0
     if held_bytes > hit_bytes:
-        raise RuntimeError(
+        memory = "serve's default" if kv_cache_gb is None else f"{kv_cache_gb:g} GB"
+        raise CalibrationError(
             f"in the calibration run the prefill engine's own prefix cache held "
-            f"{held_bytes / (held_bytes + hit_bytes):.0%} of the hit KV, so the store is not "
-            "where this workload's hits come from and no SNIC cap makes reads the bottleneck "
-            "(the regime rho describes): give the engines less KV memory (--kv-cache-gb) or "
-            "a workload whose contexts exceed it"
+            f"{held_bytes / (held_bytes + hit_bytes):.0%} of the hit KV "
+            f"({held_bytes / GB:.3f} GB; {hit_bytes / GB:.3f} GB came from the store), so no "
+            "SNIC cap makes the store's reads the bottleneck (the regime rho describes): give "
+            f"the engines less KV memory than their {memory} (--kv-cache-gb) or replay more "
+            "agents' contexts than it holds"
+        )
+    if busy_s <= 0 or hit_bytes <= 0:
+        raise CalibrationError(
+            f"the calibration run read {hit_bytes} bytes of hit KV from the store in "
+            f"{busy_s:.3g} s of prefill: no SNIC cap can be computed from it; replay sessions "
+            "whose turns extend earlier ones (leave --trace out), or use a preset with fixed "
+            "caps without --rho"
         )
     demand_bytes_per_s = hit_bytes / busy_s
     return {
@@ -486,9 +548,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-gb",
         type=positive_float,
         default=None,
-        help="each engine's device KV memory, GB (serve --kv-cache-gb; default: serve's). On "
-        "vLLM engines it also bounds the prefill engine's own prefix cache, a tier above the "
-        "store: a regime where storage supplies the hits needs it well below the agents' KV",
+        help="each engine's device KV memory, GB (serve --kv-cache-gb). On vLLM engines it "
+        "also bounds the prefill engine's own prefix cache, a tier above the store: a regime "
+        "where storage supplies the hits needs it well below the agents' KV (default: on vLLM "
+        "engines, paper-ratio and agentic give a fifth of the agents' final contexts' KV, at "
+        "least one request of the model's context; otherwise serve's)",
     )
     add_attention_quota_argument(parser, default_help="serve's")
     add_output_arguments(parser)

@@ -64,6 +64,7 @@ from dualpath.bench.offline import (
     check_url_flags,
     checked_preset,
     engine_report,
+    engines_kv_cache_gb,
     load_workload,
     oracle_run,
     workload_report,
@@ -239,6 +240,10 @@ def run_online(
     calibration_workload = workload_of(max_sessions)
     if preset.snic_bandwidth_gbps is None:
         check_calibration_workload(calibration_workload, f"--preset {preset_name}")
+    # Sized on what offline replays: the agents of one probe vary with its rate.
+    kv_cache_gb, kv_cache_gb_source = engines_kv_cache_gb(
+        preset, calibration_workload, model_dir, engine=engine, kv_cache_gb=kv_cache_gb
+    )
     base = oracle_run(
         preset,
         model_dir,
@@ -258,7 +263,7 @@ def run_online(
         "seed": seed,
         "model_dir": str(model_dir),
         "model": kv_facts(read_config(Path(model_dir) / "config.json")),
-        **engine_report(base),
+        **engine_report(base, kv_cache_gb_source),
         "read_path": read_path,
         **workload_report(calibration_workload, shape),
         "replay_gaps": replay_gaps,
@@ -277,7 +282,7 @@ def run_online(
             if problems:  # caps from a broken run would be wrong: no probe
                 report["modes"] = {}
                 return mark_validity(report, problems)
-            calibration = calibrate(oracle, preset.rho, model_dir)
+            calibration = calibrate(oracle, preset.rho, model_dir, kv_cache_gb=base.kv_cache_gb)
             report.update(calibration)
             base = replace(
                 base,

@@ -24,10 +24,12 @@ calibration before the timed runs" (``paper-ratio``: SNIC cap = hit-KV consumpti
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dualpath.units import GB
 from dualpath.workload import (
     DEFAULT_CLONE_PREFIX_TOKENS,
     Workload,
@@ -59,12 +61,20 @@ class BenchPreset:
     # A packaged trace (dualpath/workload/data/<trace>.jsonl) replayed instead of trajectories.
     trace: str | None = None
     clones: int = 0  # offline: every session also runs as this many clones (SPEC §7)
+    # On vLLM engines, each engine's KV memory as this fraction of the KV of the agents'
+    # final contexts (``engine_kv_cache_gb``) when --kv-cache-gb is not given; None: serve's
+    # default. vLLM's prefix cache is a tier above the store: with room for every agent's
+    # context the PE holds the hits itself and the store serves none, so a preset whose
+    # regime is "the store serves the hits" (SPEC §7) sizes the engines below the agents' KV.
+    engine_kv_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if (self.trace is None) == (self.trajectory_preset is None):
             raise ValueError("a preset names either a trajectory_preset or a trace")
         if self.clones < 0:
             raise ValueError(f"clones must be >= 0, got {self.clones}")
+        if self.engine_kv_fraction is not None and not 0 < self.engine_kv_fraction <= 1:
+            raise ValueError(f"engine_kv_fraction must be in (0, 1], got {self.engine_kv_fraction}")
 
 
 PRESETS = {
@@ -111,6 +121,10 @@ PRESETS = {
         rho=2.0,
         aps=1.0,
         max_turns=16,
+        # A fifth of the agents' KV on vLLM engines: at 0.04 GB (a fifth of the 64 agents'
+        # 160 MB on the tiny model) the PE's vLLM still held 16-23% of the hits and DualPath
+        # ran 1.82x Basic; at serve's 1 GB it held all of them and no cap could be calibrated.
+        engine_kv_fraction=0.2,
     ),
     # The same regime on real sessions: agentic_coding_dev (37 Claude Code sessions, 50-252
     # turns, prompts up to 131K tokens; dualpath/workload/data/README.md), 1P2D, rho = 2
@@ -133,6 +147,9 @@ PRESETS = {
     #   DualPath 1.17x Oracle, 32 agents 94% with each agent's JCT within 7% of the run's;
     #   more agents overlap each turn's reads with the other agents' prefill, as the paper's
     #   1,024 do.
+    # - engine_kv_fraction 0.2 (vLLM engines): paper-ratio's, for its reason; a fifth of the
+    #   74 agents' final contexts (323K tokens, 0.66 GB on the tiny model) is 0.13 GB, where
+    #   DualPath ran 2.21x Basic.
     # - aps 0.25 (online): about half of what Oracle gets through offline (~0.3-0.4 agents/s
     #   at ~60K prompt tokens an agent), where paper-ratio's capacities sit against its own.
     "agentic": BenchPreset(
@@ -150,6 +167,7 @@ PRESETS = {
         aps=0.25,
         max_turns=16,
         clones=1,
+        engine_kv_fraction=0.2,
     ),
 }
 
@@ -273,3 +291,28 @@ def preset_workload(
     sessions before cloning)."""
     shape = workload_shape(preset, max_sessions=num_agents, length_scale=length_scale)
     return shaped_workload(shape, seed=seed, vocab_size=vocab_size, avoid_token_ids=avoid_token_ids)
+
+
+def final_context_tokens(workload: Workload) -> int:
+    """Tokens of every session's final context (its last prompt plus its last output),
+    summed: the KV the agents leave behind."""
+    return sum(
+        session.prompt_lengths_tokens()[-1] + session.turns[-1].output_tokens
+        for session in workload.sessions
+    )
+
+
+def engine_kv_cache_gb(
+    workload: Workload,
+    *,
+    fraction: float,
+    kv_bytes_per_token: float,
+    min_bytes: int,
+) -> float:
+    """Each engine's KV memory, GB, for a preset's ``engine_kv_fraction``: ``fraction`` of
+    the KV of the agents' final contexts, at least ``min_bytes`` (an engine refuses to start
+    with less than one request of the model's whole context), raised to the next whole MB (a
+    size ``--kv-cache-gb`` takes, which no float rounding brings below ``min_bytes``)."""
+    size_bytes = max(fraction * final_context_tokens(workload) * kv_bytes_per_token, min_bytes)
+    num_mb = math.floor(size_bytes / (GB // 1000)) + 1
+    return num_mb / 1000

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.bench.offline import calibrate
+from dualpath.errors import CalibrationError
 
 
 def _oracle(read_bytes: int, held_bytes: int) -> dict:
@@ -35,5 +36,15 @@ def test_caps_are_the_read_demand_over_rho_and_say_where_they_came_from(
 
 
 def test_hits_the_prefill_engine_held_cannot_be_calibrated_on(tiny_model_dir: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"prefix cache held 80% of the hit KV.*--kv-cache-gb"):
-        calibrate(_oracle(read_bytes=100, held_bytes=400), 2.0, tiny_model_dir)
+    oracle = _oracle(read_bytes=100_000_000, held_bytes=400_000_000)
+    with pytest.raises(
+        CalibrationError,
+        match=r"prefix cache held 80% of the hit KV \(0\.400 GB; 0\.100 GB came from the "
+        r"store\).*less KV memory than their 0\.5 GB \(--kv-cache-gb\)",
+    ):
+        calibrate(oracle, 2.0, tiny_model_dir, kv_cache_gb=0.5)
+
+
+def test_a_run_that_read_no_hit_kv_cannot_be_calibrated_on(tiny_model_dir: Path) -> None:
+    with pytest.raises(CalibrationError, match=r"read 0 bytes of hit KV from the store"):
+        calibrate(_oracle(read_bytes=0, held_bytes=0), 2.0, tiny_model_dir)
