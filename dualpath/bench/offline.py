@@ -71,9 +71,16 @@ from dualpath.bench.presets import (
     WorkloadShape,
     engine_kv_cache_gb,
     shaped_workload,
-    workload_shape,
 )
 from dualpath.bench.report import add_output_arguments, write_outputs
+from dualpath.bench.spec import (
+    EngineSpec,
+    RunSpec,
+    engine_spec,
+    modes_of,
+    output_spec,
+    workload_spec,
+)
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig
@@ -92,7 +99,6 @@ from dualpath.units import GB, bytes_per_s_to_gbps
 from dualpath.vllm_args import (
     add_engine_kind_arguments,
     check_vllm_installed,
-    engine_kind_args,
 )
 from dualpath.workload import Misfit, Workload, first_misfit, ideal_hit_ratio, workload_stats
 
@@ -188,33 +194,22 @@ def checked_preset(preset_name: str, modes: list[str]) -> BenchPreset:
     return PRESETS[preset_name]
 
 
-def oracle_run(
-    preset: BenchPreset,
-    model_dir: Path,
-    *,
-    transport: str,
-    read_path: str | None = None,
-    max_prompt_tokens: int | None = None,
-    engine: str = "native",
-    vllm_args: dict | None = None,
-    kv_cache_gb: float | None = None,
-    vllm_prefill_batching: str = "vllm",
-    attention_quota_s: float | None = None,
-) -> ModeRun:
-    """The preset's cluster in ``oracle`` mode (other modes: ``replace(run, mode=...)``)."""
+def oracle_run(preset: BenchPreset, model_dir: Path, engine: EngineSpec) -> ModeRun:
+    """The preset's cluster in ``oracle`` mode on ``engine`` (other modes:
+    ``replace(run, mode=...)``)."""
     return ModeRun(
         mode="oracle",
         model_dir=Path(model_dir),
         nodes=preset.nodes,
         snic_bandwidth_gbps=preset.snic_bandwidth_gbps or 0.0,
-        read_path=read_path,
-        transport=transport,
-        max_prompt_tokens=max_prompt_tokens,
-        engine=engine,
-        vllm_args=tuple((vllm_args or {}).items()),
-        kv_cache_gb=kv_cache_gb,
-        vllm_prefill_batching=vllm_prefill_batching,
-        attention_quota_s=attention_quota_s,
+        read_path=engine.read_path,
+        transport=engine.transport,
+        max_prompt_tokens=engine.max_prompt_tokens,
+        engine=engine.engine,
+        vllm_args=engine.vllm_args,
+        kv_cache_gb=engine.kv_cache_gb,
+        vllm_prefill_batching=engine.vllm_prefill_batching,
+        attention_quota_s=engine.attention_quota_s,
     )
 
 
@@ -281,104 +276,120 @@ def workload_report(workload: Workload, shape: WorkloadShape) -> dict:
     return {"shaping": asdict(shape), "workload": {"source": workload.source, **asdict(stats)}}
 
 
-def run_offline(
-    modes: list[str],
-    preset_name: str,
-    *,
-    model_dir: Path,
-    seed: int = 0,
-    work_dir: Path | None = None,
-    transport: str = "nixl",
-    read_path: str | None = None,
-    rho: float | None = None,
-    trace: Path | None = None,
-    max_sessions: int | None = None,
-    length_scale: float | None = None,
-    max_turns: int | None = None,
-    gen_scale: float | None = None,
-    clones: int | None = None,
-    max_prompt_tokens: int | None = None,
-    engine: str = "native",
-    vllm_args: dict | None = None,
-    kv_cache_gb: float | None = None,
-    vllm_prefill_batching: str = "vllm",
-    attention_quota_s: float | None = None,
-    progress: bool = True,
-) -> dict:
-    """Every mode on the shaped workload; the report, ``valid`` or not (``validity.py``)."""
-    preset = checked_preset(preset_name, modes)
-    check_engine_modes(engine)
-    if rho is not None:
-        preset = replace(preset, snic_bandwidth_gbps=None, rho=rho)
-    shape = workload_shape(
-        preset,
-        trace=trace,
-        max_sessions=max_sessions,
-        length_scale=length_scale,
-        max_turns=max_turns,
-        gen_scale=gen_scale,
-        clones=clones,
-    )
+def run_offline(spec: RunSpec) -> dict:
+    """Every mode of ``spec`` on its shaped workload; the report, ``valid`` or not
+    (``validity.py``)."""
+    preset = run_preset(spec)
+    shape = spec.workload.shape(preset)
     workload = load_workload(
-        shape, model_dir=model_dir, seed=seed, max_prompt_tokens=max_prompt_tokens
+        shape,
+        model_dir=spec.model_dir,
+        seed=spec.workload.seed,
+        max_prompt_tokens=spec.engine.max_prompt_tokens,
     )
     if preset.snic_bandwidth_gbps is None:
-        what = f"--preset {preset_name}" if rho is None else f"--rho {rho:g}"
-        check_calibration_workload(workload, what)
-    kv_cache_gb, kv_cache_gb_source = engines_kv_cache_gb(
-        preset, workload, model_dir, engine=engine, kv_cache_gb=kv_cache_gb
-    )
-    base = oracle_run(
-        preset,
-        model_dir,
-        transport=transport,
-        read_path=read_path,
-        max_prompt_tokens=max_prompt_tokens,
-        engine=engine,
-        vllm_args=vllm_args,
-        kv_cache_gb=kv_cache_gb,
-        vllm_prefill_batching=vllm_prefill_batching,
-        attention_quota_s=attention_quota_s,
-    )
+        check_calibration_workload(workload, calibrated_by(spec))
+    base, kv_cache_gb_source = base_run(spec, preset, workload)
     report: dict = {
-        "benchmark": "offline",
-        "preset": preset_name,
-        "preset_config": asdict(preset),
-        "seed": seed,
-        "model_dir": str(model_dir),
-        "model": kv_facts(read_config(Path(model_dir) / "config.json")),
-        **engine_report(base, kv_cache_gb_source),
-        "transport": transport,
-        "read_path": read_path,
+        **run_header("offline", spec, preset, base, kv_cache_gb_source),
+        "transport": spec.engine.transport,
+        "read_path": spec.engine.read_path,
         **workload_report(workload, shape),
         "hardware": hardware_info(),
     }
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="dualpath-bench-") as tmp:
-        root = Path(work_dir or tmp)
+        root = Path(spec.output.work_dir or tmp)
         if preset.snic_bandwidth_gbps is None:
             assert preset.rho is not None, "a calibrated preset names its rho"
-            oracle = run_mode(base, workload, work_dir=root / "calibration", progress=progress)
-            problems = mode_problems("calibration (oracle, uncapped)", oracle)
+            base, calibration, problems = calibrated_run(
+                base, preset.rho, workload, root / "calibration", progress=spec.output.progress
+            )
             if problems:  # caps from a broken run would be wrong: no timed run
                 report["modes"] = {}
                 return mark_validity(report, problems)
-            calibration = calibrate(oracle, preset.rho, model_dir, kv_cache_gb=base.kv_cache_gb)
             report.update(calibration)
-            base = replace(
-                base,
-                snic_bandwidth_gbps=calibration["snic_caps_gbps"],
-                prefill_tokens_per_s=calibration["prompt_tokens_per_busy_s"],
+        results = {
+            mode: run_mode(
+                replace(base, mode=mode),
+                workload,
+                work_dir=root / mode,
+                progress=spec.output.progress,
             )
-        for mode in modes:
-            if mode not in results:
-                run = replace(base, mode=mode)
-                results[mode] = run_mode(run, workload, work_dir=root / mode, progress=progress)
+            for mode in dict.fromkeys(spec.modes)  # a mode named twice runs once
+        }
     report["link_caps_emulated"] = base.snic_bandwidth_gbps > 0
     report["snic_caps_gbps"] = base.snic_bandwidth_gbps
-    report["modes"] = {mode: results[mode] for mode in modes}
-    finish_report(report, modes)
+    report["modes"] = results
+    finish_report(report, list(spec.modes))
     return report
+
+
+def run_preset(spec: RunSpec) -> BenchPreset:
+    """``spec``'s preset, calibrated to ``spec.rho`` where given; ``ValueError`` for an
+    unknown preset or mode, or an engine kind this Python cannot run."""
+    preset = checked_preset(spec.workload.preset, list(spec.modes))
+    check_engine_modes(spec.engine.engine)
+    if spec.rho is not None:
+        preset = replace(preset, snic_bandwidth_gbps=None, rho=spec.rho)
+    return preset
+
+
+def calibrated_by(spec: RunSpec) -> str:
+    """The flag that asked for calibration (``--preset paper-ratio``, ``--rho 2``)."""
+    return f"--preset {spec.workload.preset}" if spec.rho is None else f"--rho {spec.rho:g}"
+
+
+def base_run(spec: RunSpec, preset: BenchPreset, workload: Workload) -> tuple[ModeRun, str | None]:
+    """The oracle run every mode starts from, its engines' KV memory sized for ``workload``
+    (``engines_kv_cache_gb``), and where that size came from."""
+    kv_cache_gb, source = engines_kv_cache_gb(
+        preset,
+        workload,
+        spec.model_dir,
+        engine=spec.engine.engine,
+        kv_cache_gb=spec.engine.kv_cache_gb,
+    )
+    engine = replace(spec.engine, kv_cache_gb=kv_cache_gb)
+    return oracle_run(preset, spec.model_dir, engine), source
+
+
+def run_header(
+    benchmark: str,
+    spec: RunSpec,
+    preset: BenchPreset,
+    base: ModeRun,
+    kv_cache_gb_source: str | None,
+) -> dict:
+    """The report's first keys: the benchmark, its preset, seed, model and engines."""
+    model_dir = spec.model_dir
+    return {
+        "benchmark": benchmark,
+        "preset": spec.workload.preset,
+        "preset_config": asdict(preset),
+        "seed": spec.workload.seed,
+        "model_dir": str(model_dir),
+        "model": kv_facts(read_config(Path(model_dir) / "config.json")),
+        **engine_report(base, kv_cache_gb_source),
+    }
+
+
+def calibrated_run(
+    base: ModeRun, rho: float, workload: Workload, work_dir: Path, *, progress: bool
+) -> tuple[ModeRun, dict, list[str]]:
+    """``base`` (oracle, uncapped) run on ``workload``, and the SNIC caps and beta calibrated on
+    it (``calibrate``): the run with them, the report's calibration keys, and [] for problems;
+    or ``base`` unchanged, {} and why the calibration run is not a result."""
+    oracle = run_mode(base, workload, work_dir=work_dir, progress=progress)
+    problems = mode_problems("calibration (oracle, uncapped)", oracle)
+    if problems:
+        return base, {}, problems
+    calibration = calibrate(oracle, rho, base.model_dir, kv_cache_gb=base.kv_cache_gb)
+    calibrated = replace(
+        base,
+        snic_bandwidth_gbps=calibration["snic_caps_gbps"],
+        prefill_tokens_per_s=calibration["prompt_tokens_per_busy_s"],
+    )
+    return calibrated, calibration, []
 
 
 def check_calibration_workload(workload: Workload, what: str) -> None:
@@ -618,30 +629,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--url runs against one existing server: do not give --engine")
         return _write(_run_url(args, model_dir), args)
     check_url_flags(args)
-    modes = [m.strip() for m in (args.modes or "basic,dualpath,oracle").split(",") if m.strip()]
-    rhos = args.rho or [None]
-    reports = [
-        run_offline(
-            modes,
-            args.preset,
-            model_dir=model_dir,
-            seed=args.seed,
-            transport=args.transport,
-            read_path=args.read_path,
-            rho=rho,
-            trace=args.trace,
-            max_sessions=args.max_sessions,
-            length_scale=args.length_scale,
-            max_turns=args.max_turns,
-            gen_scale=args.gen_scale,
-            clones=args.clones,
-            max_prompt_tokens=args.max_prompt_tokens,
-            kv_cache_gb=args.kv_cache_gb,
-            attention_quota_s=args.attention_quota_s,
-            **engine_kind_args(args),
-        )
-        for rho in rhos
-    ]
+    spec = run_spec(args, model_dir)
+    reports = [run_offline(replace(spec, rho=rho)) for rho in args.rho or [None]]
     if len(reports) == 1:
         return _write(reports[0], args)
     problems = [f"rho {r['rho']:g}: {p}" for r in reports for p in r["problems"]]
@@ -649,17 +638,21 @@ def main(args: argparse.Namespace) -> int:
     return _write(mark_validity(sweep, problems), args)
 
 
+def run_spec(args: argparse.Namespace, model_dir: Path) -> RunSpec:
+    """``bench offline``'s command line as one run (a ``--rho`` sweep: one per value)."""
+    return RunSpec(
+        model_dir=model_dir,
+        workload=workload_spec(args),
+        modes=modes_of(args.modes, "basic,dualpath,oracle"),
+        engine=engine_spec(args),
+        output=output_spec(args),
+    )
+
+
 def _run_url(args: argparse.Namespace, model_dir: Path) -> dict:
     """The agents against ``--url``: one "mode", validity as for our own servers."""
-    shape = workload_shape(
-        PRESETS[args.preset],
-        trace=args.trace,
-        max_sessions=args.max_sessions,
-        length_scale=args.length_scale,
-        max_turns=args.max_turns,
-        gen_scale=args.gen_scale,
-        clones=args.clones,
-    )
+    workload_of = workload_spec(args)
+    shape = workload_of.shape(PRESETS[args.preset])
     workload = load_workload(
         shape, model_dir=model_dir, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens
     )

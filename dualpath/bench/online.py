@@ -48,7 +48,8 @@ import argparse
 import math
 import sys
 import tempfile
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -58,24 +59,29 @@ from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_mode
 from dualpath.bench.offline import (
     add_workload_arguments,
-    calibrate,
+    base_run,
+    calibrated_run,
     check_calibration_workload,
-    check_engine_modes,
     check_url_flags,
-    checked_preset,
-    engine_report,
-    engines_kv_cache_gb,
     load_workload,
-    oracle_run,
+    run_header,
+    run_preset,
     workload_report,
 )
-from dualpath.bench.presets import workload_shape
+from dualpath.bench.presets import WorkloadShape
 from dualpath.bench.report import write_outputs
+from dualpath.bench.spec import (
+    DEFAULT_MIN_AGENTS,
+    SLO_BASES,
+    OnlineSpec,
+    RunSpec,
+    engine_spec,
+    modes_of,
+    output_spec,
+    workload_spec,
+)
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.flags import non_negative_float, positive_float, positive_int
-from dualpath.model.identity import kv_facts
-from dualpath.model.registry import read_config
-from dualpath.vllm_args import engine_kind_args
 from dualpath.workload import Workload, poisson_arrival_offsets_s
 
 SLO_FACTOR = 4.0  # SPEC §7's SLO over the unloaded latencies (4 s and 50 ms on the paper's)
@@ -84,8 +90,6 @@ MIN_RUN_AGENT_JCTS = 3.0  # the arrival window lasts at least this many unloaded
 # within the SLO an agent takes at most ~4x its unloaded JCT. It is stopped and counts as a
 # miss, rather than draining a queue that only grows (the slowest part of a capacity search).
 OVERLOAD_AGENT_JCTS = 10.0
-DEFAULT_MIN_AGENTS = 48  # and has at least this many agents
-SLO_BASES = ("oracle", "basic")  # whose unloaded latencies the SLO multiplies
 MAX_PROBES = 6
 BRACKET_TOLERANCE = 0.05
 
@@ -175,211 +179,185 @@ def arrivals(workload: Workload, aps: float, seed: int) -> Workload:
     )
 
 
-def run_online(
-    modes: list[str],
-    preset_name: str,
-    *,
-    model_dir: Path,
-    seed: int = 0,
-    aps: float | None = None,
-    find_capacity: bool = False,
-    slo_ttft_s: float | None = None,
-    slo_tpot_s: float | None = None,
-    work_dir: Path | None = None,
-    transport: str = "nixl",
-    read_path: str | None = None,
-    trace: Path | None = None,
-    length_scale: float | None = None,
-    max_sessions: int | None = None,
-    max_turns: int | None = None,
-    gen_scale: float | None = None,
-    max_prompt_tokens: int | None = None,
-    replay_gaps: float | None = None,
-    max_gap_s: float | None = None,
-    min_agents: int = DEFAULT_MIN_AGENTS,
-    slo_basis: str = "oracle",
-    engine: str = "native",
-    vllm_args: dict | None = None,
-    kv_cache_gb: float | None = None,
-    vllm_prefill_batching: str = "vllm",
-    attention_quota_s: float | None = None,
-    progress: bool = True,
-) -> dict:
+def run_online(spec: OnlineSpec) -> dict:
     """Every mode at the starting rate (or its capacity search); the report, ``valid`` or not
     (``validity.py``). ``max_sessions`` caps the agents of every run."""
-    preset = checked_preset(preset_name, modes)
-    check_engine_modes(engine)
-    if slo_basis not in SLO_BASES:
-        raise ValueError(f"--slo-basis must be one of {SLO_BASES}, got {slo_basis!r}")
-    if min_agents < 1:
-        raise ValueError(f"--min-agents must be >= 1, got {min_agents}")
-    start_aps = preset.aps if aps is None else aps
-    if start_aps <= 0:
-        raise ValueError(f"--aps must be > 0, got {start_aps}")
-
-    if replay_gaps is not None and replay_gaps < 0:
-        raise ValueError(f"--replay-gaps must be >= 0, got {replay_gaps}")
-    if max_gap_s is not None and (replay_gaps is None or max_gap_s < 0):
-        raise ValueError(f"--max-gap-s must be >= 0 and goes with --replay-gaps, got {max_gap_s}")
-    gaps = {"gap_scale": replay_gaps, "max_gap_s": max_gap_s}
-    shape = workload_shape(
-        preset, trace=trace, length_scale=length_scale, max_turns=max_turns, gen_scale=gen_scale
-    )
-
-    def workload_of(num_agents: int | None) -> Workload:
-        return load_workload(
-            shape,
-            model_dir=model_dir,
-            seed=seed,
-            max_prompt_tokens=max_prompt_tokens,
-            num_agents=num_agents,
-        )
-
+    run = spec.run
+    preset = run_preset(run)
+    start_aps = preset.aps if spec.aps is None else spec.aps
+    # The preset's sessions, every probe taking as many agents as it needs (max_sessions
+    # caps them: ``_search_mode``).
+    shape = replace(run.workload, max_sessions=None).shape(preset)
+    workload_of = _workloads(run, shape)
     # What offline replays (sessions and their clones): the calibration's workload, checked
-    # against the model before any server starts.
-    calibration_workload = workload_of(max_sessions)
+    # against the model before any server starts; the engines' KV memory is sized on it too
+    # (the agents of one probe vary with its rate).
+    calibration_workload = workload_of(run.workload.max_sessions)
     if preset.snic_bandwidth_gbps is None:
-        check_calibration_workload(calibration_workload, f"--preset {preset_name}")
-    # Sized on what offline replays: the agents of one probe vary with its rate.
-    kv_cache_gb, kv_cache_gb_source = engines_kv_cache_gb(
-        preset, calibration_workload, model_dir, engine=engine, kv_cache_gb=kv_cache_gb
-    )
-    base = oracle_run(
-        preset,
-        model_dir,
-        transport=transport,
-        read_path=read_path,
-        max_prompt_tokens=max_prompt_tokens,
-        engine=engine,
-        vllm_args=vllm_args,
-        kv_cache_gb=kv_cache_gb,
-        vllm_prefill_batching=vllm_prefill_batching,
-        attention_quota_s=attention_quota_s,
-    )
+        check_calibration_workload(calibration_workload, f"--preset {run.workload.preset}")
+    base, kv_cache_gb_source = base_run(run, preset, calibration_workload)
     report: dict = {
-        "benchmark": "online",
-        "preset": preset_name,
-        "preset_config": asdict(preset),
-        "seed": seed,
-        "model_dir": str(model_dir),
-        "model": kv_facts(read_config(Path(model_dir) / "config.json")),
-        **engine_report(base, kv_cache_gb_source),
-        "read_path": read_path,
+        **run_header("online", run, preset, base, kv_cache_gb_source),
+        "read_path": run.engine.read_path,
         **workload_report(calibration_workload, shape),
-        "replay_gaps": replay_gaps,
-        "max_gap_s": max_gap_s,
+        "replay_gaps": spec.replay_gaps,
+        "max_gap_s": spec.max_gap_s,
         "hardware": hardware_info(),
     }
     problems: list[str] = []
+    progress = run.output.progress
     with tempfile.TemporaryDirectory(prefix="dualpath-online-") as tmp:
-        root = Path(work_dir or tmp)
+        root = Path(run.output.work_dir or tmp)
         # Unloaded: one agent alone on Oracle (uncapped, from memory).
-        unloaded = _unloaded(base, workload_of(1), root / "unloaded", progress, gaps, problems)
+        unloaded = _unloaded(base, workload_of(1), root / "unloaded", spec, problems)
         if preset.snic_bandwidth_gbps is None:
             assert preset.rho is not None, "a calibrated preset names its rho"
-            oracle = run_mode(base, calibration_workload, work_dir=root / "cal")
-            problems += mode_problems("calibration (oracle, uncapped)", oracle)
+            base, calibration, calibration_problems = calibrated_run(
+                base, preset.rho, calibration_workload, root / "cal", progress=progress
+            )
+            problems += calibration_problems
             if problems:  # caps from a broken run would be wrong: no probe
                 report["modes"] = {}
                 return mark_validity(report, problems)
-            calibration = calibrate(oracle, preset.rho, model_dir, kv_cache_gb=base.kv_cache_gb)
             report.update(calibration)
-            base = replace(
-                base,
-                snic_bandwidth_gbps=calibration["snic_caps_gbps"],
-                prefill_tokens_per_s=calibration["prompt_tokens_per_busy_s"],
-            )
         report["snic_caps_gbps"] = base.snic_bandwidth_gbps
-        report["min_agents"] = min_agents
+        report["min_agents"] = spec.min_agents
         # One agent alone on Basic with the run's caps: what the SLO basis "basic" uses.
         unloaded_basic = _unloaded(
-            replace(base, mode="basic"),
-            workload_of(1),
-            root / "unloaded-basic",
-            progress,
-            gaps,
-            problems,
+            replace(base, mode="basic"), workload_of(1), root / "unloaded-basic", spec, problems
         )
-        basis = unloaded if slo_basis == "oracle" else unloaded_basic
-        slo = {
-            "ttft_s": slo_ttft_s or SLO_FACTOR * basis["ttft_s"]["p50"],
-            "tpot_s": slo_tpot_s or SLO_FACTOR * (basis["tpot_s"]["p50"] or math.inf),
-            "source": "given"
-            if slo_ttft_s and slo_tpot_s
-            else f"{SLO_FACTOR:g} x {slo_basis}'s unloaded p50",
-            "basis": slo_basis,
-            "unloaded": unloaded,
-            "unloaded_basic": unloaded_basic,
-        }
+        slo = slo_of(spec, unloaded, unloaded_basic)
         report["slo"] = slo
-        min_duration_s = MIN_RUN_AGENT_JCTS * unloaded["jct_s"]
-        results = {}
-        for mode in modes:
-            run = replace(base, mode=mode)
-            probes: list[tuple[float, bool]] = []
-            probe_results = []
-            rate = start_aps
-            while rate is not None:
-                num_agents = max(min_agents, math.ceil(rate * min_duration_s))
-                if max_sessions is not None:
-                    num_agents = min(num_agents, max_sessions)
-                workload = arrivals(workload_of(num_agents), rate, seed)
-                last_arrival_s = max(s.arrival_s for s in workload.sessions)
-                result = run_mode(
-                    run,
-                    workload,
-                    work_dir=root / f"{mode}-{len(probes)}",
-                    progress=progress,
-                    keep_records=True,
-                    stop_after_s=last_arrival_s + OVERLOAD_AGENT_JCTS * unloaded["jct_s"],
-                    **gaps,
-                )
-                result.pop("tokens")
-                # A probe stopped for overload is a miss, not a failure: only failed requests.
-                if result["num_failed"]:
-                    problems += mode_problems(f"{mode} at {rate:.3g} APS", result)
-                result["aps"] = rate
-                result["num_agents"] = num_agents
-                result["second_half_p90_ttft_s"], result["second_half_p90_tpot_s"] = (
-                    second_half_p90(result.pop("_records"), last_arrival_s)
-                )
-                result["slo_attained"] = is_attained(result, slo)
-                probes.append((rate, result["slo_attained"]))
-                probe_results.append(result)
-                rate = next_probe(probes) if find_capacity else None
-            summary = dict(probe_results[0])  # the run at the starting rate
-            summary["probes"] = [
-                {k: r[k] for k in ("aps", "num_agents", "slo_attained", "jct_s", "is_complete")}
-                | {
-                    "p90_ttft_s": r["second_half_p90_ttft_s"],
-                    "p90_tpot_s": r["second_half_p90_tpot_s"],
-                    "cpu_cores": (r.get("process_cpu") or {}).get("total_cores"),
-                }
-                for r in probe_results
-            ]
-            summary["capacity_aps"] = capacity_of(probes) if find_capacity else None
-            # No probe attained: the capacity is below the lowest one tried.
-            summary["capacity_below_aps"] = (
-                min(aps for aps, _ in probes)
-                if find_capacity and summary["capacity_aps"] is None
-                else None
+        results = {
+            mode: _search_mode(
+                replace(base, mode=mode), spec, start_aps, workload_of, slo, root, problems
             )
-            results[mode] = summary
+            for mode in run.modes
+        }
     report["modes"] = results
     report["ratios"] = capacity_ratios(results)
     return mark_validity(report, problems)
 
 
-def _unloaded(
+def _workloads(run: RunSpec, shape: WorkloadShape) -> Callable[[int | None], Workload]:
+    """The shaped workload with a given number of agents (None: as offline replays it)."""
+
+    def workload_of(num_agents: int | None) -> Workload:
+        return load_workload(
+            shape,
+            model_dir=run.model_dir,
+            seed=run.workload.seed,
+            max_prompt_tokens=run.engine.max_prompt_tokens,
+            num_agents=num_agents,
+        )
+
+    return workload_of
+
+
+def slo_of(spec: OnlineSpec, unloaded: dict, unloaded_basic: dict) -> dict:
+    """The SLO (the JSON's ``slo``): the given TTFT and TPOT, or ``SLO_FACTOR`` x the basis's
+    unloaded p50s, with both unloaded runs' figures."""
+    basis = unloaded if spec.slo_basis == "oracle" else unloaded_basic
+    return {
+        "ttft_s": spec.slo_ttft_s or SLO_FACTOR * basis["ttft_s"]["p50"],
+        "tpot_s": spec.slo_tpot_s or SLO_FACTOR * (basis["tpot_s"]["p50"] or math.inf),
+        "source": "given"
+        if spec.slo_ttft_s and spec.slo_tpot_s
+        else f"{SLO_FACTOR:g} x {spec.slo_basis}'s unloaded p50",
+        "basis": spec.slo_basis,
+        "unloaded": unloaded,
+        "unloaded_basic": unloaded_basic,
+    }
+
+
+def _search_mode(
     run: ModeRun,
-    workload: Workload,
-    work_dir: Path,
-    progress: bool,
-    gaps: dict,
+    spec: OnlineSpec,
+    start_aps: float,
+    workload_of: Callable[[int | None], Workload],
+    slo: dict,
+    root: Path,
     problems: list[str],
 ) -> dict:
+    """One mode at the starting rate, then (``find_capacity``) at each rate ``next_probe``
+    picks; its summary (the run at the starting rate, its probes, its capacity). What went
+    wrong goes into ``problems``."""
+    unloaded_jct_s = slo["unloaded"]["jct_s"]
+    min_duration_s = MIN_RUN_AGENT_JCTS * unloaded_jct_s
+    probes: list[tuple[float, bool]] = []
+    probe_results = []
+    rate: float | None = start_aps
+    while rate is not None:
+        num_agents = max(spec.min_agents, math.ceil(rate * min_duration_s))
+        if spec.run.workload.max_sessions is not None:
+            num_agents = min(num_agents, spec.run.workload.max_sessions)
+        workload = arrivals(workload_of(num_agents), rate, spec.run.workload.seed)
+        result = _probe(run, workload, spec, slo, root / f"{run.mode}-{len(probes)}", rate)
+        # A probe stopped for overload is a miss, not a failure: only failed requests.
+        if result["num_failed"]:
+            problems += mode_problems(f"{run.mode} at {rate:.3g} APS", result)
+        probes.append((rate, result["slo_attained"]))
+        probe_results.append(result)
+        rate = next_probe(probes) if spec.find_capacity else None
+    return _mode_summary(probes, probe_results, spec.find_capacity)
+
+
+def _probe(
+    run: ModeRun, workload: Workload, spec: OnlineSpec, slo: dict, work_dir: Path, rate: float
+) -> dict:
+    """``run`` on ``workload`` (its agents arriving at ``rate``), stopped for overload
+    ``OVERLOAD_AGENT_JCTS`` unloaded agent JCTs after the last arrival (a miss, not a
+    failure); its figures, the second half's p90s and whether it attained ``slo``."""
+    last_arrival_s = max(s.arrival_s for s in workload.sessions)
+    result = run_mode(
+        run,
+        workload,
+        work_dir=work_dir,
+        progress=spec.run.output.progress,
+        keep_records=True,
+        stop_after_s=last_arrival_s + OVERLOAD_AGENT_JCTS * slo["unloaded"]["jct_s"],
+        **spec.gaps,
+    )
+    result.pop("tokens")
+    result["aps"] = rate
+    result["num_agents"] = workload.num_sessions
+    result["second_half_p90_ttft_s"], result["second_half_p90_tpot_s"] = second_half_p90(
+        result.pop("_records"), last_arrival_s
+    )
+    result["slo_attained"] = is_attained(result, slo)
+    return result
+
+
+def _mode_summary(
+    probes: list[tuple[float, bool]], probe_results: list[dict], find_capacity: bool
+) -> dict:
+    """The JSON's ``modes.<mode>``: the run at the starting rate, every probe in brief, and
+    the capacity (or, where no probe attained, the rate it is below)."""
+    summary = dict(probe_results[0])  # the run at the starting rate
+    summary["probes"] = [
+        {k: r[k] for k in ("aps", "num_agents", "slo_attained", "jct_s", "is_complete")}
+        | {
+            "p90_ttft_s": r["second_half_p90_ttft_s"],
+            "p90_tpot_s": r["second_half_p90_tpot_s"],
+            "cpu_cores": (r.get("process_cpu") or {}).get("total_cores"),
+        }
+        for r in probe_results
+    ]
+    summary["capacity_aps"] = capacity_of(probes) if find_capacity else None
+    # No probe attained: the capacity is below the lowest one tried.
+    summary["capacity_below_aps"] = (
+        min(aps for aps, _ in probes) if find_capacity and summary["capacity_aps"] is None else None
+    )
+    return summary
+
+
+def _unloaded(
+    run: ModeRun, workload: Workload, work_dir: Path, spec: OnlineSpec, problems: list[str]
+) -> dict:
     """JCT, TTFT and TPOT of one agent alone on ``run``; what went wrong into ``problems``."""
-    result = run_mode(run, workload, work_dir=work_dir, progress=progress, **gaps)
+    result = run_mode(
+        run, workload, work_dir=work_dir, progress=spec.run.output.progress, **spec.gaps
+    )
     problems += mode_problems(f"unloaded agent ({run.mode})", result)
     return {k: result[k] for k in ("jct_s", "ttft_s", "tpot_s")}
 
@@ -448,34 +426,30 @@ def main(args: argparse.Namespace) -> int:
     if args.url is not None:
         raise ValueError("bench online starts its own servers: --url is for bench offline")
     check_url_flags(args)
-    modes = [m.strip() for m in (args.modes or "basic,dualpath").split(",") if m.strip()]
-    report = run_online(
-        modes,
-        args.preset,
-        model_dir=resolve_model_dir(args.model, tiny=True),
-        seed=args.seed,
-        aps=args.aps,
-        find_capacity=args.find_capacity,
-        slo_ttft_s=args.slo_ttft_s,
-        slo_tpot_s=args.slo_tpot_s,
-        transport=args.transport,
-        read_path=args.read_path,
-        trace=args.trace,
-        length_scale=args.length_scale,
-        max_sessions=args.max_sessions,
-        max_turns=args.max_turns,
-        gen_scale=args.gen_scale,
-        max_prompt_tokens=args.max_prompt_tokens,
-        replay_gaps=args.replay_gaps,
-        max_gap_s=args.max_gap_s,
-        min_agents=args.min_agents,
-        slo_basis=args.slo_basis,
-        kv_cache_gb=args.kv_cache_gb,
-        attention_quota_s=args.attention_quota_s,
-        **engine_kind_args(args),
-    )
+    report = run_online(online_spec(args, resolve_model_dir(args.model, tiny=True)))
     write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="online")
     if report["valid"]:
         return 0
     print(invalid_message(report), file=sys.stderr)
     return 1
+
+
+def online_spec(args: argparse.Namespace, model_dir: Path) -> OnlineSpec:
+    """``bench online``'s command line as one run."""
+    return OnlineSpec(
+        run=RunSpec(
+            model_dir=model_dir,
+            workload=workload_spec(args),
+            modes=modes_of(args.modes, "basic,dualpath"),
+            engine=engine_spec(args),
+            output=output_spec(args),
+        ),
+        aps=args.aps,
+        find_capacity=args.find_capacity,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_tpot_s=args.slo_tpot_s,
+        slo_basis=args.slo_basis,
+        min_agents=args.min_agents,
+        replay_gaps=args.replay_gaps,
+        max_gap_s=args.max_gap_s,
+    )

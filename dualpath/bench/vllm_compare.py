@@ -48,10 +48,18 @@ from dualpath.bench.harness import (
     token_mismatches,
 )
 from dualpath.bench.offline import BLOCK_SIZE_TOKENS, load_workload, workload_report
-from dualpath.bench.presets import PRESETS, workload_shape
+from dualpath.bench.presets import PRESETS
 from dualpath.bench.process_cpu import ProcessCpu
 from dualpath.bench.report import add_output_arguments, write_outputs
 from dualpath.bench.server_process import ChildServer
+from dualpath.bench.spec import (
+    EngineSpec,
+    RunSpec,
+    VsVllmSpec,
+    modes_of,
+    output_spec,
+    workload_spec,
+)
 from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
 from dualpath.flags import non_negative_int, positive_float, positive_int
 from dualpath.model.registry import read_config
@@ -219,70 +227,45 @@ def run_vllm_system(
     return result
 
 
-def run_dualpath_system(
-    system: str,
-    workload,
-    *,
-    model_dir: Path,
-    kv_cache_gib: int,
-    threads: int,
-    work_dir: Path,
-    vllm_args: dict,
-) -> dict:
+def run_dualpath_system(system: str, workload, spec: VsVllmSpec, work_dir: Path) -> dict:
     """``dualpath serve --engine vllm --read-path pe`` of the system's shape, no link caps."""
     nodes = system.rsplit("-", 1)[1]
     run = ModeRun(
         mode="basic",
-        model_dir=model_dir,
+        model_dir=spec.run.model_dir,
         nodes=nodes,
         snic_bandwidth_gbps=0.0,
         read_path="pe",
         engine="vllm",
-        vllm_args=tuple(sorted(vllm_args.items())),
+        vllm_args=tuple(sorted(spec.run.engine.vllm_args)),
         # serve's GB are 1e9 bytes; a vLLM engine gets whole GiB of them.
         extra_serve_args=(
-            *("--kv-cache-gb", f"{kv_cache_gib * GIB / 1e9 + 1e-6:.6f}"),
-            *("--threads", str(threads)),
+            *("--kv-cache-gb", f"{spec.kv_cache_gib * GIB / 1e9 + 1e-6:.6f}"),
+            *("--threads", str(spec.threads)),
         ),
     )
     return run_mode(run, workload, work_dir=work_dir / system)
 
 
-def compare(
-    systems: list[str],
-    workload,
-    *,
-    model_dir: Path,
-    kv_cache_gib: int,
-    threads: int,
-    work_dir: Path,
-    start_timeout_s: float,
-    vllm_args: dict,
-) -> dict:
+def compare(spec: VsVllmSpec, workload, work_dir: Path) -> dict:
     """Each system's figures, the ratios and the targets (the report, before validity)."""
+    model_dir = spec.run.model_dir
     config = read_config(model_dir / "config.json")
+    systems = spec.run.modes
     results = {}
     for system in systems:
         print(f"== {system}", file=sys.stderr, flush=True)
         if system.startswith("dualpath"):
-            results[system] = run_dualpath_system(
-                system,
-                workload,
-                model_dir=model_dir,
-                kv_cache_gib=kv_cache_gib,
-                threads=threads,
-                work_dir=work_dir,
-                vllm_args=vllm_args,
-            )
+            results[system] = run_dualpath_system(system, workload, spec, work_dir)
         else:
             results[system] = run_vllm_system(
                 system,
                 workload,
                 model_dir=model_dir,
                 max_model_len=config.max_position_embeddings,
-                kv_cache_gib=kv_cache_gib,
+                kv_cache_gib=spec.kv_cache_gib,
                 work_dir=work_dir,
-                start_timeout_s=start_timeout_s,
+                start_timeout_s=spec.start_timeout_s,
             )
     reference = results[systems[0]]["tokens"]
     for result in results.values():
@@ -368,7 +351,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dualpath.model.default import resolve_model_dir
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = modes_of(args.systems, "")
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise ValueError(
@@ -378,35 +361,18 @@ def main(args: argparse.Namespace) -> int:
     vllm_args = dict(args.vllm_arg or ())
     check_vllm_args(vllm_args)
     check_vllm_installed()
-    model_dir = resolve_model_dir(args.model, tiny=False)
-    shape = workload_shape(
-        PRESETS[args.preset],
-        trace=args.trace,
-        max_sessions=args.max_sessions,
-        length_scale=args.length_scale,
-        max_turns=args.max_turns,
-        gen_scale=args.gen_scale,
-        clones=args.clones,
-    )
-    workload = load_workload(shape, model_dir=model_dir, seed=args.seed)
+    spec = vs_vllm_spec(args, resolve_model_dir(args.model, tiny=False))
+    shape = spec.run.workload.shape(PRESETS[args.preset])
+    workload = load_workload(shape, model_dir=spec.run.model_dir, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="dualpath-vs-vllm-") as tmp:
-        compared = compare(
-            systems,
-            workload,
-            model_dir=model_dir,
-            kv_cache_gib=args.kv_cache_gb,
-            threads=args.threads,
-            work_dir=Path(tmp),
-            start_timeout_s=args.start_timeout_s,
-            vllm_args=vllm_args,
-        )
+        compared = compare(spec, workload, Path(tmp))
     report = {
         "benchmark": "vs-vllm",
         "preset": args.preset,
         "seed": args.seed,
-        "model": str(model_dir),
-        "kv_cache_gib_per_engine": args.kv_cache_gb,
-        "threads_per_engine": args.threads,
+        "model": str(spec.run.model_dir),
+        "kv_cache_gib_per_engine": spec.kv_cache_gib,
+        "threads_per_engine": spec.threads,
         # Set for every process the benchmark starts (OpenMP's idle threads spin or sleep).
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "hardware": hardware_info(),
@@ -420,3 +386,19 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(invalid_message(report), file=sys.stderr)
     return 1
+
+
+def vs_vllm_spec(args: argparse.Namespace, model_dir: Path) -> VsVllmSpec:
+    """``bench vs-vllm``'s command line as one run: the systems are its modes."""
+    return VsVllmSpec(
+        run=RunSpec(
+            model_dir=model_dir,
+            workload=workload_spec(args),
+            modes=modes_of(args.systems, ""),
+            engine=EngineSpec(engine="vllm", vllm_args=tuple(dict(args.vllm_arg or ()).items())),
+            output=output_spec(args),
+        ),
+        kv_cache_gib=args.kv_cache_gb,
+        threads=args.threads,
+        start_timeout_s=args.start_timeout_s,
+    )

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.bench.offline import run_offline
+from dualpath.bench.spec import OutputSpec, RunSpec, WorkloadSpec
 from dualpath.cli import main
 
 pytest.importorskip("nixl_cu12")
@@ -17,7 +18,12 @@ pytest.importorskip("nixl_cu12")
 @pytest.fixture(scope="module")
 def report(tiny_model_dir: Path) -> dict:
     return run_offline(
-        ["basic", "dualpath", "oracle"], "ci", model_dir=tiny_model_dir, seed=1, progress=False
+        RunSpec(
+            model_dir=tiny_model_dir,
+            workload=WorkloadSpec(preset="ci", seed=1),
+            modes=("basic", "dualpath", "oracle"),
+            output=OutputSpec(progress=False),
+        )
     )
 
 

@@ -16,6 +16,7 @@ from dualpath.bench.online import (
     run_online,
     second_half_p90,
 )
+from dualpath.bench.spec import OnlineSpec, OutputSpec, RunSpec, WorkloadSpec
 
 
 def _search(capacity_aps: float, start_aps: float) -> list[tuple[float, bool]]:
@@ -84,9 +85,13 @@ def test_slo_is_judged_on_the_second_half_of_the_arrival_window() -> None:
 @pytest.mark.slow
 def test_an_online_run_reports_slo_attainment(tiny_model_dir: Path) -> None:
     pytest.importorskip("nixl_cu12")
-    report = run_online(
-        ["dualpath"], "ci", model_dir=tiny_model_dir, aps=2.0, max_sessions=4, progress=False
+    run = RunSpec(
+        model_dir=tiny_model_dir,
+        workload=WorkloadSpec(preset="ci", max_sessions=4),
+        modes=("dualpath",),
+        output=OutputSpec(progress=False),
     )
+    report = run_online(OnlineSpec(run, aps=2.0))
     result = report["modes"]["dualpath"]
     assert report["slo"]["ttft_s"] > 0 and report["slo"]["tpot_s"] > 0
     assert result["num_failed"] == 0 and result["probes"][0]["aps"] == 2.0
