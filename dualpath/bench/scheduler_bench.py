@@ -87,17 +87,7 @@ def run_scheduler_bench(
     shape, the seed, the hardware and ``python_loop_ns`` (an empty ``for`` loop's cost per
     iteration here, to compare machines).
     """
-    engines_per_unit = engines_per_node * nodes_per_group * PREFILL_NODE_SHARE
-    if num_engines <= 0 or num_engines % engines_per_unit:
-        raise ValueError(
-            f"--engines must be a positive multiple of {engines_per_unit} "
-            f"(engines_per_node={engines_per_node} x nodes_per_group={nodes_per_group} x 3 "
-            f"for whole groups at 1P:2D), got {num_engines}"
-        )
-    if queue_depth <= 0 or num_repeats <= 0:
-        raise ValueError(
-            f"queue_depth and num_repeats must be > 0, got {queue_depth}, {num_repeats}"
-        )
+    _check_shape(num_engines, engines_per_node, nodes_per_group, queue_depth, num_repeats)
     rng = random.Random(seed)
     num_nodes = num_engines // engines_per_node
     read_tokens_per_s = storage_read_tokens_per_s(SNIC_BANDWIDTH_GBPS, KV_BYTES_PER_TOKEN)
@@ -144,17 +134,7 @@ def run_scheduler_bench(
         + fetches_per_s * cpu_s_per_empty_fetch,
         "scheduler": scheduler,
         "read_path": read_path,
-        "num_engines": num_engines,
-        "num_prefill_engines": len(snapshots[EngineRole.PREFILL])
-        * engines_per_node
-        * nodes_per_group,
-        "num_decode_engines": len(snapshots[EngineRole.DECODE])
-        * engines_per_node
-        * nodes_per_group,
-        "engines_per_node": engines_per_node,
-        "nodes_per_group": nodes_per_group,
-        "num_prefill_groups": len(snapshots[EngineRole.PREFILL]),
-        "num_decode_groups": len(snapshots[EngineRole.DECODE]),
+        **_cluster_shape(snapshots, num_engines, engines_per_node, nodes_per_group),
         "queue_depth": queue_depth,
         "seed": seed,
         "python_loop_ns": _python_loop_ns(),
@@ -162,6 +142,44 @@ def run_scheduler_bench(
     }
     logger.info("scheduler bench: %.0f placements/s", result["placements_per_s"])
     return result
+
+
+def _check_shape(
+    num_engines: int,
+    engines_per_node: int,
+    nodes_per_group: int,
+    queue_depth: int,
+    num_repeats: int,
+) -> None:
+    """``ValueError`` for a cluster that does not split into whole groups at 1P:2D, or an
+    empty queue or no repeat."""
+    engines_per_unit = engines_per_node * nodes_per_group * PREFILL_NODE_SHARE
+    if num_engines <= 0 or num_engines % engines_per_unit:
+        raise ValueError(
+            f"--engines must be a positive multiple of {engines_per_unit} "
+            f"(engines_per_node={engines_per_node} x nodes_per_group={nodes_per_group} x 3 "
+            f"for whole groups at 1P:2D), got {num_engines}"
+        )
+    if queue_depth <= 0 or num_repeats <= 0:
+        raise ValueError(
+            f"queue_depth and num_repeats must be > 0, got {queue_depth}, {num_repeats}"
+        )
+
+
+def _cluster_shape(
+    snapshots: dict, num_engines: int, engines_per_node: int, nodes_per_group: int
+) -> dict:
+    """The result's engine and group counts per role (one snapshot series per group)."""
+    engines_per_group = engines_per_node * nodes_per_group
+    return {
+        "num_engines": num_engines,
+        "num_prefill_engines": len(snapshots[EngineRole.PREFILL]) * engines_per_group,
+        "num_decode_engines": len(snapshots[EngineRole.DECODE]) * engines_per_group,
+        "engines_per_node": engines_per_node,
+        "nodes_per_group": nodes_per_group,
+        "num_prefill_groups": len(snapshots[EngineRole.PREFILL]),
+        "num_decode_groups": len(snapshots[EngineRole.DECODE]),
+    }
 
 
 def _place_all(

@@ -299,16 +299,7 @@ def run_wire_bench(
     exactly one PE leader and one DE leader, once each, with the same pair, and every engine
     was alive at the end.
     """
-    if duration_s <= 0 or fetch_interval_s <= 0 or requests_per_s < 0 or loop_turn_s < 0:
-        raise ValueError(
-            f"duration_s and fetch_interval_s must be > 0, requests_per_s and loop_turn_s >= 0, "
-            f"got {duration_s}, {fetch_interval_s}, {requests_per_s}, {loop_turn_s}"
-        )
-    if mean_context_tokens <= MEAN_APPEND_TOKENS:
-        raise ValueError(
-            f"mean_context_tokens must exceed the {MEAN_APPEND_TOKENS} appended tokens, got "
-            f"{mean_context_tokens}"
-        )
+    _check_rates(duration_s, fetch_interval_s, requests_per_s, loop_turn_s, mean_context_tokens)
     cluster = ClusterConfig(
         num_prefill_nodes=num_prefill_nodes,
         num_decode_nodes=num_decode_nodes,
@@ -329,10 +320,60 @@ def run_wire_bench(
         cluster, scheduler_config, link_bytes_interval_s
     )
     workload = _Workload(np.random.default_rng(seed), mean_context_tokens)
+    loop = _CoordinatorLoop(coordinator, loop_turn_s, profile_path)
+    window, reports_only, driver_stats = _drive(
+        coordinator, store, driver_config, workload, loop, requests_per_s, duration_s
+    )
+    result = _result(window, reports_only, workload, driver_stats, coordinator, cluster)
+    result.update(
+        requests_per_s_target=requests_per_s,
+        fetch_interval_s=fetch_interval_s,
+        link_bytes_interval_s=link_bytes_interval_s,
+        loop_turn_s=loop_turn_s,
+        seed=seed,
+        profile=None if profile_path is None else str(profile_path),
+        hardware=hardware_info(),
+    )
+    logger.info("wire bench: %.0f placements per CPU-second", result["placements_per_cpu_s"])
+    return result
+
+
+def _check_rates(
+    duration_s: float,
+    fetch_interval_s: float,
+    requests_per_s: float,
+    loop_turn_s: float,
+    mean_context_tokens: int,
+) -> None:
+    """``ValueError`` for times and rates ``run_wire_bench`` cannot run with."""
+    if duration_s <= 0 or fetch_interval_s <= 0 or requests_per_s < 0 or loop_turn_s < 0:
+        raise ValueError(
+            f"duration_s and fetch_interval_s must be > 0, requests_per_s and loop_turn_s >= 0, "
+            f"got {duration_s}, {fetch_interval_s}, {requests_per_s}, {loop_turn_s}"
+        )
+    if mean_context_tokens <= MEAN_APPEND_TOKENS:
+        raise ValueError(
+            f"mean_context_tokens must exceed the {MEAN_APPEND_TOKENS} appended tokens, got "
+            f"{mean_context_tokens}"
+        )
+
+
+def _drive(
+    coordinator: Coordinator,
+    store: _DrawnHitStore,
+    driver_config: DriverConfig,
+    workload: _Workload,
+    loop: _CoordinatorLoop,
+    requests_per_s: float,
+    duration_s: float,
+) -> tuple[_Window, _ReportsOnly, dict[str, Any]]:
+    """Start ``loop`` and the leaders' process, wait for every engine to join, measure the
+    loop on reports alone, submit ``workload`` for ``duration_s`` and wait for every request
+    to be placed and taken in; stop both. The submission window, the reports-only figures and
+    the driver's statistics."""
     context = mp.get_context("spawn")
     stop, is_settled, results = context.Event(), context.Event(), context.Queue()
     num_taken_in = context.Value("q", 0, lock=False)  # Assignments the leaders took in
-    loop = _CoordinatorLoop(coordinator, loop_turn_s, profile_path)
     loop.start()
     driver = context.Process(
         target=run_driver,
@@ -375,18 +416,7 @@ def run_wire_bench(
             driver.kill()
         loop.stop()
         coordinator.close()
-    result = _result(window, reports_only, workload, driver_stats, coordinator, cluster)
-    result.update(
-        requests_per_s_target=requests_per_s,
-        fetch_interval_s=fetch_interval_s,
-        link_bytes_interval_s=link_bytes_interval_s,
-        loop_turn_s=loop_turn_s,
-        seed=seed,
-        profile=None if profile_path is None else str(profile_path),
-        hardware=hardware_info(),
-    )
-    logger.info("wire bench: %.0f placements per CPU-second", result["placements_per_cpu_s"])
-    return result
+    return window, reports_only, driver_stats
 
 
 def _make_cluster(

@@ -91,15 +91,9 @@ def run_store_read_bench(
         "store": lambda: _store_read_all(store, keys, full_block),
         "vllm_load": lambda: _vllm_load_all(store, keys, buffer, cache),
     }
-    samples_s: dict[tuple[str, str], list[float]] = {}
-    dropped_fractions: list[float | None] = []
-    for repeat in tqdm(range(num_repeats), desc="timing reads", disable=not show_progress):
-        # Alternate the order: whichever runs second may find the disk or CPU warmer.
-        methods = _METHODS if repeat % 2 == 0 else _METHODS[::-1]
-        for method in methods:
-            dropped_fractions.append(_drop_page_cache(paths))
-            samples_s.setdefault(("cold", method), []).append(_time(method_to_read_all[method]))
-            samples_s.setdefault(("warm", method), []).append(_time(method_to_read_all[method]))
+    samples_s, dropped_fractions = _time_reads(
+        method_to_read_all, paths, num_repeats, show_progress
+    )
     store.close()
     for block in range(num_blocks):  # the load moved the bytes, not just the time
         if not np.array_equal(cache.copy_full_block(block), buffer[block]):
@@ -117,7 +111,41 @@ def run_store_read_bench(
         "seed": seed,
         "num_repeats": num_repeats,
         "verify_checksums": True,
+        **_throughputs(samples_s, total_bytes),
     }
+    known_fractions = [fraction for fraction in dropped_fractions if fraction is not None]
+    result["page_cache_drop"] = "posix_fadvise"
+    result["page_cache_dropped_fraction"] = min(known_fractions) if known_fractions else None
+    result["filesystem"] = _filesystem_type(Path(root_dir))
+    result["hardware"] = hardware_info(numpy=np.__version__, xxhash=xxhash.VERSION)
+    logger.info("store read bench: %s", {k: result[k] for k in ("cold", "warm")})
+    return result
+
+
+def _time_reads(
+    method_to_read_all: dict[str, Callable[[], None]],
+    paths: list[Path],
+    num_repeats: int,
+    show_progress: bool,
+) -> tuple[dict[tuple[str, str], list[float]], list[float | None]]:
+    """Every method timed cold (page cache dropped for ``paths``) then warm, ``num_repeats``
+    times in alternating order: the seconds per (temperature, method), in run order, and the
+    fraction of files verifiably dropped before each cold run."""
+    samples_s: dict[tuple[str, str], list[float]] = {}
+    dropped_fractions: list[float | None] = []
+    for repeat in tqdm(range(num_repeats), desc="timing reads", disable=not show_progress):
+        # Alternate the order: whichever runs second may find the disk or CPU warmer.
+        methods = _METHODS if repeat % 2 == 0 else _METHODS[::-1]
+        for method in methods:
+            dropped_fractions.append(_drop_page_cache(paths))
+            samples_s.setdefault(("cold", method), []).append(_time(method_to_read_all[method]))
+            samples_s.setdefault(("warm", method), []).append(_time(method_to_read_all[method]))
+    return samples_s, dropped_fractions
+
+
+def _throughputs(samples_s: dict[tuple[str, str], list[float]], total_bytes: int) -> dict:
+    """Each temperature's median throughputs and ratios, and every sample."""
+    result: dict = {}
     for temperature in ("cold", "warm"):
         plain_gb_per_s = total_bytes / statistics.median(samples_s[temperature, "plain"]) / GB
         store_gb_per_s = total_bytes / statistics.median(samples_s[temperature, "store"]) / GB
@@ -133,12 +161,6 @@ def run_store_read_bench(
     result["samples_s"] = {
         f"{temperature}_{method}": times_s for (temperature, method), times_s in samples_s.items()
     }
-    known_fractions = [fraction for fraction in dropped_fractions if fraction is not None]
-    result["page_cache_drop"] = "posix_fadvise"
-    result["page_cache_dropped_fraction"] = min(known_fractions) if known_fractions else None
-    result["filesystem"] = _filesystem_type(Path(root_dir))
-    result["hardware"] = hardware_info(numpy=np.__version__, xxhash=xxhash.VERSION)
-    logger.info("store read bench: %s", {k: result[k] for k in ("cold", "warm")})
     return result
 
 

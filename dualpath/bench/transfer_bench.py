@@ -63,6 +63,51 @@ def run_transfer_bench(
     ``transport_gb_per_s`` and ``copyto_gb_per_s`` are medians in 1e9 bytes/s of payload;
     ``ratio`` = transport / copyto. ``samples_s`` holds every timing.
     """
+    _check_arguments(
+        transport, direction, total_bytes, block_bytes, blocks_per_transfer, num_repeats
+    )
+    num_blocks = total_bytes // block_bytes
+    rng = np.random.default_rng(seed)
+    remote_slots = rng.permutation(num_blocks)
+    data_seeds = tuple(int(value) for value in rng.integers(0, 2**31, size=2))
+    op = TransferOp(direction.upper())
+    batches = _batched_regions(remote_slots, block_bytes, blocks_per_transfer)
+    samples_s, is_verified = _timed_transfers(
+        transport, op, batches, remote_slots, block_bytes, data_seeds, num_repeats
+    )
+    copyto_samples_s = _time_copyto(total_bytes, num_repeats)
+    transport_gb_per_s = total_bytes / statistics.median(samples_s) / GB
+    copyto_gb_per_s = total_bytes / statistics.median(copyto_samples_s) / GB
+    result = {
+        "transport": transport,
+        "direction": direction,
+        "total_bytes": total_bytes,
+        "block_bytes": block_bytes,
+        "num_blocks": num_blocks,
+        "blocks_per_transfer": blocks_per_transfer,
+        "num_transfers_per_repeat": len(batches),
+        "seed": seed,
+        "num_repeats": num_repeats,
+        "transport_gb_per_s": transport_gb_per_s,
+        "copyto_gb_per_s": copyto_gb_per_s,
+        "ratio": transport_gb_per_s / copyto_gb_per_s,
+        "is_verified": is_verified,
+        "samples_s": {"transport": samples_s, "copyto": copyto_samples_s},
+        "hardware": hardware_info(numpy=np.__version__, **_library_versions()),
+    }
+    logger.info("transfer bench: %s", {key: result[key] for key in ("transport_gb_per_s", "ratio")})
+    return result
+
+
+def _check_arguments(
+    transport: str,
+    direction: str,
+    total_bytes: int,
+    block_bytes: int,
+    blocks_per_transfer: int,
+    num_repeats: int,
+) -> None:
+    """``ValueError`` naming the arguments ``run_transfer_bench`` cannot run with."""
     if transport not in TRANSPORT_KINDS or direction not in _DIRECTIONS:
         raise ValueError(
             f"transport must be in {TRANSPORT_KINDS} and direction in {_DIRECTIONS}, "
@@ -77,13 +122,21 @@ def run_transfer_bench(
             "blocks_per_transfer and num_repeats must be > 0, "
             f"got {blocks_per_transfer}, {num_repeats}"
         )
-    num_blocks = total_bytes // block_bytes
-    rng = np.random.default_rng(seed)
-    remote_slots = rng.permutation(num_blocks)
-    local_data_seed, remote_data_seed = (int(value) for value in rng.integers(0, 2**31, size=2))
-    op = TransferOp(direction.upper())
-    batches = _batched_regions(remote_slots, block_bytes, blocks_per_transfer)
 
+
+def _timed_transfers(
+    transport: str,
+    op: TransferOp,
+    batches: list[list[Region]],
+    remote_slots: np.ndarray,
+    block_bytes: int,
+    data_seeds: tuple[int, int],
+    num_repeats: int,
+) -> tuple[list[float], bool]:
+    """Start the peer process, move every batch ``num_repeats`` times after one warm-up (the
+    seconds of each repeat), verify the bytes that arrived, and stop the peer."""
+    local_data_seed, remote_data_seed = data_seeds
+    total_bytes = len(remote_slots) * block_bytes
     peer_conn, peer_process = _start_peer(transport, total_bytes, remote_data_seed)
     try:
         peer_metadata, peer_descriptor_dict = _receive(peer_conn)
@@ -113,28 +166,7 @@ def run_transfer_bench(
         peer_process.join(timeout=_PEER_TIMEOUT_S)
         if peer_process.is_alive():
             peer_process.kill()
-    copyto_samples_s = _time_copyto(total_bytes, num_repeats)
-    transport_gb_per_s = total_bytes / statistics.median(samples_s) / GB
-    copyto_gb_per_s = total_bytes / statistics.median(copyto_samples_s) / GB
-    result = {
-        "transport": transport,
-        "direction": direction,
-        "total_bytes": total_bytes,
-        "block_bytes": block_bytes,
-        "num_blocks": num_blocks,
-        "blocks_per_transfer": blocks_per_transfer,
-        "num_transfers_per_repeat": len(batches),
-        "seed": seed,
-        "num_repeats": num_repeats,
-        "transport_gb_per_s": transport_gb_per_s,
-        "copyto_gb_per_s": copyto_gb_per_s,
-        "ratio": transport_gb_per_s / copyto_gb_per_s,
-        "is_verified": is_verified,
-        "samples_s": {"transport": samples_s, "copyto": copyto_samples_s},
-        "hardware": hardware_info(numpy=np.__version__, **_library_versions()),
-    }
-    logger.info("transfer bench: %s", {key: result[key] for key in ("transport_gb_per_s", "ratio")})
-    return result
+    return samples_s, is_verified
 
 
 def _batched_regions(
