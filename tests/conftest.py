@@ -1,11 +1,15 @@
-"""Shared fixtures: one generated tiny checkpoint per test session, deterministic torch."""
+"""Shared fixtures: one generated tiny checkpoint per test run (shared by the run's xdist
+workers), deterministic torch."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from hypothesis import HealthCheck, settings
 
 # Hypothesis fails an example that runs over 200 ms (its default deadline) and data generation
@@ -37,11 +41,29 @@ def _deterministic_torch() -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
+def shared_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], Path]
+) -> Path:
+    """``make(models_dir)``'s checkpoint, made once per run: under xdist the first worker to
+    ask writes it and the others wait for it (a file lock) instead of writing their own."""
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # the run's folder, above every worker's own
+    models_dir = root / "models"
+    models_dir.mkdir(exist_ok=True)
+    with FileLock(models_dir / f"{name}.lock"):
+        if (models_dir / name / "config.json").is_file():
+            return models_dir / name
+        return make(models_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dualpath.model.make import make_model
 
-    return make_model("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+    return shared_checkpoint(
+        tmp_path_factory, "tiny", lambda models: make_model("tiny", models / "tiny", seed=0)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +71,11 @@ def tiny_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DeepSeek-V3.2 in miniature (MLA, MoE, sparse attention; ``presets.py``)."""
     from dualpath.model.make import make_model
 
-    return make_model("tiny-deepseek", tmp_path_factory.mktemp("models") / "tiny-deepseek")
+    return shared_checkpoint(
+        tmp_path_factory,
+        "tiny-deepseek",
+        lambda models: make_model("tiny-deepseek", models / "tiny-deepseek"),
+    )
 
 
 @pytest.fixture(params=["tiny", "tiny-deepseek"])
@@ -62,9 +88,9 @@ def each_architecture_dir(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default's real weights (SmolLM2-135M-Instruct from its packaged GGUF),
-    converted once per test session (about 15 s) by the code that makes the default."""
+    converted once per test run (about 15 s) by the code that makes the default."""
     from dualpath.model.default import DEFAULT_MODEL_NAME, ensure_default_model
 
-    path = ensure_default_model(tmp_path_factory.mktemp("models"))
+    path = shared_checkpoint(tmp_path_factory, DEFAULT_MODEL_NAME, ensure_default_model)
     assert path.name == DEFAULT_MODEL_NAME and (path / "config.json").is_file()
     return path

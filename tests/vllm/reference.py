@@ -1,9 +1,13 @@
-"""Plain vLLM's greedy tokens for token-id prompts (no connector), in a process of its own (a
-vLLM engine is process-wide): ``python -m tests.vllm.reference MODEL MAX_MODEL_LEN OUT`` reads
-``[[prompt ids], max_tokens]`` pairs as JSON on stdin and writes, per prompt, its tokens and
-each token's top-2 logprobs as JSON to the file OUT (vLLM logs to stdout).
+"""Plain vLLM's greedy tokens for token-id prompts (no connector), from one vLLM engine in a
+process of its own (a vLLM engine is process-wide) that serves the whole test session:
+``python -m tests.vllm.reference MODEL MAX_MODEL_LEN`` reads one JSON line per batch on stdin
+(``[[prompt ids], max_tokens]`` pairs) and answers each with one JSON line on stdout: per prompt,
+its tokens and each token's top-2 logprobs (vLLM's own logs go to stderr).
 
-The tests call ``plain_vllm`` (which runs this module) and compare with ``near_ties``."""
+The tests take the session's ``PlainVllm`` (the ``plain_vllm`` fixture, tests/vllm/conftest.py)
+and compare with ``near_ties``. Its prefix cache is off, so every answer is a fresh prefill's,
+whichever test asked before: one engine start for the session instead of one per module.
+"""
 
 from __future__ import annotations
 
@@ -14,24 +18,38 @@ import sys
 from pathlib import Path
 
 NEAR_TIE_LOGPROB = 1e-3
+MAX_MODEL_LEN = 4160  # the longest prompt a test sends (4,000 tokens) + output, whole blocks
 
 
-def plain_vllm(
-    model_dir: Path, max_model_len: int, requests: list[tuple[list[int], int]], out_dir: Path
-) -> list[dict]:
-    """Plain vLLM's greedy tokens and top-2 logprobs for ``(prompt ids, max_tokens)`` pairs."""
-    out = out_dir / "tokens.json"
-    argv = [sys.executable, "-m", "tests.vllm.reference", str(model_dir), str(max_model_len)]
-    done = subprocess.run(
-        [*argv, str(out)],
-        input=json.dumps([list(r) for r in requests]),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return json.loads(out.read_text())
+class PlainVllm:
+    """The reference engine's process: started once, asked many times, closed at the end."""
+
+    def __init__(self, model_dir: Path, log_path: Path) -> None:
+        argv = [sys.executable, "-m", "tests.vllm.reference", str(model_dir), str(MAX_MODEL_LEN)]
+        self._log_path = log_path
+        with open(log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+
+    def generate(self, requests: list[tuple[list[int], int]]) -> list[dict]:
+        """Plain vLLM's greedy tokens and top-2 logprobs for ``(prompt ids, max_tokens)``
+        pairs. (The tests' timeout guards a hang.)"""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps([list(r) for r in requests]) + "\n")
+        self._process.stdin.flush()
+        line = self._process.stdout.readline()
+        assert line, f"the reference engine exited: {self._log_path.read_text()[-3000:]}"
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()  # the worker's loop ends at end of input
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
 
 def near_ties(reference: dict, tokens: list[int], label: str) -> int:
@@ -56,28 +74,41 @@ def near_ties(reference: dict, tokens: list[int], label: str) -> int:
 
 
 def main() -> None:
-    model_dir, max_model_len, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    model_dir, max_model_len = sys.argv[1], int(sys.argv[2])
+    # Answers on the stdout we were given; everything vLLM prints goes to stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # a batch of every conversation turn
     from vllm import LLM, SamplingParams
 
-    requests = json.load(sys.stdin)
     llm = LLM(
         model_dir, dtype="float32", block_size=64, max_model_len=max_model_len,
         enforce_eager=True, seed=0, enable_prefix_caching=False,
     )  # fmt: skip
-    results = []
-    for prompt, max_tokens in requests:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        completion = out.outputs[0]
-        tops = [
-            sorted((lp.logprob for lp in entry.values()), reverse=True)[:2]
-            for entry in completion.logprobs
-        ]
-        results.append({"token_ids": list(completion.token_ids), "top2": tops})
-    with open(out_path, "w") as out:
-        json.dump(results, out)
+    for line in sys.stdin:
+        requests = json.loads(line)
+        # One batch: vLLM steps every prompt together (decode-bound answers take a step each,
+        # not one per prompt); each is its own sequence, as alone up to float rounding, which
+        # the near-tie rule allows for.
+        outs = llm.generate(
+            [{"prompt_token_ids": prompt} for prompt, _ in requests],
+            [
+                SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+                for _, n in requests
+            ],
+            use_tqdm=False,
+        )
+        results = []
+        for out in outs:
+            completion = out.outputs[0]
+            tops = [
+                sorted((lp.logprob for lp in entry.values()), reverse=True)[:2]
+                for entry in completion.logprobs
+            ]
+            results.append({"token_ids": list(completion.token_ids), "top2": tops})
+        answers.write(json.dumps(results) + "\n")
+        answers.flush()
 
 
 if __name__ == "__main__":

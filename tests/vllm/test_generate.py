@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.vllm.reference import near_ties, plain_vllm
+from tests.vllm.reference import PlainVllm, near_ties
 
 pytestmark = pytest.mark.vllm
 
@@ -38,10 +38,10 @@ def _generate(model_dir: Path, store: Path, prompt: list[int]) -> dict:
 
 
 def test_generate_on_vllm_reads_the_blocks_an_earlier_run_persisted(
-    smollm2_model_dir: Path, tmp_path: Path
+    smollm2_model_dir: Path, plain_vllm: PlainVllm, tmp_path: Path
 ) -> None:
     prompt = np.random.default_rng(7).integers(100, 40_000, 1000).tolist()
-    (reference,) = plain_vllm(smollm2_model_dir, CONTEXT, [(prompt, MAX_TOKENS)], tmp_path)
+    (reference,) = plain_vllm.generate([(prompt, MAX_TOKENS)])
     cold = _generate(smollm2_model_dir, tmp_path / "kv", prompt)
     warm = _generate(smollm2_model_dir, tmp_path / "kv", prompt)
     assert cold["num_cached_tokens"] == 0

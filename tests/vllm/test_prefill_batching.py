@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.server.serving import MODEL, start_server
-from tests.vllm.reference import near_ties, plain_vllm
+from tests.vllm.reference import PlainVllm, near_ties
 
 pytestmark = pytest.mark.vllm
 
@@ -21,13 +21,12 @@ PROMPT_LENGTHS = (300, 450, 600, 750, 900, 1050)
 MAX_TOKENS = 8
 
 
-def test_quota_batches_give_plain_vllms_tokens(smollm2_model_dir: Path, tmp_path: Path) -> None:
+def test_quota_batches_give_plain_vllms_tokens(
+    smollm2_model_dir: Path, plain_vllm: PlainVllm, tmp_path: Path
+) -> None:
     rng = np.random.default_rng(7)
-    (tmp_path / "reference").mkdir()
     prompts = [rng.integers(100, 40_000, n).tolist() for n in PROMPT_LENGTHS]
-    references = plain_vllm(
-        smollm2_model_dir, CONTEXT, [(p, MAX_TOKENS) for p in prompts], tmp_path / "reference"
-    )
+    references = plain_vllm.generate([(p, MAX_TOKENS) for p in prompts])
     args = ("--engine", "vllm", "--nodes", "1P1D", "--max-model-len", str(CONTEXT))
     args += ("--vllm-prefill-batching", "quota", "--attention-quota-s", "0.00001")
     with start_server(smollm2_model_dir, tmp_path, *args) as server:

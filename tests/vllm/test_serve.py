@@ -1,28 +1,76 @@
-"""`dualpath serve --engine vllm` on the embedded checkpoint: token-id prompts of 300-4,000 tokens
-give plain vLLM's greedy tokens (its own `LLM`, no connector) on 1P1D and 1P2D, cold, warm
-(hits read from the store) and after the server is restarted on the same store; a chat's
-turn 2 finds turn 1 in the store. A first difference is accepted only where plain vLLM's top
-two tokens were within 1e-3 in logprob (vLLM need not be bit-exact between a cached and an
-uncached prefill), and counted."""
+"""`dualpath serve --engine vllm` on the embedded checkpoint, four servers in turn, each test
+class one server (started once for the class; its tests run in order, on what the earlier ones
+left in the server and its store):
+
+- ``TestFirstServer`` (1P2D, ``--read-path pe``, a new store): token-id prompts of 300-4,000
+  tokens give plain vLLM's greedy tokens (its own `LLM`, no connector) cold and warm; a chat's
+  turn 2 finds turn 1 in the store; a decode engine SIGKILLed while 8 streams decode: every
+  stream goes on elsewhere with plain vLLM's tokens, and the engine is started again and rejoins.
+- ``TestRestartedServer`` (1P2D, ``--read-path de``, the first server's store): its new engines
+  hold nothing, so every hit of the same prompts is read from the store, once, with the same
+  tokens; 8 conversations of 3 turns (``Conversations``) with every hit read on the DE side
+  (pulled layer by layer by the PE's connector); then a decode engine is killed while 8 streams
+  decode whose prompts the first server stored, so the killed engine holds hit KV that the PE
+  pulls from it for requests still waiting for their prefill.
+- ``TestPrefillSideServer`` (1P1D, ``pe``, a new store) and ``TestSplitServer`` (1P2D,
+  ``split``, a new store): the same conversations, read by the PE and by both sides.
+
+Every read path gives the conversations the same tokens, and plain vLLM's; on every path the
+two sides' reads plus the hit KV the PE's vLLM still held (not read again) are exactly the
+cached tokens' KV. A first difference from plain vLLM is accepted only where its top two tokens
+were within 1e-3 in logprob (vLLM need not be bit-exact between a cached and an uncached
+prefill), and counted. Fault strikes wait until the engine is seen holding requests
+(``tests/faults/strike.py``: sure to hit one, on any machine); every wait is a hang guard.
+"""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
-from tests.server.serving import MODEL, Server, metric_values, start_server
-from tests.vllm.reference import near_ties, plain_vllm
+from tests.faults.strike import Kill, Samples, engine_sample, strike_while_holding
+from tests.server.serving import MODEL, Server, auth, engine_pids, metric_values, start_server
+from tests.vllm.reference import PlainVllm, near_ties
 
 pytestmark = pytest.mark.vllm
 
 CONTEXT = 4160  # 4,000-token prompts + output, in whole 64-token blocks
+BLOCK = 64
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x K,V x heads x dims
+HANG_GUARD_S = 600
+READ_SERIES = "dualpath_read_path_bytes_total"
+HELD_SERIES = "dualpath_engine_cached_bytes_total"
+
 PROMPT_LENGTHS = (300, 700, 1200, 1800, 2400, 3000, 3500, 4000)
 MAX_TOKENS = 8
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x K,V x heads x dims
-SERVE_ARGS = ("--engine", "vllm", "--read-path", "pe", "--max-model-len", str(CONTEXT))
+
+NUM_SESSIONS, NUM_TURNS = 8, 3
+
+NUM_STREAMS = 8
+STREAM_TOKENS = 96  # long enough that the lost engine's streams have tokens left to go on
+VICTIM_ID = 2  # 1P2D: engine 0 is the PE, 1 and 2 the DEs
+
+
+def _serve(model_dir: Path, root: Path, nodes: str, read_path: str) -> Iterator[Server]:
+    args = ("--engine", "vllm", "--nodes", nodes, "--read-path", read_path)
+    with start_server(model_dir, root, *args, "--max-model-len", str(CONTEXT)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def first_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first server's store and logs; the restarted server's too."""
+    return tmp_path_factory.mktemp("first")
+
+
+# --- replays and what /metrics says of them --------------------------------------------------
 
 
 def _prompts() -> list[list[int]]:
@@ -30,31 +78,21 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(100, 40_000, n).tolist() for n in PROMPT_LENGTHS]
 
 
+def _full_blocks_bytes(lengths: tuple[int, ...]) -> int:
+    """The KV of every whole block of each prompt but its last token's: what a warm request
+    finds cached."""
+    return sum((n - 1) // BLOCK * BLOCK for n in lengths) * KV_BYTES_PER_TOKEN
+
+
 @pytest.fixture(scope="module")
-def references(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    requests = [(prompt, MAX_TOKENS) for prompt in _prompts()]
-    return plain_vllm(smollm2_model_dir, CONTEXT, requests, tmp_path_factory.mktemp("reference"))
-
-
-def _read_bytes(server: Server, *, until: float | None = None) -> float:
-    """Hit KV the server's engines read from the store so far (/metrics, both sides); with
-    ``until``, waits (60 s at most) for the engines' periodic reports to reach that figure."""
-    deadline = time.monotonic() + 60
-    while True:
-        value = sum(
-            value
-            for (name, _), value in metric_values(server).items()
-            if name == "dualpath_read_path_bytes_total"
-        )
-        if until is None or value == until or time.monotonic() > deadline:
-            return value
-        time.sleep(0.5)
+def references(plain_vllm: PlainVllm) -> list[dict]:
+    return plain_vllm.generate([(prompt, MAX_TOKENS) for prompt in _prompts()])
 
 
 def _replay(server: Server, references: list[dict], label: str, *, is_warm: bool) -> int:
     """Near ties met; every prompt's tokens checked against plain vLLM's, and its cached
     tokens: all its full blocks when warm (from the store, or vLLM's own prefix cache)."""
-    client = server.client.with_options(timeout=600)
+    client = server.client.with_options(timeout=HANG_GUARD_S)
     num_ties = 0
     for prompt, reference in zip(_prompts(), references, strict=True):
         out = client.completions.create(
@@ -63,38 +101,206 @@ def _replay(server: Server, references: list[dict], label: str, *, is_warm: bool
         )  # fmt: skip
         num_ties += near_ties(reference, out.choices[0].token_ids, f"{label} {len(prompt)}")
         cached = out.usage.prompt_tokens_details.cached_tokens
-        assert cached == ((len(prompt) - 1) // 64 * 64 if is_warm else 0), (label, len(prompt))
+        assert cached == ((len(prompt) - 1) // BLOCK * BLOCK if is_warm else 0), (
+            label,
+            len(prompt),
+        )
     return num_ties
 
 
-@pytest.mark.parametrize("nodes", ["1P1D", "1P2D"])
-def test_served_tokens_are_plain_vllms_cold_warm_and_after_a_restart(
-    nodes: str, smollm2_model_dir: Path, references: list[dict], tmp_path: Path
+def _hit_bytes(server: Server) -> dict[str, float]:
+    """Hit KV so far, read per side (``prefill``, ``decode``) and held by the PE's vLLM
+    (``engine``: not read again)."""
+    hits = {"prefill": 0.0, "decode": 0.0, "engine": 0.0}
+    for (name, labels), value in metric_values(server).items():
+        if name == READ_SERIES:
+            hits[dict(labels)["side"]] += value
+        elif name == HELD_SERIES:
+            hits["engine"] += value
+    return hits
+
+
+def _settled_hit_bytes(server: Server, total_bytes: float) -> dict[str, float]:
+    """``_hit_bytes`` once the engines' periodic reports add up to ``total_bytes`` (60 s at
+    most: then as they are, for the caller's assertion to show)."""
+    deadline = time.monotonic() + 60
+    while True:
+        hits = _hit_bytes(server)
+        if sum(hits.values()) == total_bytes or time.monotonic() > deadline:
+            return hits
+        time.sleep(0.5)
+
+
+class Conversations:
+    """8 conversations of 3 turns (token ids, greedy), one request at a time; each turn's
+    prompt is the last one, its answer and new user tokens. A run records, per read path, the
+    prompts, the tokens and the hit KV per side; the last class compares them."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[str, dict] = {}
+        self.tokens: dict[str, dict] = {}
+        self.hits: dict[str, dict[str, float]] = {}
+
+    @staticmethod
+    def _openings() -> list[list[int]]:
+        rng = np.random.default_rng(1)
+        return [rng.integers(100, 40_000, 200 + 90 * s).tolist() for s in range(NUM_SESSIONS)]
+
+    @staticmethod
+    def _new_user_tokens(session: int, turn: int) -> list[int]:
+        return np.random.default_rng(100 * session + turn).integers(100, 40_000, 70).tolist()
+
+    def run(self, server: Server, read_path: str) -> None:
+        """Every turn on ``server`` (its earlier hits settled); its hit KV must be exactly the
+        cached tokens' KV."""
+        before = _hit_bytes(server)
+        client = server.client.with_options(timeout=HANG_GUARD_S)
+        prompts, tokens, num_cached = {}, {}, 0
+        contexts = self._openings()
+        for turn in range(NUM_TURNS):
+            for session in range(NUM_SESSIONS):
+                prompt = contexts[session]
+                out = client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                )  # fmt: skip
+                answer = list(out.choices[0].token_ids)
+                prompts[session, turn], tokens[session, turn] = prompt, answer
+                num_cached += out.usage.prompt_tokens_details.cached_tokens
+                contexts[session] = prompt + answer + self._new_user_tokens(session, turn)
+        assert num_cached > 0, read_path
+        expected_bytes = num_cached * KV_BYTES_PER_TOKEN
+        after = _settled_hit_bytes(server, sum(before.values()) + expected_bytes)
+        hits = {side: after[side] - before[side] for side in after}
+        assert sum(hits.values()) == expected_bytes, (read_path, hits)
+        self.prompts[read_path], self.tokens[read_path] = prompts, tokens
+        self.hits[read_path] = hits
+
+
+@pytest.fixture(scope="module")
+def conversations() -> Conversations:
+    return Conversations()
+
+
+# --- a decode engine killed under load -------------------------------------------------------
+
+
+def _stream_prompts() -> list[list[int]]:
+    return [[(seed * 7919 + i * 104729) % 30_000 + 100 for i in range(300 + 40 * seed)]
+            for seed in range(NUM_STREAMS)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stream_references(plain_vllm: PlainVllm) -> list[dict]:
+    return plain_vllm.generate([(prompt, STREAM_TOKENS) for prompt in _stream_prompts()])
+
+
+def _stream(server: Server, prompt: list[int]) -> dict:
+    body = {
+        "model": MODEL, "prompt": prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+        "temperature": 0, "stream": True, "return_token_ids": True,
+    }  # fmt: skip
+    result: dict = {"token_ids": [], "error": None}
+    url = f"{server.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=auth(), timeout=HANG_GUARD_S) as response:
+        result["status"] = response.status_code
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                result["error"] = event["error"]["message"]
+            else:
+                result["token_ids"] += event["choices"][0]["token_ids"]
+    return result
+
+
+def _decode_read_bytes(samples: Samples) -> float:
+    return samples.get((READ_SERIES, (("side", "decode"),)), 0.0)
+
+
+def _kill_a_decode_engine_under_load(
+    server: Server, references: list[dict], read_path: str
 ) -> None:
-    args = (*SERVE_ARGS, "--nodes", nodes)
-    num_ties = 0
-    with start_server(smollm2_model_dir, tmp_path, *args) as server:
-        num_ties += _replay(server, references, f"{nodes} cold", is_warm=False)
-        assert _read_bytes(server) == 0
-        num_ties += _replay(server, references, f"{nodes} warm", is_warm=True)
+    """8 streams; engine VICTIM_ID SIGKILLed once it decodes (and, on ``de``, has read hit KV
+    on the DE side) and holds some: every stream ends with plain vLLM's tokens, no client sees
+    an error, at least one is placed again, and the engine comes back under its id."""
+    pid_before = engine_pids(server)[VICTIM_ID]
+    samples = metric_values(server)
+    busy_before = engine_sample(samples, "dualpath_engine_busy_seconds_total", VICTIM_ID)
+    decode_before = _decode_read_bytes(samples)
+    replaced_before = samples.get(("dualpath_scheduler_replaced_requests_total", ()), 0.0)
+
+    def is_decoding(samples: Samples) -> bool:  # its requests have tokens to go on from
+        if read_path == "de" and _decode_read_bytes(samples) == decode_before:
+            return False  # and it has read these streams' hit KV on the DE side
+        busy_s = engine_sample(samples, "dualpath_engine_busy_seconds_total", VICTIM_ID)
+        return busy_s > busy_before
+
+    with ThreadPoolExecutor(NUM_STREAMS) as pool:
+        futures = [pool.submit(_stream, server, prompt) for prompt in _stream_prompts()]
+        struck = strike_while_holding(
+            server.url,
+            VICTIM_ID,
+            Kill(lambda: engine_pids(server)[VICTIM_ID]),
+            is_ready=is_decoding,
+            should_stop=lambda: all(f.done() for f in futures),
+        )
+        assert struck, f"every stream ended before engine {VICTIM_ID} held one"
+        killed_s = time.monotonic()
+        streams = [f.result() for f in futures]
+    print(f"\nvLLM DE killed: the streams ended {time.monotonic() - killed_s:.1f} s after")
+    assert [(s["status"], s["error"]) for s in streams] == [(200, None)] * NUM_STREAMS
+    num_ties = sum(
+        near_ties(reference, stream["token_ids"], f"stream {i}")
+        for i, (stream, reference) in enumerate(zip(streams, references, strict=True))
+    )
+    samples = metric_values(server)
+    replaced = samples[("dualpath_scheduler_replaced_requests_total", ())] - replaced_before
+    assert replaced >= 1, "the kill hit no stream"
+    if read_path == "de":  # every hit was read on the DE side
+        assert _decode_read_bytes(samples) > decode_before
+        assert samples.get((READ_SERIES, (("side", "prefill"),)), 0.0) == 0
+    print(f"{replaced:.0f} stream(s) placed again; {num_ties} near-tie difference(s)")
+    # Started again under the same id, it rejoins: /health counts 3 live engines.
+    deadline_s = time.monotonic() + HANG_GUARD_S
+    while (
+        server.health().json()["num_live_engines"] != 3
+        or engine_pids(server).get(VICTIM_ID) == pid_before
+    ):
+        assert time.monotonic() < deadline_s, server.health().text
+        time.sleep(0.5)
+    out = server.client.with_options(timeout=HANG_GUARD_S).completions.create(
+        model=MODEL, prompt=_stream_prompts()[0], max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    first = {key: value[:4] for key, value in references[0].items()}
+    near_ties(first, out.choices[0].token_ids, "after the restart")
+
+
+# --- the servers -----------------------------------------------------------------------------
+
+
+class TestFirstServer:
+    @pytest.fixture(scope="class")
+    def server(self, smollm2_model_dir: Path, first_root: Path) -> Iterator[Server]:
+        yield from _serve(smollm2_model_dir, first_root, "1P2D", "pe")
+
+    def test_tokens_are_plain_vllms_cold_and_warm(
+        self, server: Server, references: list[dict]
+    ) -> None:
+        num_ties = _replay(server, references, "cold", is_warm=False)
+        assert sum(_hit_bytes(server).values()) == 0
+        num_ties += _replay(server, references, "warm", is_warm=True)
         # The PE's vLLM still holds most prompts: those blocks are not read from the store.
-        cached_bytes = sum((n - 1) // 64 * 64 for n in PROMPT_LENGTHS) * KV_BYTES_PER_TOKEN
-        assert _read_bytes(server) < cached_bytes
-    with start_server(smollm2_model_dir, tmp_path, *args) as server:  # the same store
-        num_ties += _replay(server, references, f"{nodes} restarted", is_warm=True)
-        # A new engine holds nothing: every hit block is read from the store, once.
-        read_bytes = _read_bytes(server, until=cached_bytes)
-        assert read_bytes == cached_bytes, "the PE did not read the hits it reported"
-    print(f"{nodes}: {num_ties} near-tie difference(s) in {3 * len(PROMPT_LENGTHS)} prompts")
+        read_bytes = _settled_hit_bytes(server, _full_blocks_bytes(PROMPT_LENGTHS))
+        assert read_bytes["prefill"] + read_bytes["decode"] < _full_blocks_bytes(PROMPT_LENGTHS)
+        print(f"{num_ties} near-tie difference(s) in {2 * len(PROMPT_LENGTHS)} prompts")
 
-
-def test_turn_two_of_a_chat_finds_turn_one_in_the_store(
-    smollm2_model_dir: Path, tmp_path: Path
-) -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()[:4000]
-    messages = [{"role": "user", "content": f"{readme}\n\nIn one sentence, what is this?"}]
-    with start_server(smollm2_model_dir, tmp_path, *SERVE_ARGS, "--nodes", "1P1D") as server:
-        client = server.client.with_options(timeout=600)
+    def test_turn_two_of_a_chat_finds_turn_one_in_the_store(self, server: Server) -> None:
+        readme = (Path(__file__).parents[2] / "README.md").read_text()[:4000]
+        messages = [{"role": "user", "content": f"{readme}\n\nIn one sentence, what is this?"}]
+        client = server.client.with_options(timeout=HANG_GUARD_S)
         first = client.chat.completions.create(
             model=MODEL, messages=messages, temperature=0, max_tokens=48
         )
@@ -105,6 +311,90 @@ def test_turn_two_of_a_chat_finds_turn_one_in_the_store(
         second = client.chat.completions.create(
             model=MODEL, messages=messages, temperature=0, max_tokens=8
         )
-    turn_one = first.usage.prompt_tokens + first.usage.completion_tokens
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    assert first.usage.prompt_tokens > 1000 and cached >= 0.9 * turn_one, (cached, turn_one)
+        turn_one = first.usage.prompt_tokens + first.usage.completion_tokens
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert first.usage.prompt_tokens > 1000 and cached >= 0.9 * turn_one, (cached, turn_one)
+
+    def test_a_killed_decode_engines_streams_go_on_and_it_comes_back(
+        self, server: Server, stream_references: list[dict]
+    ) -> None:
+        _kill_a_decode_engine_under_load(server, stream_references, "pe")
+
+
+class TestRestartedServer:
+    @pytest.fixture(scope="class")
+    def server(self, smollm2_model_dir: Path, first_root: Path) -> Iterator[Server]:
+        assert (first_root / "kv").is_dir(), "TestFirstServer fills the store this one reads"
+        yield from _serve(smollm2_model_dir, first_root, "1P2D", "de")
+
+    def test_every_hit_is_read_from_the_store_once_with_the_same_tokens(
+        self, server: Server, references: list[dict]
+    ) -> None:
+        num_ties = _replay(server, references, "restarted", is_warm=True)
+        # New engines hold nothing: every hit block is read from the store, once, on the DE
+        # side.
+        cached_bytes = _full_blocks_bytes(PROMPT_LENGTHS)
+        hits = _settled_hit_bytes(server, cached_bytes)
+        assert hits == {"prefill": 0, "decode": cached_bytes, "engine": 0}, hits
+        print(f"{num_ties} near-tie difference(s) in {len(PROMPT_LENGTHS)} prompts")
+
+    def test_conversations_read_on_the_decode_side(
+        self, server: Server, conversations: Conversations
+    ) -> None:
+        conversations.run(server, "de")
+        hits = conversations.hits["de"]
+        assert hits["decode"] > 0 and hits["prefill"] == 0, hits
+
+    def test_a_killed_decode_engines_streams_go_on_and_it_comes_back(
+        self, server: Server, stream_references: list[dict]
+    ) -> None:
+        _kill_a_decode_engine_under_load(server, stream_references, "de")
+
+
+class TestPrefillSideServer:
+    @pytest.fixture(scope="class")
+    def server(
+        self, smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[Server]:
+        yield from _serve(smollm2_model_dir, tmp_path_factory.mktemp("pe"), "1P1D", "pe")
+
+    def test_conversations_read_on_the_prefill_side(
+        self, server: Server, conversations: Conversations
+    ) -> None:
+        conversations.run(server, "pe")
+        assert conversations.hits["pe"]["decode"] == 0, conversations.hits["pe"]
+
+
+class TestSplitServer:
+    @pytest.fixture(scope="class")
+    def server(
+        self, smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[Server]:
+        yield from _serve(smollm2_model_dir, tmp_path_factory.mktemp("split"), "1P2D", "split")
+
+    def test_conversations_read_on_both_sides(
+        self, server: Server, conversations: Conversations
+    ) -> None:
+        conversations.run(server, "split")
+        # (The PE side's share of a split is mostly in the PE's vLLM already: later turns of
+        # a session find their earlier prompts there. A load of both PE-read and DE-read
+        # blocks is tests/vllm/test_connector.py's.)
+        assert conversations.hits["split"]["decode"] > 0, conversations.hits["split"]
+
+
+def test_every_read_path_gives_the_conversations_plain_vllms_tokens(
+    conversations: Conversations, plain_vllm: PlainVllm
+) -> None:
+    assert set(conversations.tokens) == {"pe", "de", "split"}, "the servers above replay them"
+    print({path: {side: int(b) for side, b in h.items()} for path, h in conversations.hits.items()})
+    assert conversations.tokens["de"] == conversations.tokens["pe"]
+    assert conversations.tokens["split"] == conversations.tokens["pe"]
+    keys = sorted(conversations.prompts["pe"])
+    references = plain_vllm.generate(
+        [(conversations.prompts["pe"][key], MAX_TOKENS) for key in keys]
+    )
+    num_ties = sum(
+        near_ties(reference, conversations.tokens["pe"][key], f"session {key[0]} turn {key[1]}")
+        for key, reference in zip(keys, references, strict=True)
+    )
+    print(f"{num_ties} near-tie difference(s) from plain vLLM in {len(keys)} turns")
