@@ -369,6 +369,21 @@ def test_the_parser_builds_without_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=TIMEOUT_S).returncode == 0
 
 
+def test_a_benchmark_module_is_imported_only_for_its_own_subcommand() -> None:
+    """Every other command (an engine process among them) starts without the benchmarks'
+    imports: the HTTP client, the cluster, numpy."""
+    code = (
+        "import sys; from dualpath.cli import build_parser; parser = build_parser(); "
+        "bench = lambda: sorted(m for m in sys.modules if m.startswith('dualpath.bench.')); "
+        "assert bench() == [], bench(); "
+        "parser.parse_args(['bench', 'store']); "
+        "assert 'dualpath.bench.store_bench' in bench(), bench(); "
+        "assert 'dualpath.bench.offline' not in bench(), bench()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def _subcommands(parser: argparse.ArgumentParser, prefix: str = "") -> list[str]:
     names = []
     for action in parser._actions:  # argparse has no public list of a parser's subcommands

@@ -21,7 +21,6 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 from dualpath import __version__
 from dualpath.cli.bench import add_bench
@@ -33,6 +32,7 @@ from dualpath.cli.configs import (
 from dualpath.cli.engine import add_engine
 from dualpath.cli.generate import add_demo, add_generate
 from dualpath.cli.model import add_convert_gguf, add_make_model
+from dualpath.cli.parser import Parser
 from dualpath.cli.plan import add_plan
 from dualpath.cli.serve import add_serve
 from dualpath.cli.simulate import add_simulate
@@ -47,18 +47,8 @@ __all__ = [
 ]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser (and its subcommands'), whose usage errors read as every other
-    error of the command does: one ``dualpath: error:`` line, exit 2, and where to look."""
-
-    def error(self, message: str) -> NoReturn:
-        command = self.prog.removeprefix("dualpath").strip()
-        where = f"{command}: " if command else ""
-        self.exit(2, f"dualpath: error: {where}{message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="dualpath",
         description="DualPath LLM serving for agentic, multi-turn workloads.",
     )

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from dualpath.cli.parser import ModuleParser
+
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (each writes a JSON result with --json)")
-    bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    bench_sub = p.add_subparsers(
+        dest="bench", required=True, metavar="BENCHMARK", parser_class=ModuleParser
+    )
     for name, module_name, help_text in (
         ("store", "dualpath.bench.store_bench", "KV store read GB/s vs plain reads, cold and warm"),
         (
@@ -45,7 +49,4 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
             "TTFT, TPOT side by side (run from .venv-vllm)",
         ),
     ):
-        module = __import__(module_name, fromlist=["main"])
-        bp = bench_sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(bp)
-        bp.set_defaults(func=module.main)
+        bench_sub.add_parser(name, help=help_text, description=help_text, module_name=module_name)
