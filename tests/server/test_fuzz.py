@@ -3,6 +3,7 @@
 checks each answer against it.
 
     .venv/bin/pytest -q -s tests/server/test_fuzz.py    # -s prints the statuses per route
+    make fuzz    # the same with DUALPATH_FUZZ_EXAMPLES=500: a deeper search, not in `make test`
 
 It fails on a 5xx; an error body not in OpenAI's shape; a status or media type the schema does
 not document; a request the schema forbids that is accepted anyway; a keyed route that answers
@@ -20,6 +21,7 @@ Failures are recorded, not raised, so one bug does not hide the next within the 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -43,9 +45,10 @@ MAX_MODEL_LEN = 256
 # A request without an answer by then is a hang: far above the costliest request's few
 # seconds, so a loaded machine is not mistaken for one.
 REQUEST_TIMEOUT_S = 120.0
-# Generated cases per route, on top of the coverage phase's fixed set (boundary values, wrong
-# types, missing fields, undeclared methods); about 40 s in all on 2 cores, start-up included.
-MAX_EXAMPLES = 100
+# Generated cases per route and mode, on top of the coverage phase's fixed set (boundary
+# values, wrong types, missing fields, undeclared methods): about 20 s in all on 2 cores,
+# start-up included, in `make test`; `make fuzz` asks for more (DUALPATH_FUZZ_EXAMPLES).
+MAX_EXAMPLES = int(os.environ.get("DUALPATH_FUZZ_EXAMPLES", "40"))
 SEED = 0  # the same cases on every run
 MAX_REPORTED_CHARS = 3000  # of each failure's message (it ends with the curl command)
 
