@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -72,7 +71,7 @@ from dualpath.bench.presets import (
     engine_kv_cache_gb,
     shaped_workload,
 )
-from dualpath.bench.report import add_output_arguments, write_outputs
+from dualpath.bench.report import add_output_arguments, finish
 from dualpath.bench.spec import (
     EngineSpec,
     RunSpec,
@@ -82,7 +81,7 @@ from dualpath.bench.spec import (
     workload_spec,
 )
 from dualpath.bench.stats import ideal_speedup
-from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
+from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig
 from dualpath.errors import CalibrationError
 from dualpath.flags import non_negative_int, positive_float, positive_int
@@ -627,15 +626,15 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--url runs against one existing server: do not give --modes")
         if args.engine != "native" or args.vllm_arg:
             raise ValueError("--url runs against one existing server: do not give --engine")
-        return _write(_run_url(args, model_dir), args)
+        return finish(_run_url(args, model_dir), args, "offline")
     check_url_flags(args)
     spec = run_spec(args, model_dir)
     reports = [run_offline(replace(spec, rho=rho)) for rho in args.rho or [None]]
     if len(reports) == 1:
-        return _write(reports[0], args)
+        return finish(reports[0], args, "offline")
     problems = [f"rho {r['rho']:g}: {p}" for r in reports for p in r["problems"]]
     sweep = {"benchmark": "offline-rho-sweep", "runs": reports}
-    return _write(mark_validity(sweep, problems), args)
+    return finish(mark_validity(sweep, problems), args, "offline")
 
 
 def run_spec(args: argparse.Namespace, model_dir: Path) -> RunSpec:
@@ -669,12 +668,3 @@ def _run_url(args: argparse.Namespace, model_dir: Path) -> dict:
         "modes": {"url": result},
     }
     return mark_validity(report, mode_problems("url", result))
-
-
-def _write(report: dict, args: argparse.Namespace) -> int:
-    """Write the outputs; 0 for a valid report, 1 (having said why on stderr) otherwise."""
-    write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="offline")
-    if report["valid"]:
-        return 0
-    print(invalid_message(report), file=sys.stderr)
-    return 1

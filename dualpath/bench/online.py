@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
@@ -69,7 +68,7 @@ from dualpath.bench.offline import (
     workload_report,
 )
 from dualpath.bench.presets import WorkloadShape
-from dualpath.bench.report import write_outputs
+from dualpath.bench.report import finish
 from dualpath.bench.spec import (
     DEFAULT_MIN_AGENTS,
     SLO_BASES,
@@ -80,7 +79,7 @@ from dualpath.bench.spec import (
     output_spec,
     workload_spec,
 )
-from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
+from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.workload import Workload, poisson_arrival_offsets_s
 
@@ -427,11 +426,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("bench online starts its own servers: --url is for bench offline")
     check_url_flags(args)
     report = run_online(online_spec(args, resolve_model_dir(args.model, tiny=True)))
-    write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="online")
-    if report["valid"]:
-        return 0
-    print(invalid_message(report), file=sys.stderr)
-    return 1
+    return finish(report, args, "online")
 
 
 def online_spec(args: argparse.Namespace, model_dir: Path) -> OnlineSpec:

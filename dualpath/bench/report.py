@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from dualpath.bench.stats import ideal_speedup
+from dualpath.bench.validity import invalid_message
 from dualpath.options import add_json_argument
 
 
@@ -221,3 +223,13 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
         plt.close(figure)
         written.append(path)
     return written
+
+
+def finish(report: dict, args: argparse.Namespace, default_stem: str) -> int:
+    """Write a benchmark's outputs (``--json``, ``--out-dir``); its exit status: 0 for a valid
+    report, 1 (having said why on stderr) otherwise."""
+    write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem=default_stem)
+    if report["valid"]:
+        return 0
+    print(invalid_message(report), file=sys.stderr)
+    return 1

@@ -50,7 +50,7 @@ from dualpath.bench.harness import (
 from dualpath.bench.offline import BLOCK_SIZE_TOKENS, load_workload, workload_report
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.process_cpu import ProcessCpu
-from dualpath.bench.report import add_output_arguments, write_outputs
+from dualpath.bench.report import add_output_arguments, finish
 from dualpath.bench.server_process import ChildServer
 from dualpath.bench.spec import (
     EngineSpec,
@@ -60,7 +60,7 @@ from dualpath.bench.spec import (
     output_spec,
     workload_spec,
 )
-from dualpath.bench.validity import invalid_message, mark_validity, mode_problems
+from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.flags import non_negative_int, positive_float, positive_int
 from dualpath.model.registry import read_config
 from dualpath.options import (
@@ -381,11 +381,7 @@ def main(args: argparse.Namespace) -> int:
     }
     problems = [p for system, r in report["modes"].items() for p in mode_problems(system, r)]
     mark_validity(report, problems)
-    write_outputs(report, json_path=args.json, out_dir=args.out_dir, default_stem="vs_vllm")
-    if report["valid"]:
-        return 0
-    print(invalid_message(report), file=sys.stderr)
-    return 1
+    return finish(report, args, "vs_vllm")
 
 
 def vs_vllm_spec(args: argparse.Namespace, model_dir: Path) -> VsVllmSpec:
