@@ -12,8 +12,10 @@ left in the server and its store):
   (pulled layer by layer by the PE's connector); then a decode engine is killed while 8 streams
   decode whose prompts the first server stored, so the killed engine holds hit KV that the PE
   pulls from it for requests still waiting for their prefill.
-- ``TestPrefillSideServer`` (1P1D, ``pe``, a new store) and ``TestSplitServer`` (1P2D,
-  ``split``, a new store): the same conversations, read by the PE and by both sides.
+- ``TestPrefillSideServer`` (1P1D, ``pe``, a new store, ``--vllm-prefill-batching quota``)
+  and ``TestSplitServer`` (1P2D, ``split``, a new store): the same conversations, read by the
+  PE and by both sides; on the first, 6 prompts sent at once, each its own quota batch, give
+  plain vLLM's tokens.
 
 Every read path gives the conversations the same tokens, and plain vLLM's; on every path the
 two sides' reads plus the hit KV the PE's vLLM still held (not read again) are exactly the
@@ -53,13 +55,17 @@ MAX_TOKENS = 8
 
 NUM_SESSIONS, NUM_TURNS = 8, 3
 
+QUOTA_PROMPT_LENGTHS = (300, 450, 600, 750, 900, 1050)
+
 NUM_STREAMS = 8
 STREAM_TOKENS = 96  # long enough that the lost engine's streams have tokens left to go on
 VICTIM_ID = 2  # 1P2D: engine 0 is the PE, 1 and 2 the DEs
 
 
-def _serve(model_dir: Path, root: Path, nodes: str, read_path: str) -> Iterator[Server]:
-    args = ("--engine", "vllm", "--nodes", nodes, "--read-path", read_path)
+def _serve(
+    model_dir: Path, root: Path, nodes: str, read_path: str, *extra_args: str
+) -> Iterator[Server]:
+    args = ("--engine", "vllm", "--nodes", nodes, "--read-path", read_path, *extra_args)
     with start_server(model_dir, root, *args, "--max-model-len", str(CONTEXT)) as server:
         yield server
 
@@ -352,17 +358,44 @@ class TestRestartedServer:
 
 
 class TestPrefillSideServer:
+    """With ``--vllm-prefill-batching quota``: the PE hands vLLM one batch at a time from the
+    compute-quota batcher (its predictor profiled on vLLM at start), here with a quota so small
+    that every batch holds one request."""
+
     @pytest.fixture(scope="class")
     def server(
         self, smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     ) -> Iterator[Server]:
-        yield from _serve(smollm2_model_dir, tmp_path_factory.mktemp("pe"), "1P1D", "pe")
+        root = tmp_path_factory.mktemp("pe")
+        quota = ("--vllm-prefill-batching", "quota", "--attention-quota-s", "0.00001")
+        yield from _serve(smollm2_model_dir, root, "1P1D", "pe", *quota)
 
     def test_conversations_read_on_the_prefill_side(
         self, server: Server, conversations: Conversations
     ) -> None:
         conversations.run(server, "pe")
         assert conversations.hits["pe"]["decode"] == 0, conversations.hits["pe"]
+
+    def test_quota_batches_of_prompts_sent_at_once_give_plain_vllms_tokens(
+        self, server: Server, plain_vllm: PlainVllm
+    ) -> None:
+        """6 prompts sent at once queue in the batcher, one batch each."""
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(100, 40_000, n).tolist() for n in QUOTA_PROMPT_LENGTHS]
+        references = plain_vllm.generate([(p, MAX_TOKENS) for p in prompts])
+        client = server.client.with_options(timeout=HANG_GUARD_S)
+
+        def complete(prompt: list[int]) -> list[int]:
+            out = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            return list(out.choices[0].token_ids)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(complete, prompts))
+        for prompt, tokens, reference in zip(prompts, outputs, references, strict=True):
+            near_ties(reference, tokens, f"prompt of {len(prompt)}")
 
 
 class TestSplitServer:
