@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dualpath.flags import non_negative_float, positive_float, positive_int
+from dualpath.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from dualpath.vllm_args import add_engine_kind_arguments
 
 # --- model, store, engine ----------------------------------------------------------------------
@@ -272,6 +272,66 @@ def add_trace_shape_arguments(
         default=defaults["gen_scale"],
         help=f"{where}every turn generates max(1, round(g x this)) tokens instead of g, after "
         f"--length-scale (default: {default_help['gen_scale']})",
+    )
+
+
+def add_trace_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="replay this Mooncake-format JSONL trace instead of generated trajectories",
+    )
+
+
+def add_max_sessions_argument(
+    p: argparse.ArgumentParser, *, default: int | None, default_help: str
+) -> None:
+    p.add_argument(
+        "--max-sessions",
+        type=positive_int,
+        default=default,
+        help="sessions to replay: trajectories generated, or a trace's first sessions "
+        f"(default: {default_help})",
+    )
+
+
+def add_clones_argument(
+    p: argparse.ArgumentParser, *, default: int | None, default_help: str
+) -> None:
+    p.add_argument(
+        "--clones",
+        type=non_negative_int,
+        default=default,
+        help="every session also runs as N clones with a fresh first turn (SPEC 7: "
+        f"cache-disjoint), so many agents replay few sessions (default: {default_help})",
+    )
+
+
+def add_simulated_workload_arguments(p: argparse.ArgumentParser, *, num_agents: int) -> None:
+    """The simulator's workload and cluster size (``simulate``, ``plan``): SPEC §7's agents
+    and context preset, a K-times smaller cluster, and how the compute quota is read."""
+    p.add_argument(
+        "--agents", type=positive_int, default=num_agents, help=f"agents (default {num_agents})"
+    )
+    p.add_argument(
+        "--max-len",
+        type=positive_int,
+        default=65536,
+        help="32768, 49152 or 65536 (SPEC §7 presets; default 65536)",
+    )
+    p.add_argument(
+        "--scale-down",
+        type=positive_int,
+        default=1,
+        help="K: nodes with 8/K GPUs (node links /K) and K times fewer agents (default 1)",
+    )
+    p.add_argument(
+        "--quota-per-forward",
+        action="store_true",
+        help="read SPEC §6's 300 ms compute quota as the attention time of a whole forward "
+        "(300 ms / layers per layer), with that reading's own fitted prefill efficiency "
+        "(default: per attention layer)",
     )
 
 

@@ -84,12 +84,15 @@ from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.config import MODES, READ_PATHS, EngineConfig
 from dualpath.errors import CalibrationError
-from dualpath.flags import non_negative_int, positive_float, positive_int
+from dualpath.flags import positive_float, positive_int
 from dualpath.model.identity import kv_facts, kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import (
     add_attention_quota_argument,
+    add_clones_argument,
+    add_max_sessions_argument,
     add_model_argument,
+    add_trace_argument,
     add_trace_shape_arguments,
     add_transport_argument,
     add_workload_seed_argument,
@@ -511,16 +514,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_model_argument(parser, tiny=True)
     add_workload_seed_argument(parser)
-    parser.add_argument(
-        "--trace", type=Path, default=None, help="replay a Mooncake-format JSONL trace instead"
-    )
-    parser.add_argument(
-        "--max-sessions",
-        type=positive_int,
-        default=None,
-        help="sessions to replay: trajectories generated, or a trace's first sessions (default: "
-        "the preset's agents)",
-    )
+    add_trace_argument(parser)
+    add_max_sessions_argument(parser, default=None, default_help="the preset's agents")
     add_trace_shape_arguments(
         parser,
         defaults={"length_scale": None, "max_turns": None, "gen_scale": None},
@@ -570,13 +565,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument(
-        "--clones",
-        type=non_negative_int,
-        default=None,
-        help="every session also runs as N clones with a fresh first turn (SPEC 7: "
-        "cache-disjoint), so many agents replay few sessions (default: the preset's)",
-    )
+    add_clones_argument(parser, default=None, default_help="the preset's")
     parser.add_argument(
         "--rho",
         type=_rho_values,

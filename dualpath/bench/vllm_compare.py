@@ -61,10 +61,13 @@ from dualpath.bench.spec import (
     workload_spec,
 )
 from dualpath.bench.validity import mark_validity, mode_problems
-from dualpath.flags import non_negative_int, positive_float, positive_int
+from dualpath.flags import positive_float, positive_int
 from dualpath.model.registry import read_config
 from dualpath.options import (
+    add_clones_argument,
+    add_max_sessions_argument,
     add_model_argument,
+    add_trace_argument,
     add_trace_shape_arguments,
     add_workload_seed_argument,
 )
@@ -300,15 +303,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset", default="agentic", choices=sorted(PRESETS), help="workload (default agentic)"
     )
     add_workload_seed_argument(parser)
-    parser.add_argument(
-        "--trace", type=Path, default=None, help="replay this Mooncake-format JSONL trace instead"
-    )
-    parser.add_argument(
-        "--max-sessions",
-        type=positive_int,
-        default=DEFAULT_SHAPE["max_sessions"],
-        help=f"a trace's first sessions (default {DEFAULT_SHAPE['max_sessions']})",
-    )
+    add_trace_argument(parser)
+    max_sessions, clones = DEFAULT_SHAPE["max_sessions"], DEFAULT_SHAPE["clones"]
+    add_max_sessions_argument(parser, default=max_sessions, default_help=str(max_sessions))
     add_trace_shape_arguments(
         parser,
         defaults={**DEFAULT_SHAPE, "gen_scale": None},
@@ -318,12 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "gen_scale": "the preset's",
         },
     )
-    parser.add_argument(
-        "--clones",
-        type=non_negative_int,
-        default=DEFAULT_SHAPE["clones"],
-        help=f"cache-disjoint clones of every session (default {DEFAULT_SHAPE['clones']})",
-    )
+    add_clones_argument(parser, default=clones, default_help=str(clones))
     parser.add_argument(
         "--kv-cache-gb",
         type=positive_int,

@@ -10,6 +10,7 @@ from dualpath.options import (
     add_json_argument,
     add_no_progress_argument,
     add_profile_arguments,
+    add_simulated_workload_arguments,
     preset_for_max_len,
 )
 
@@ -25,20 +26,8 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--total-nodes", type=positive_int, default=3, help="nodes to split into P and D"
     )
-    p.add_argument("--agents", type=positive_int, default=256, help="agents (trajectories)")
-    p.add_argument(
-        "--max-len", type=positive_int, default=65536, help="32768, 49152 or 65536 (SPEC §7)"
-    )
+    add_simulated_workload_arguments(p, num_agents=256)
     p.add_argument("--mode", default="dualpath", help="mode to plan for (default dualpath)")
-    p.add_argument(
-        "--scale-down", type=positive_int, default=1, help="simulate a K-times smaller cluster"
-    )
-    p.add_argument(
-        "--quota-per-forward",
-        action="store_true",
-        help="simulate with SPEC §6's compute quota read as a whole forward, as `dualpath "
-        "simulate --quota-per-forward` (default: per attention layer)",
-    )
     add_jobs_argument(p, "the candidate shapes")
     add_json_argument(
         p,

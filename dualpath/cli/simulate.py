@@ -6,12 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from dualpath.flags import positive_float, positive_int
+from dualpath.flags import positive_float
 from dualpath.options import (
     add_jobs_argument,
     add_json_argument,
     add_no_progress_argument,
     add_profile_arguments,
+    add_simulated_workload_arguments,
+    add_trace_argument,
     add_trace_shape_arguments,
     preset_for_max_len,
 )
@@ -67,25 +69,13 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
         help="the paper's whole grid (e.g. scale: 48P96D offline and 44P88D online instead of "
         "8P16D; offline-jct: 32K-64K, 512-2,048 agents and the 27B)",
     )
-    p.add_argument(
-        "--scale-down",
-        type=positive_int,
-        default=1,
-        help="K: nodes with 8/K GPUs (node links /K) and K times fewer agents",
-    )
+    add_simulated_workload_arguments(p, num_agents=1024)
     add_profile_arguments(p, default_model="deepseek-v3.2-660b", what="free-form runs")
     p.add_argument("--nodes", default="2P4D", help="cluster shape, e.g. 2P4D (default)")
-    p.add_argument("--agents", type=positive_int, default=1024, help="agents (trajectories)")
-    p.add_argument(
-        "--max-len",
-        type=positive_int,
-        default=65536,
-        help="32768, 49152 or 65536 (SPEC §7 presets)",
-    )
     p.add_argument(
         "--modes", default="basic,dualpath,oracle", help=f"comma-separated, from {', '.join(MODES)}"
     )
-    p.add_argument("--trace", type=Path, default=None, help="a Mooncake-format JSONL trace")
+    add_trace_argument(p)
     add_trace_shape_arguments(
         p,
         defaults={"length_scale": None, "max_turns": None, "gen_scale": None},
@@ -121,14 +111,6 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
         help="free-form runs: the PE compute quota, predicted seconds of one attention layer "
         "per prefill batch (default SPEC §6's 0.3); 0.3 / 61 reads the quota as a whole "
         "DeepSeek-V3.2 forward instead (docs/simulator-analysis.md, 'ping-pong')",
-    )
-    p.add_argument(
-        "--quota-per-forward",
-        action="store_true",
-        help="read SPEC §6's 300 ms compute quota as the attention time of a whole forward "
-        "(300 ms / layers per layer), with that reading's own fitted prefill efficiency: an "
-        "alternative to the default per-layer reading, for experiments, free-form runs and "
-        "--calibrate (docs/simulator-analysis.md, 'ping-pong')",
     )
     p.add_argument(
         "--seed",
