@@ -19,9 +19,8 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
         + " ".join(f"'{name}': {preset.description}." for name, preset in PRESETS.items()),
     )
     p.add_argument("--preset", default=DEFAULT_PRESET, help="which preset (default: tiny)")
-    p.add_argument("--out", type=Path, required=True, help="directory to create")
+    _add_out_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_run_make_model)
 
 
@@ -34,6 +33,12 @@ def _run_make_model(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} already exists; pass --force to replace it") from exc
     print(f"wrote preset {args.preset!r} to {path}")
     return 0
+
+
+def _add_out_arguments(p: argparse.ArgumentParser) -> None:
+    """Where a command writes the checkpoint it makes: ``--out`` and ``--force``."""
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
 # --- convert-gguf ----------------------------------------------------------------------------
@@ -53,7 +58,7 @@ def add_convert_gguf(sub: argparse._SubParsersAction) -> None:
         "name. This is how the embedded default is made on first use.",
     )
     p.add_argument("gguf", type=Path, help="the .gguf file")
-    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
+    _add_out_arguments(p)
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -61,7 +66,6 @@ def add_convert_gguf(sub: argparse._SubParsersAction) -> None:
         help=f"stored weight dtype (default {DEFAULT_DTYPE}: the dequantized values exactly, "
         "and the faster of the two on CPUs measured so far)",
     )
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_run_convert_gguf)
 
 
