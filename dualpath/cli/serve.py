@@ -16,7 +16,7 @@ from dualpath.units import gb_to_bytes
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    from dualpath.server.args import add_serve_arguments, detach_defaults
+    from dualpath.cli.serve_settings import add_serve_arguments, detach_defaults
 
     p = sub.add_parser(
         "serve",
@@ -33,12 +33,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from dualpath.cli.serve_settings import resolve
     from dualpath.cluster.engine_processes import TOKEN_ENV
     from dualpath.cluster.launcher import LocalCluster
     from dualpath.config import DTYPES
     from dualpath.model.registry import read_config
     from dualpath.model.tokenizer import Tokenizer
-    from dualpath.server.args import resolve
     from dualpath.server.chat import ChatRenderer
 
     s = resolve(args, args.serve_options)

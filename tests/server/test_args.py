@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.cli import build_parser
-from dualpath.server.args import resolve
+from dualpath.cli.serve_settings import resolve
 from dualpath.vllm_args import engine_kind_args
 
 

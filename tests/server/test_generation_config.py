@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from dualpath.cli import build_parser
+from dualpath.cli.serve_settings import resolve
 from dualpath.errors import CheckpointError
 from dualpath.model.generation_config import SamplingDefaults, read_sampling_defaults
-from dualpath.server.args import resolve
 from dualpath.server.config import ServerConfig
 from dualpath.server.context import sampling_defaults
 from dualpath.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params

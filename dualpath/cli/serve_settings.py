@@ -1,4 +1,5 @@
-"""The ``dualpath serve`` flags, and ``--config FILE``: the same settings from YAML or JSON.
+"""The ``dualpath serve`` flags, and ``--config FILE``: the same settings from YAML or JSON;
+where serve's flags and its config file meet (``configs.py`` is where they become configs).
 
 Precedence: a flag on the command line, then the config file, then the flag's default. Keys
 are flag names with dashes or underscores (``kv-store`` or ``kv_store``); an unknown key, or
