@@ -44,6 +44,7 @@ from tests.vllm.reference import PlainVllm, near_ties
 pytestmark = pytest.mark.vllm
 
 CONTEXT = 4160  # 4,000-token prompts + output, in whole 64-token blocks
+SHORT_CONTEXT = 1280  # the conversations' and the quota batches' prompts + output (1,058 at most)
 BLOCK = 64
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x K,V x heads x dims
 HANG_GUARD_S = 600
@@ -65,8 +66,9 @@ VICTIM_ID = 2  # 1P2D: engine 0 is the PE, 1 and 2 the DEs
 def _serve(
     model_dir: Path, root: Path, nodes: str, read_path: str, *extra_args: str
 ) -> Iterator[Server]:
-    args = ("--engine", "vllm", "--nodes", nodes, "--read-path", read_path, *extra_args)
-    with start_server(model_dir, root, *args, "--max-model-len", str(CONTEXT)) as server:
+    args = ("--engine", "vllm", "--nodes", nodes, "--read-path", read_path)
+    args += ("--max-model-len", str(CONTEXT), *extra_args)  # a later flag wins
+    with start_server(model_dir, root, *args) as server:
         yield server
 
 
@@ -368,7 +370,10 @@ class TestPrefillSideServer:
     ) -> Iterator[Server]:
         root = tmp_path_factory.mktemp("pe")
         quota = ("--vllm-prefill-batching", "quota", "--attention-quota-s", "0.00001")
-        yield from _serve(smollm2_model_dir, root, "1P1D", "pe", *quota)
+        # The batcher's predictor is profiled at start on contexts up to the server's (2,048
+        # at most): this server's prompts need less than a third of CONTEXT.
+        context = ("--max-model-len", str(SHORT_CONTEXT))
+        yield from _serve(smollm2_model_dir, root, "1P1D", "pe", *quota, *context)
 
     def test_conversations_read_on_the_prefill_side(
         self, server: Server, conversations: Conversations
