@@ -48,6 +48,10 @@ SHORT_CONTEXT = 1280  # the conversations' and the quota batches' prompts + outp
 BLOCK = 64
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x K,V x heads x dims
 HANG_GUARD_S = 600
+# A vLLM engine reports to the scheduler between its steps: one 4,000-token prefill on 2 cores
+# beside another 2-core job outlasted serve's 10 s default (11.1 s: the PE was declared dead).
+# No test waits on it: an engine that exits is declared dead at once.
+HEARTBEAT_TIMEOUT_S = 120
 READ_SERIES = "dualpath_read_path_bytes_total"
 HELD_SERIES = "dualpath_engine_cached_bytes_total"
 
@@ -67,6 +71,7 @@ def _serve(
     model_dir: Path, root: Path, nodes: str, read_path: str, *extra_args: str
 ) -> Iterator[Server]:
     args = ("--engine", "vllm", "--nodes", nodes, "--read-path", read_path)
+    args += ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
     args += ("--max-model-len", str(CONTEXT), *extra_args)  # a later flag wins
     with start_server(model_dir, root, *args) as server:
         yield server
