@@ -296,7 +296,8 @@ def _kill_a_decode_engine_under_load(
 
 class TestFirstServer:
     @pytest.fixture(scope="class")
-    def server(self, smollm2_model_dir: Path, first_root: Path) -> Iterator[Server]:
+    @classmethod
+    def server(cls, smollm2_model_dir: Path, first_root: Path) -> Iterator[Server]:
         yield from _serve(smollm2_model_dir, first_root, "1P2D", "pe")
 
     def test_tokens_are_plain_vllms_cold_and_warm(
@@ -336,7 +337,8 @@ class TestFirstServer:
 
 class TestRestartedServer:
     @pytest.fixture(scope="class")
-    def server(self, smollm2_model_dir: Path, first_root: Path) -> Iterator[Server]:
+    @classmethod
+    def server(cls, smollm2_model_dir: Path, first_root: Path) -> Iterator[Server]:
         assert (first_root / "kv").is_dir(), "TestFirstServer fills the store this one reads"
         yield from _serve(smollm2_model_dir, first_root, "1P2D", "de")
 
@@ -370,8 +372,9 @@ class TestPrefillSideServer:
     that every batch holds one request."""
 
     @pytest.fixture(scope="class")
+    @classmethod
     def server(
-        self, smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+        cls, smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     ) -> Iterator[Server]:
         root = tmp_path_factory.mktemp("pe")
         quota = ("--vllm-prefill-batching", "quota", "--attention-quota-s", "0.00001")
@@ -410,8 +413,9 @@ class TestPrefillSideServer:
 
 class TestSplitServer:
     @pytest.fixture(scope="class")
+    @classmethod
     def server(
-        self, smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+        cls, smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     ) -> Iterator[Server]:
         yield from _serve(smollm2_model_dir, tmp_path_factory.mktemp("split"), "1P2D", "split")
 
