@@ -1,0 +1,98 @@
+"""An engine's KV pages as the store's Layer Blocks: the one part of the KV path that differs
+per engine (SPEC §9).
+
+The courier (``courier.py``) moves KV between the store, host buffers, a peer's buffer and an
+engine's pages. Of the pages it asks only this: a token range of some blocks of one layer, in
+and out, as Layer Blocks in the store's byte order (``KVLayout.layer_block_shape``, uint8,
+host memory). Each engine's page layout is one adapter of ``KVPages``:
+
+    PagedKVCache     our engine's cache (``kv_cache.py``): a block's layers are one tensor
+    BatchPages       our PE's pages of one batch: the layers in flight, hit and new blocks
+    dualpath.vllm.layouts   vLLM's pages, per attention backend (CPU, MLA, GPU layouts)
+
+A Layer Block's byte order is the adapter's (for vLLM, the page's own order, so whole blocks
+move as plain copies); the store fingerprint names it, so two orders never share a block.
+
+On a GPU the writes into pages may run on a side stream: ``fence(layer)`` makes a layer's
+writes visible to the engine's compute before it reads them. Reads are synchronous: ``out``
+is filled when ``read_layer`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from dualpath.kv.layout import KVLayout
+
+
+class KVPages(Protocol):
+    """An engine's pages, one layer of some blocks at a time."""
+
+    layout: KVLayout
+
+    def write_layer(
+        self,
+        layer: int,
+        block_ids: Sequence[int],
+        blocks: np.ndarray,
+        first: int = 0,
+        num: int | None = None,
+    ) -> None:
+        """Layer Blocks ``blocks[i]`` (``[n, *layer_block_shape]`` uint8, host) into block
+        ``block_ids[i]`` of ``layer``. With ``first``/``num``: only tokens ``first .. first +
+        num`` of each; the page's other tokens are kept. Complete after ``fence(layer)``."""
+        ...
+
+    def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
+        """Blocks ``block_ids`` of ``layer`` as Layer Blocks into ``out`` (``[n,
+        *layer_block_shape]`` uint8, host); filled on return."""
+        ...
+
+    def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
+        """A writable zero-copy host view ``[n, *layer_block_shape]`` of blocks ``block_ids``
+        of ``layer`` in the store's byte order, or None when there is none (device memory, a
+        page order other than the store's, blocks not adjacent): then the caller copies."""
+        ...
+
+    def fence(self, layer: int) -> None:
+        """Make every write to ``layer`` so far visible to the engine's compute."""
+        ...
+
+
+class LayerBlockPages:
+    """The store's Full Block operations (``kv_io.BlockCache``) of any ``KVPages``, one Layer
+    Block at a time: a vLLM block's layers are separate tensors, so a Full Block is no single
+    view and the store reads and writes through host copies."""
+
+    layout: KVLayout
+
+    def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
+        raise NotImplementedError
+
+    def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def fence(self, layer: int) -> None:
+        pass
+
+    def host_view(self, block_id: int) -> np.ndarray | None:
+        return None
+
+    def load_full_block(self, block_id: int, full_block: np.ndarray) -> None:
+        for layer in range(self.layout.num_layers):
+            self.write_layer(layer, (block_id,), full_block[layer : layer + 1])
+            self.fence(layer)
+
+    def copy_full_block(self, block_id: int) -> np.ndarray:
+        full_block = self.layout.empty_full_block()
+        for layer in range(self.layout.num_layers):
+            self.read_layer(layer, (block_id,), full_block[layer : layer + 1])
+        return full_block
+
+
+def adjacent(block_ids: Sequence[int]) -> bool:
+    """Whether ``block_ids`` are consecutive and increasing (one contiguous run of pages)."""
+    return all(b == a + 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
