@@ -47,6 +47,8 @@ def test_help_lists_every_command() -> None:
 # the HTTP server).
 LAYERS = {
     "dualpath.engine": ("dualpath.cluster", "dualpath.server", "dualpath.bench", "dualpath.sim"),
+    # vLLM as an engine: its roles implement the engine layer's RoleEngine, driven from above.
+    "dualpath.vllm": ("dualpath.cluster", "dualpath.server", "dualpath.bench", "dualpath.sim"),
     "dualpath.protocol": (
         "dualpath.engine",
         "dualpath.cluster",
@@ -81,6 +83,8 @@ def _imports_of(path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            # ``from dualpath import cluster`` imports dualpath.cluster too.
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 

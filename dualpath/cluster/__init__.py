@@ -17,5 +17,6 @@ The scheduler process
 The engine processes
     engine_processes   spawn, watch, restart and stop the engines one host starts
     engine_process     one engine: joins the scheduler, handles its messages, reports, works
-    roles              what it does as a PE or a DE, behind one interface
+    roles              what it does as a PE or a DE on our engine, behind the interface of
+                         ``dualpath.engine.role`` (on vLLM: ``dualpath.vllm.roles``)
 """

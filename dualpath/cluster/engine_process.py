@@ -5,8 +5,8 @@
 
 It loads the model, registers its KV buffer with the transport, says hello with the cluster
 token, and then loops: handle the scheduler's messages, do one unit of work (a prefill batch
-or a decode step: its ``RoleEngine``, ``roles.py``), report its load every fetch interval (the
-pull of SPEC §6). It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler
+or a decode step: its ``RoleEngine``, ``engine/role.py``; ours in ``roles.py``, vLLM's in
+``dualpath.vllm.roles``), report its load every fetch interval (the pull of SPEC §6). It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler
 (``EXIT_SCHEDULER_LOST``: no answer to its hello, silence for ``heartbeat_timeout_s``, or the
 scheduler no longer knowing it, having declared it dead), and (Linux) when its parent dies.
 Whoever supervises it (``dualpath serve``, or ``dualpath engine`` itself: ``engine_processes``)
@@ -139,7 +139,7 @@ class _EngineProcess:
         self.buffer_descriptor = self.transport.register("kv-buffer", self.buffer.array)
         self.client = ControlClient(config.scheduler_endpoint, f"engine-{config.engine_id}", token)
         if is_vllm:
-            from dualpath.cluster.vllm_roles import make_vllm_role
+            from dualpath.vllm.roles import make_vllm_role
 
             self.role = make_vllm_role(
                 config,

@@ -1,8 +1,9 @@
 """The vLLM engine one engine process of ours runs: in this process, stepped by us, our connector
-inside it (``connector.py``), bound to its cores.
+inside it (``connector.py``), bound to its cores; and the requests we give it.
 
     engine = build_engine(VllmEngineSpec(model_dir, engine_key="engine-3", cores=(1,)))
-    engine.add_request("7", {"prompt_token_ids": ids}, sampling_params)
+    params = vllm_sampling_params(SamplingParams(), max_tokens=16, min_tokens=0)
+    engine.add_request("7", {"prompt_token_ids": ids}, with_plan(params, 7))
     outputs = engine.step()
 
 vLLM's CPU build ignores ``VLLM_CPU_OMP_THREADS_BIND`` in-process and fixes torch's thread
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dualpath.types import SamplingParams
 from dualpath.units import GIB
 from dualpath.vllm_args import check_vllm_args
 
@@ -84,6 +86,36 @@ def build_engine(spec: VllmEngineSpec) -> Any:
         args["num_gpu_blocks_override"] = spec.num_kv_blocks
     args.update(spec.args)
     return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def vllm_sampling_params(params: SamplingParams, *, max_tokens: int, min_tokens: int) -> Any:
+    """vLLM's sampling parameters for ours. Stop strings are vLLM's to find on the DE (it
+    detokenizes only then); as on our engines, the PE's first token is not checked for them."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        seed=params.seed,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=list(params.stop_token_ids),
+        logprobs=params.logprobs,
+        stop=list(params.stop) or None,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=bool(params.stop),
+    )
+
+
+def with_plan(vllm_params: Any, request_id: int) -> Any:
+    """``vllm_params`` naming the ``KVPlan`` the connector follows for the request."""
+    from dualpath.vllm.connector import REQUEST_ID_PARAM  # lazy as every vLLM import here
+
+    vllm_params.extra_args = {"kv_transfer_params": {REQUEST_ID_PARAM: request_id}}
+    return vllm_params
 
 
 class PrefixCacheProbe:

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dualpath.cluster.vllm_roles import vllm_sampling_params, with_plan
 from dualpath.config import KVStoreConfig
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.llm import Prompt, RequestOutput, encode_prompt
@@ -37,7 +36,7 @@ from dualpath.vllm.connector import (
     register_host,
     unregister_host,
 )
-from dualpath.vllm.engine import VllmEngineSpec, build_engine
+from dualpath.vllm.engine import VllmEngineSpec, build_engine, vllm_sampling_params, with_plan
 
 _ENGINE_KEYS = itertools.count()
 

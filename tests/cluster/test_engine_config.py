@@ -11,7 +11,6 @@ import pytest
 
 from dualpath.cli import build_parser, engine_process_config
 from dualpath.cluster.launcher import LocalCluster
-from dualpath.cluster.roles import prefill_batcher
 from dualpath.config import (
     ClusterConfig,
     EngineConfig,
@@ -20,6 +19,7 @@ from dualpath.config import (
     TrafficConfig,
     config_to_dict,
 )
+from dualpath.engine.role import prefill_batcher
 from dualpath.scheduler.attention_predictor import ConstantAttentionTimePredictor
 from dualpath.sim.runner import build_simulator
 from tests.sim.test_simulator import small_spec

@@ -1,5 +1,6 @@
 """A PE and a DE whose model runs on vLLM (``--engine vllm``), behind the same ``RoleEngine``
-interface as ours: the same messages in and out, the same buffers, store reads and transport.
+interface as ours (``dualpath.engine.role``): the same messages in and out, the same buffers,
+store reads and transport.
 
     VllmPrefillRole   Assignment -> PE-side hit blocks read into the PE buffer (StoreReader, as
                       ours); with DecodeReady, the request goes to vLLM for one token, its
@@ -16,9 +17,9 @@ A PE's vLLM keeps the KV of prompts it computed in its prefix cache: hit blocks 
 are read by neither side (``num_engine_cached_bytes`` counts them, so that the sides' reads
 plus these equal the cached tokens' KV). The PE tells the DE how many it holds (PrefillHeld,
 relayed by the scheduler as soon as the PE takes the request), and the DE starts its side's
-reads once it knows, skipping those; the PE sends them with the rest the DE lacks. A seeded sampler restarts on the
-DE (vLLM samples the DE's tokens), so only greedy requests give one vLLM instance's exact
-tokens.
+reads once it knows, skipping those; the PE sends them with the rest the DE lacks. A seeded
+sampler restarts on the DE (vLLM samples the DE's tokens), so only greedy requests give one
+vLLM instance's exact tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dualpath.cluster.roles import (
+from dualpath.config import EngineProcessConfig
+from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.decode import PersistingRequests
+from dualpath.engine.prefill import RemoteBuffer
+from dualpath.engine.remote_buffer import TransportStaging
+from dualpath.engine.role import (
     MAX_PROFILED_CONTEXT_TOKENS,
     DecodePeers,
     PeerMessage,
@@ -40,11 +46,6 @@ from dualpath.cluster.roles import (
     failed_batch_messages,
     prefill_batcher,
 )
-from dualpath.config import EngineProcessConfig
-from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
-from dualpath.engine.decode import PersistingRequests
-from dualpath.engine.prefill import RemoteBuffer
-from dualpath.engine.remote_buffer import TransportStaging
 from dualpath.engine.sampling import token_finish_reason
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore, KVStore
@@ -64,45 +65,24 @@ from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import Transport
 from dualpath.types import SamplingParams, sampling_params_from_dict
 from dualpath.vllm.connector import (
-    REQUEST_ID_PARAM,
     ConnectorHost,
     KVPlan,
     LoadSource,
     RemoteBlocks,
     SendTarget,
+    register_host,
 )
-from dualpath.vllm.engine import PrefixCacheProbe
+from dualpath.vllm.engine import (
+    PrefixCacheProbe,
+    VllmEngineSpec,
+    build_engine,
+    profile_vllm_layer_time,
+    vllm_sampling_params,
+    with_plan,
+)
 from dualpath.vllm_args import check_engine_kind
 
 logger = logging.getLogger(__name__)
-
-
-def vllm_sampling_params(params: SamplingParams, *, max_tokens: int, min_tokens: int) -> Any:
-    """vLLM's sampling parameters for ours. Stop strings are vLLM's to find on the DE (it
-    detokenizes only then); as on our engines, the PE's first token is not checked for them."""
-    from vllm import SamplingParams as VllmSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return VllmSamplingParams(
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else 0,
-        seed=params.seed,
-        ignore_eos=params.ignore_eos,
-        stop_token_ids=list(params.stop_token_ids),
-        logprobs=params.logprobs,
-        stop=list(params.stop) or None,
-        output_kind=RequestOutputKind.DELTA,
-        detokenize=bool(params.stop),
-    )
-
-
-def with_plan(vllm_params: Any, request_id: int) -> Any:
-    """``vllm_params`` naming the ``KVPlan`` the connector follows for the request."""
-    vllm_params.extra_args = {"kv_transfer_params": {REQUEST_ID_PARAM: request_id}}
-    return vllm_params
 
 
 def _logprobs_of(output: Any, token_ids: list[int]) -> list | None:
@@ -642,9 +622,6 @@ def make_vllm_role(
     """The engine ``config.role`` names, on a vLLM engine built in this process with our
     connector; the process is pinned to one core per thread (vLLM's CPU build ignores its own
     binding variable in-process), engine ``e`` of a host on cores ``e * threads ...``."""
-    from dualpath.vllm.connector import register_host
-    from dualpath.vllm.engine import VllmEngineSpec, build_engine, profile_vllm_layer_time
-
     engine_config = config.engine
     check_engine_kind(config.cluster, engine_config)
     store = (
