@@ -61,7 +61,7 @@ def openmp_env(config: EngineProcessConfig, env: dict[str, str]) -> dict[str, st
     """OpenMP settings for one engine process (none where ``env`` already names them).
 
     A vLLM engine of more than one thread is pinned to cores the host's other engines use too
-    (``vllm_roles.make_vllm_role``). OpenMP's idle threads spin by default, taking those cores
+    (``dualpath.vllm.roles.make_vllm_role``). OpenMP's idle threads spin by default, taking those cores
     from an engine with work: ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep. Measured with
     ``dualpath bench vs-vllm --threads 2``, 1P1D on 2 cores: 172 s spinning, 149 s passive
     (one vLLM instance: 101-105 s). It must be in the environment the process starts with:

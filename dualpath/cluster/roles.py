@@ -136,20 +136,26 @@ class PrefillRole:
 
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
         # A request waits until its DE's transport metadata has arrived.
-        batch = self.engine.next_batch(
-            lambda request: request.assignment.decode_engine_id in self.remotes
-        )
+        batch = self.engine.next_batch(self.remotes.get)
         if not batch:
             return False
         try:
-            finished = self.engine.run_batch(batch, self.remotes.__getitem__, between_layers)
-        except Exception as exc:  # its requests are cancelled here; the engine goes on
+            outcome = self.engine.run_batch(batch, between_layers)
+        except Exception as exc:  # a bug: its requests are cancelled here; the engine goes on
             failed = [request.request_id for request, _ in batch]
             messages = failed_batch_messages(exc, failed, self.engine.requests, self.engine.cancel)
             for message in messages:
                 send(message)
             return True
-        for done in finished:
+        sent: set[int] = set()
+        for request_id, exc in outcome.failed:  # a transfer error: those it touched fail
+            for message in failed_batch_messages(
+                exc, [request_id], self.engine.requests, self.engine.cancel
+            ):
+                if message.request_id not in sent:  # one DE's failures name each other
+                    sent.add(message.request_id)
+                    send(message)
+        for done in outcome.done:
             send(done)
         return True
 

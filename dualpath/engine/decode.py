@@ -23,9 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
-
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.courier import KVCourier, KVTransfer, LoadSource, StepTransfer
 from dualpath.engine.llm import LLMEngine
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.protocol import (
@@ -111,6 +110,10 @@ class DecodeEngine:
             name="de-read",
             on_done=on_read_done,
         )
+        # Takes a prefilled prompt's KV from the buffer into the paged cache.
+        self.courier = KVCourier(
+            mover, num_layers=buffer.layout.num_layers, block_size=self.block_size
+        )
         self.requests: dict[int, DecodeRequest] = {}
         # Requests waiting for DE buffer slots for their whole prompt, then reading.
         self._slot_queue: SlotQueue[DecodeRequest] = SlotQueue(buffer)
@@ -181,10 +184,10 @@ class DecodeEngine:
             self._slot_queue.start_waiting()
 
     def _fill(self, request: DecodeRequest, block_table: list[int]) -> None:
-        cache = self.engine.cache
-        for slot, block_id in zip(request.slots, block_table, strict=True):
-            data: np.ndarray = self.buffer.full_block(slot)
-            self.mover("cnic", data.nbytes, lambda b=block_id, d=data: cache.load_full_block(b, d))
+        load = LoadSource(self.buffer, request.slots, request.num_prompt_tokens)
+        transfer = KVTransfer(request.request_id, load=load)
+        step = StepTransfer(transfer, block_table, load_num=request.num_prompt_tokens)
+        self.courier.run_loads([step], self.engine.cache)
 
     def step(self) -> list[TokenUpdate]:
         """Adopt prefilled prompts, run one decode step, and return the token updates."""
@@ -277,3 +280,4 @@ class DecodeEngine:
 
     def close(self) -> None:
         self.reader.close()
+        self.courier.close()

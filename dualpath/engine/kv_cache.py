@@ -11,6 +11,7 @@ happens between the store and the cache.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +112,29 @@ class PagedKVCache:
     ) -> None:
         """Write new tokens' entries of ``layer`` at (block, offset) slots, one slot per row."""
         self.kv[block_ids, layer, offsets] = entries
+
+    # --- KV pages (``pages.KVPages``): the courier's side ------------------------------------
+
+    def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
+        end = self.block_size if num is None else first + num
+        for block_id, block in zip(block_ids, blocks, strict=True):
+            target = self.kv[block_id, layer].view(torch.uint8).view(self.layout.layer_block_shape)
+            target[first:end].copy_(torch.from_numpy(block[first:end]), non_blocking=True)
+
+    def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
+        index = torch.as_tensor(list(block_ids), device=self.device)
+        blocks = self.kv[:, layer].index_select(0, index).view(torch.uint8).cpu()
+        out[...] = blocks.numpy().reshape(out.shape)
+
+    def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
+        """Only a single block's layer is contiguous (a block holds all its layers)."""
+        if self.device.type != "cpu" or len(block_ids) != 1:
+            return None
+        view = self.kv[block_ids[0], layer].view(torch.uint8).numpy()
+        return view.reshape(1, *self.layout.layer_block_shape)
+
+    def fence(self, layer: int) -> None:
+        """Writes are on the compute stream, in order: nothing to wait for."""
 
     # --- store side -------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from dualpath.kv.layout import KVLayout
 
@@ -96,3 +97,65 @@ class LayerBlockPages:
 def adjacent(block_ids: Sequence[int]) -> bool:
     """Whether ``block_ids`` are consecutive and increasing (one contiguous run of pages)."""
     return all(b == a + 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
+
+
+class BatchPages:
+    """Our PE's pages for one batch: block j of a request at page ``first_page + j``, for the
+    layers in flight only (two when layer-wise: the one computing and the one loading; every
+    layer otherwise), as the layer-wise prefill of SPEC §3 keeps them. Hit blocks load into
+    them, each layer's new entries are written into them, and what the DE lacks is sent from
+    them. Zeroed once, so a prompt's partial last block is sent with zeros past its tokens."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        *,
+        num_resident_layers: int,
+        dtype: torch.dtype,
+        entry_shape: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.num_resident_layers = num_resident_layers
+        self.dtype = dtype
+        self.entry_shape = entry_shape
+        shape = (num_resident_layers, num_blocks, *layout.layer_block_shape)
+        with torch.inference_mode(False):  # the loader thread writes it outside the forward's
+            self.pages = torch.zeros(shape, dtype=torch.uint8, device=device)
+        self._host = self.pages.numpy() if device.type == "cpu" else None
+
+    def _resident(self, layer: int) -> int:
+        return layer % self.num_resident_layers
+
+    def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
+        end = self.layout.block_size_tokens if num is None else first + num
+        pages = self.pages[self._resident(layer)]
+        for block_id, block in zip(block_ids, blocks, strict=True):
+            source = torch.from_numpy(block[first:end])
+            pages[block_id, first:end].copy_(source, non_blocking=True)
+
+    def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
+        index = torch.as_tensor(list(block_ids), device=self.pages.device)
+        out[...] = self.pages[self._resident(layer)].index_select(0, index).cpu().numpy()
+
+    def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
+        if self._host is None or not block_ids or not adjacent(block_ids):
+            return None
+        return self._host[self._resident(layer), block_ids[0] : block_ids[-1] + 1]
+
+    def fence(self, layer: int) -> None:
+        """Writes are on the compute stream, in order: nothing to wait for."""
+
+    def entries(self, layer: int, first_page: int, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` entries from page ``first_page`` on of ``layer``
+        (``[num_tokens, *entry_shape]``, a view: the attention's past)."""
+        if num_tokens == 0:  # nothing to view (an empty reshape cannot infer its rows)
+            return torch.empty((0, *self.entry_shape), dtype=self.dtype, device=self.pages.device)
+        num_pages = -(-num_tokens // self.layout.block_size_tokens)
+        pages = self.pages[self._resident(layer), first_page : first_page + num_pages]
+        return pages.view(self.dtype).reshape(-1, *self.entry_shape)[:num_tokens]
+
+    def put_entries(self, layer: int, first_page: int, entries: torch.Tensor) -> None:
+        """New tokens' entries (``[n, *entry_shape]``) from page ``first_page`` on."""
+        self.entries(layer, first_page, entries.shape[0]).copy_(entries)

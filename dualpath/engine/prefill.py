@@ -28,16 +28,22 @@ one that copies within the process), so this module does no networking of its ow
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
 
-import numpy as np
 import torch
 
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.courier import (
+    KVCourier,
+    KVTransfer,
+    RemoteBuffer,
+    StepTransfer,
+    plan_prefill,
+)
+from dualpath.engine.pages import BatchPages
 from dualpath.engine.sampling import (
     banned_token_ids,
     make_generator,
@@ -57,20 +63,14 @@ from dualpath.types import SamplingParams, sampling_params_from_dict
 logger = logging.getLogger(__name__)
 
 
-class RemoteBuffer(Protocol):
-    """The PE's access to one DE's KV buffer; slots and layers as in ``KVBuffer``."""
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """A batch's ends: ``done`` for each request whose last chunk ran; ``failed`` (request id,
+    error) for each one a transfer error touched (its DE died or timed out), already
+    cancelled here; the batch's other requests went on."""
 
-    def read_layer(self, slots: Sequence[int], layer: int, out: np.ndarray) -> None:
-        """Copy Layer Blocks ``(slot, layer)`` for ``slots`` into ``out[i]`` (blocking)."""
-        ...
-
-    def write_layer(self, slots: Sequence[int], layer: int, data: np.ndarray) -> None:
-        """Post ``data[i]`` to ``(slots[i], layer)``; may return before the bytes land."""
-        ...
-
-    def flush(self) -> None:
-        """Block until every posted write has landed."""
-        ...
+    done: list[PrefillDone]
+    failed: list[tuple[int, Exception]]
 
 
 @dataclass(eq=False)
@@ -81,8 +81,10 @@ class PrefillRequest:
     pe_slots: list[int] = field(default_factory=list)
     reads: Future[int] | None = None  # -> leading PE-side blocks read
     decode_ready: DecodeReady | None = None
-    # Set when the request joins the batcher: leading blocks whose KV was read (either side).
+    # Set when the request joins the batcher: leading blocks whose KV was read (either side),
+    # and its KV movement (loads, sends to its DE).
     num_hit: int | None = None
+    transfer: KVTransfer | None = None
     # Per layer, the entries of the tokens earlier chunks computed (device); empty until a chunk
     # that is not the last one has run.
     computed: list[torch.Tensor] = field(default_factory=list)
@@ -98,15 +100,6 @@ class PrefillRequest:
     @property
     def is_ready(self) -> bool:
         return self.reads is not None and self.reads.done() and self.decode_ready is not None
-
-    def num_hit_blocks(self) -> int:
-        """Leading blocks whose KV is usable: PE-side ones read, then DE-side ones read, as
-        long as no block before them failed."""
-        assert self.reads is not None and self.decode_ready is not None, "request not ready"
-        num_pe_read = self.reads.result()
-        if num_pe_read < self.assignment.num_prefill_side_blocks:
-            return num_pe_read
-        return num_pe_read + self.decode_ready.num_decode_side_blocks_read
 
 
 class PrefillEngine:
@@ -140,8 +133,14 @@ class PrefillEngine:
         self.reader = StoreReader(
             store, buffer, mover, num_threads=num_io_threads, name="pe-read", on_done=on_read_done
         )
-        # Loads the next layer's hit KV while the current layer computes.
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="pe-layer-load")
+        # Loads a layer's hit KV while the one before computes; sends each layer to the DE.
+        self.courier = KVCourier(
+            mover,
+            num_layers=model.num_layers,
+            block_size=self.block_size,
+            is_layerwise=is_layerwise,
+            name="pe-layer-load",
+        )
         self.requests: dict[int, PrefillRequest] = {}
         # Requests waiting for PE buffer slots (back-pressure), then reading.
         self._slot_queue: SlotQueue[PrefillRequest] = SlotQueue(buffer)
@@ -202,13 +201,17 @@ class PrefillEngine:
         self._slot_queue.start_waiting()
 
     def next_batch(
-        self, can_send: Callable[[PrefillRequest], bool] = lambda request: True
+        self, remote_of: Callable[[int], RemoteBuffer | None]
     ) -> list[tuple[PrefillRequest, PrefillChunk]]:
-        """Queue newly ready requests (those ``can_send`` allows: their DE is reachable) for
-        the batcher, in order, and take its next batch: ``(request, chunk)`` pairs."""
+        """Plan every newly ready request whose DE ``remote_of`` reaches (by engine id; None:
+        not yet) and queue it for the batcher, in order; take the batcher's next batch:
+        ``(request, chunk)`` pairs."""
         for request in self.requests.values():
-            if request.num_hit is None and request.is_ready and can_send(request):
-                request.num_hit = request.num_hit_blocks()
+            if request.transfer is not None or not request.is_ready:
+                continue
+            remote = remote_of(request.assignment.decode_engine_id)
+            if remote is not None:
+                self._plan(request, remote)
                 num_cached = request.num_hit * self.block_size
                 self.batcher.add(
                     PrefillWork(
@@ -216,6 +219,22 @@ class PrefillEngine:
                     )
                 )
         return [(self.requests[c.request_id], c) for c in self.batcher.next_batch().chunks]
+
+    def _plan(self, request: PrefillRequest, remote: RemoteBuffer) -> None:
+        ready, reads = request.decode_ready, request.reads
+        assert ready is not None and reads is not None, "a request not ready"
+        request.transfer, request.num_hit = plan_prefill(
+            request.request_id,
+            buffer=self.buffer,
+            pe_slots=request.pe_slots,
+            num_prefill_side_blocks=request.assignment.num_prefill_side_blocks,
+            num_pe_read=reads.result(),
+            remote=remote,
+            de_slots=ready.slots,
+            num_de_read=ready.num_decode_side_blocks_read,
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_size=self.block_size,
+        )
 
     @property
     def num_queued_read_tokens(self) -> int:
@@ -236,22 +255,20 @@ class PrefillEngine:
     def run_batch(
         self,
         batch: list[tuple[PrefillRequest, PrefillChunk]],
-        remote_of: Callable[[int], RemoteBuffer],
         between_layers: Callable[[], None] | None = None,
-    ) -> list[PrefillDone]:
-        """Compute ``batch``'s chunks and leave their KV in each request's DE buffer; one
-        ``PrefillDone`` per request whose last chunk this was (its prompt KV is complete).
+    ) -> BatchOutcome:
+        """Compute ``batch``'s chunks and leave their KV in each request's DE buffer.
 
         ``between_layers`` is called after each layer but the last: the engine's chance to
         take new requests (``add`` starts their PE-side reads, which then overlap this batch's
         compute) and to report its load. It must not cancel a request of this batch.
 
-        Any exception mid-batch (a ``DualPathError``: a transfer timed out, a DE died; or a
-        bug) cancels every request of the batch -- their PE buffer slots and chunk KV are
-        freed -- and is re-raised; the caller fails them, which makes their DEs free theirs.
+        A transfer error fails the requests it touches (``BatchOutcome.failed``, cancelled
+        here); the others go on. Any other exception mid-batch (a bug) cancels every request
+        of the batch -- their PE buffer slots and chunk KV are freed -- and is re-raised.
         """
         try:
-            return self._run_batch(batch, remote_of, between_layers)
+            return self._run_batch(batch, between_layers)
         except Exception:
             for request, _ in batch:
                 self.cancel(request.request_id)
@@ -260,10 +277,8 @@ class PrefillEngine:
     def _run_batch(
         self,
         batch: list[tuple[PrefillRequest, PrefillChunk]],
-        remote_of: Callable[[int], RemoteBuffer],
         between_layers: Callable[[], None] | None,
-    ) -> list[PrefillDone]:
-        requests = [request for request, _ in batch]
+    ) -> BatchOutcome:
         chunks = [chunk for _, chunk in batch]
         packed = PackedBatch(
             num_cached_tokens=tuple(c.num_cached_tokens for c in chunks),
@@ -279,79 +294,111 @@ class PrefillEngine:
             ],
             device=self.device,
         )
-        remotes = [remote_of(r.assignment.decode_engine_id) for r in requests]
+        pages, steps = self._batch_pages(batch)
         offsets = packed.row_offsets
         num_layers = self.model.num_layers
-        past_of, loading = self._past_source(batch, remotes)
+        bs = self.block_size
+
+        def past_of(layer: int) -> list[torch.Tensor]:
+            """Each chunk's past: its hit KV (loaded into the pages), then what its earlier
+            chunks computed."""
+            self.courier.wait_for_layer(layer)
+            past = []
+            for (request, chunk), step in zip(batch, steps, strict=True):
+                assert request.num_hit is not None, "a batched request is planned"
+                hit = pages.entries(layer, step.block_ids[0], request.num_hit * bs)
+                if chunk.num_cached_tokens > request.num_hit * bs:
+                    hit = torch.cat((hit, request.computed[layer]))
+                past.append(hit)
+            return past
 
         def on_layer(layer: int, new: torch.Tensor) -> None:
-            for i, (request, chunk) in enumerate(batch):
-                rows = slice(offsets[i], offsets[i + 1])
-                self._send_layer(request, chunk, remotes[i], layer, new[rows])
+            for i, ((request, chunk), step) in enumerate(zip(batch, steps, strict=True)):
+                rows = new[offsets[i] : offsets[i + 1]]
+                pages.put_entries(layer, step.block_ids[chunk.num_cached_tokens // bs], rows)
                 if not chunk.is_last_chunk:
-                    self._keep_chunk(request, layer, new[rows])
+                    self._keep_chunk(request, layer, rows)
+            self.courier.save_layer(layer)
             if between_layers is not None and layer + 1 < num_layers:
                 between_layers()
 
+        self.courier.begin_step(steps, pages)
         try:
             hidden = self.model.forward_layers(input_ids, packed, past_of, on_layer)
         finally:
-            if loading:  # a failed layer: the loader reads the buffers until done
-                wait(loading)
-        for remote in {id(r): r for r in remotes}.values():
-            remote.flush()
-        last = [i for i, chunk in enumerate(chunks) if chunk.is_last_chunk]
+            self.courier.end_step()
+        failed = []
+        for transfer in self.courier.failed(steps):
+            assert transfer.transfer_error is not None
+            failed.append((transfer.request_id, transfer.transfer_error))
+            self.cancel(transfer.request_id)
+        last = [
+            i
+            for i, (request, chunk) in enumerate(batch)
+            if chunk.is_last_chunk and request.transfer.transfer_error is None
+        ]
         if not last:
-            return []
+            return BatchOutcome([], failed)
         last_rows = torch.tensor([offsets[i + 1] - 1 for i in last], device=self.device)
         logits = self.model.logits(hidden[last_rows]).cpu()
-        done = []
-        for row, i in enumerate(last):
-            request = requests[i]
-            params = request.params
-            # min_tokens holds for the first token too: no end-of-sequence or stop token yet.
-            # A request going on after a lost DE samples its next output token, not its first.
-            num_output_tokens = request.assignment.num_output_tokens
-            banned = banned_token_ids(params, num_output_tokens, self._eos_token_ids)
-            generator = make_generator(params, num_output_tokens)
-            token_id, logprob = sample(logits[row], params, generator, banned)
-            assert request.num_hit is not None, "a batched request has joined the batcher"
-            finish_reason = token_finish_reason(
-                params, token_id, num_output_tokens, self._eos_token_ids
-            )
-            done.append(
-                PrefillDone(
-                    request.request_id,
-                    token_id,
-                    None if logprob is None else (logprob.logprob, logprob.top),
-                    request.num_hit * self.block_size,
-                    finish_reason,
+        done = [self._first_token(batch[i][0], logits[row]) for row, i in enumerate(last)]
+        return BatchOutcome(done, failed)
+
+    def _first_token(self, request: PrefillRequest, logits: torch.Tensor) -> PrefillDone:
+        """Sample a request's first token and release it: its prompt KV is in its DE's buffer."""
+        params = request.params
+        # min_tokens holds for the first token too: no end-of-sequence or stop token yet.
+        # A request going on after a lost DE samples its next output token, not its first.
+        num_output_tokens = request.assignment.num_output_tokens
+        banned = banned_token_ids(params, num_output_tokens, self._eos_token_ids)
+        generator = make_generator(params, num_output_tokens)
+        token_id, logprob = sample(logits, params, generator, banned)
+        assert request.num_hit is not None, "a batched request is planned"
+        finish_reason = token_finish_reason(
+            params, token_id, num_output_tokens, self._eos_token_ids
+        )
+        del self.requests[request.request_id]
+        self._release(request)
+        return PrefillDone(
+            request.request_id,
+            token_id,
+            None if logprob is None else (logprob.logprob, logprob.top),
+            request.num_hit * self.block_size,
+            finish_reason,
+        )
+
+    def _batch_pages(
+        self, batch: list[tuple[PrefillRequest, PrefillChunk]]
+    ) -> tuple[BatchPages, list[StepTransfer]]:
+        """The batch's pages (each request's blocks up to its chunk's end, one after another)
+        and each request's step: load its hit blocks (every chunk attends over them), send
+        what its DE lacks up to the chunk's end."""
+        bs = self.block_size
+        steps = []
+        num_pages = 0
+        for request, chunk in batch:
+            assert request.transfer is not None and request.num_hit is not None, "planned"
+            assert chunk.num_cached_tokens % bs == 0, "chunks start on a block boundary"
+            end = chunk.num_cached_tokens + chunk.num_new_tokens
+            num_blocks = -(-end // bs)
+            steps.append(
+                StepTransfer(
+                    request.transfer,
+                    range(num_pages, num_pages + num_blocks),
+                    load_num=request.num_hit * bs,
+                    num_reached=end,
                 )
             )
-            del self.requests[request.request_id]
-            self._release(request)
-        return done
-
-    def _past_source(
-        self, batch: list[tuple[PrefillRequest, PrefillChunk]], remotes: list[RemoteBuffer]
-    ) -> tuple[Callable[[int], list[torch.Tensor]], list[Future]]:
-        """Each layer's past entries for ``forward_layers``, and the load in flight (if any).
-
-        Layer-wise, layer l+1's hit KV loads (PE buffer, DE buffer over the CNIC, host ->
-        device) while layer l computes: at most two layers of hit KV are resident. Otherwise
-        (``basic``) every layer's is loaded before the first computes."""
-        if not self.is_layerwise:
-            preloaded = [self._past_kv(batch, remotes, i) for i in range(self.model.num_layers)]
-            return preloaded.__getitem__, []
-        loading = [self._loader.submit(self._past_kv, batch, remotes, 0)]
-
-        def past_of(layer: int) -> list[torch.Tensor]:
-            past = loading.pop().result()
-            if layer + 1 < self.model.num_layers:
-                loading.append(self._loader.submit(self._past_kv, batch, remotes, layer + 1))
-            return past
-
-        return past_of, loading
+            num_pages += num_blocks
+        pages = BatchPages(
+            self.layout,
+            num_pages,
+            num_resident_layers=2 if self.is_layerwise else self.model.num_layers,
+            dtype=self.dtype,
+            entry_shape=self._entry_shape,
+            device=self.device,
+        )
+        return pages, steps
 
     def _keep_chunk(self, request: PrefillRequest, layer: int, new: torch.Tensor) -> None:
         """Append a chunk's layer entries to what the request's later chunks attend over."""
@@ -360,107 +407,10 @@ class PrefillEngine:
         else:
             request.computed[layer] = torch.cat((request.computed[layer], new))
 
-    def _past_kv(
-        self,
-        batch: list[tuple[PrefillRequest, PrefillChunk]],
-        remotes: list[RemoteBuffer],
-        layer: int,
-    ) -> list[torch.Tensor]:
-        """Layer ``layer``'s entries before each request's chunk: its hit KV, then what its
-        earlier chunks computed."""
-        requests = [request for request, _ in batch]
-        past = self._hit_kv(requests, remotes, layer)
-        for i, (request, chunk) in enumerate(batch):
-            assert request.num_hit is not None, "a batched request has joined the batcher"
-            if chunk.num_cached_tokens > request.num_hit * self.block_size:
-                past[i] = torch.cat((past[i], request.computed[layer]))
-        return past
-
-    def _hit_kv(
-        self, requests: list[PrefillRequest], remotes: list[RemoteBuffer], layer: int
-    ) -> list[torch.Tensor]:
-        """Layer ``layer``'s hit entries of each request, on the device."""
-        past = []
-        for request, remote in zip(requests, remotes, strict=True):
-            num_hit = request.num_hit
-            assert num_hit is not None, "a batched request has joined the batcher"
-            layer_blocks = self._host_layer_blocks(num_hit)
-            num_pe = min(num_hit, request.assignment.num_prefill_side_blocks)
-            for i in range(num_pe):
-                layer_blocks[i] = self.buffer.layer_block(request.pe_slots[i], layer)
-            if num_hit > num_pe:
-                assert request.decode_ready is not None, "ready request"
-                de_slots = request.decode_ready.slots[num_pe:num_hit]
-                into = layer_blocks[num_pe:]
-                self.mover("cnic", into.nbytes, partial(remote.read_layer, de_slots, layer, into))
-            past.append(self._to_device(layer_blocks))
-        return past
-
-    def _host_layer_blocks(self, num_blocks: int) -> np.ndarray:
-        """Host staging for Layer Blocks on their way to the device: page-locked with a GPU
-        (an asynchronous DMA; torch's caching host allocator recycles it once the copy ends)."""
-        shape = (num_blocks, *self.layout.layer_block_shape)
-        if self.device.type == "cuda":
-            return torch.empty(shape, dtype=torch.uint8, pin_memory=True).numpy()
-        return np.empty(shape, dtype=np.uint8)
-
-    def _to_device(self, layer_blocks: np.ndarray) -> torch.Tensor:
-        num_tokens = layer_blocks.shape[0] * self.block_size
-        if num_tokens == 0:  # an empty array has stride 0, which a dtype view refuses
-            return torch.empty((0, *self._entry_shape), dtype=self.dtype, device=self.device)
-        host = torch.from_numpy(layer_blocks).view(self.dtype).view(num_tokens, *self._entry_shape)
-        if self.device.type == "cpu":
-            return host
-        return self.mover(
-            "cnic", layer_blocks.nbytes, lambda: host.to(self.device, non_blocking=True)
-        )
-
-    def _send_layer(
-        self,
-        request: PrefillRequest,
-        chunk: PrefillChunk,
-        remote: RemoteBuffer,
-        layer: int,
-        new: torch.Tensor,
-    ) -> None:
-        """Layer ``layer`` of what the DE lacks: the PE-side hit blocks (with the first chunk)
-        and the chunk's new tokens, whose first block is fresh (chunks are block-aligned)."""
-        assert request.decode_ready is not None and request.num_hit is not None, "ready request"
-        slots = request.decode_ready.slots
-        bs = self.block_size
-        num_hit = request.num_hit
-        is_first_chunk = chunk.num_cached_tokens == num_hit * bs
-        assert chunk.num_cached_tokens % bs == 0, "chunks start on a block boundary"
-        num_pe = min(num_hit, request.assignment.num_prefill_side_blocks)
-        if num_pe and is_first_chunk:
-            pe_blocks = np.stack(
-                [self.buffer.layer_block(s, layer) for s in request.pe_slots[:num_pe]]
-            )
-            self.mover(
-                "cnic",
-                pe_blocks.nbytes,
-                lambda: remote.write_layer(slots[:num_pe], layer, pe_blocks),
-            )
-        num_new = new.shape[0]
-        num_new_blocks = -(-num_new // bs)
-        entries = torch.zeros((num_new_blocks * bs, *self._entry_shape), dtype=self.dtype)
-        entries[:num_new] = new.to("cpu")
-        new_blocks = (
-            entries.view(torch.uint8)
-            .numpy()
-            .reshape(num_new_blocks, *self.layout.layer_block_shape)
-        )
-        first = chunk.num_cached_tokens // bs
-        self.mover(
-            "cnic",
-            new_blocks.nbytes,
-            lambda: remote.write_layer(slots[first : first + num_new_blocks], layer, new_blocks),
-        )
-
     @property
     def num_read_bytes(self) -> int:
         return self.reader.num_read_bytes
 
     def close(self) -> None:
         self.reader.close()
-        self._loader.shutdown()
+        self.courier.close()

@@ -4,7 +4,8 @@ The PE registers two host staging areas once: one receives a request's DE-side h
 Blocks for one layer (READ), one is a ring that outgoing Layer Blocks are copied into before
 they are written (WRITE). Transfers are posted per layer with one region per run of Layer
 Blocks. A ring slot is reused only after its write landed, so in-flight data is never
-overwritten; ``flush`` waits for every write.
+overwritten. ``flush`` waits for the writes to one DE; a write that failed is raised to the
+remote buffer of its own DE only (its requests fail), never to one whose writes landed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,31 @@ class TransportStaging:
         self.ring_blocks = ring_blocks
         self.next_ring_block = 0
         self.in_flight: deque[TransferHandle] = deque()  # writes not yet known to have landed
+        # Peer name -> why a write to it failed, found while draining for another peer: raised
+        # by that peer's next write or flush.
+        self.failed: dict[str, Exception] = {}
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait for every write in flight (the ring wraps after); a failure is kept for its
+        peer (``failed``) and that peer's other writes are abandoned, nothing is raised."""
+        while self.in_flight:
+            handle = self.in_flight.popleft()
+            try:
+                self.transport.wait(handle, timeout_s)
+            except TransferError as exc:
+                self.lose(handle.peer_name, exc)
+
+    def lose(self, peer_name: str, exc: Exception) -> None:
+        """A write to ``peer_name`` failed: every other write to it is lost too, abandoned so
+        that later waits (for other DEs) do not each wait one of them out."""
+        self.failed.setdefault(peer_name, exc)
+        kept: deque[TransferHandle] = deque()
+        for other in self.in_flight:
+            if other.peer_name == peer_name:
+                self.transport.abandon(other)
+            else:
+                kept.append(other)
+        self.in_flight = kept
 
 
 class TransportRemoteBuffer:
@@ -60,6 +86,7 @@ class TransportRemoteBuffer:
         self.timeout_s = timeout_s
         self._remote_layout = SlotLayout.full_blocks(staging.layout)
         self._local_layout = SlotLayout.layer_blocks(staging.layout)
+        staging.failed.pop(peer_name, None)  # a DE connected anew starts clean
 
     def read_layer(self, slots: Sequence[int], layer: int, out: np.ndarray) -> None:
         staging = self.staging
@@ -77,6 +104,7 @@ class TransportRemoteBuffer:
             out_bytes[...] = staging.read_area[: len(chunk) * block]
 
     def write_layer(self, slots: Sequence[int], layer: int, data: np.ndarray) -> None:
+        self._raise_failed()
         staging = self.staging
         block = staging.layout.layer_block_bytes
         for start in range(0, len(slots), staging.ring_blocks):
@@ -101,26 +129,29 @@ class TransportRemoteBuffer:
         write has landed, so a reservation never overlaps a write in flight."""
         staging = self.staging
         if staging.next_ring_block + num_blocks > staging.ring_blocks:
-            self.flush()
+            staging.drain(self.timeout_s)
+            self._raise_failed()
             staging.next_ring_block = 0
         first = staging.next_ring_block
         staging.next_ring_block = first + num_blocks
         return first
 
     def flush(self) -> None:
+        """Wait for every write posted to this DE; raise if one failed."""
         staging = self.staging
-        while staging.in_flight:
-            handle = staging.in_flight.popleft()
+        mine = [h for h in staging.in_flight if h.peer_name == self.peer_name]
+        staging.in_flight = deque(h for h in staging.in_flight if h.peer_name != self.peer_name)
+        for index, handle in enumerate(mine):
             try:
                 self.transport.wait(handle, self.timeout_s)
-            except TransferError:
-                # Every other write to that peer is lost too: abandoned with this one, so
-                # that the next batches (to other DEs) do not each wait one of them out.
-                kept: deque[TransferHandle] = deque()
-                for other in staging.in_flight:
-                    if other.peer_name == handle.peer_name:
-                        self.transport.abandon(other)
-                    else:
-                        kept.append(other)
-                staging.in_flight = kept
-                raise
+            except TransferError as exc:
+                for other in mine[index + 1 :]:
+                    self.transport.abandon(other)
+                staging.failed.setdefault(self.peer_name, exc)
+                break
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        exc = self.staging.failed.pop(self.peer_name, None)
+        if exc is not None:
+            raise exc

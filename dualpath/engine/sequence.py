@@ -19,7 +19,7 @@ from enum import IntEnum
 import torch
 
 from dualpath.engine.sampling import SamplingParams, TokenLogprob
-from dualpath.kv.hashing import BlockKey, chain_key
+from dualpath.kv.hashing import BlockKey, extend_block_keys
 
 
 class SequenceStatus(IntEnum):
@@ -83,10 +83,7 @@ class Sequence:
                 f"caller bug: {num_blocks} full blocks requested of a {self.num_tokens}-token "
                 f"sequence {self.request_id}"
             )
-        tokens = None
-        while len(self.block_keys) < num_blocks:
-            tokens = tokens or self.all_token_ids
-            index = len(self.block_keys)
-            parent = self.block_keys[-1] if self.block_keys else None
-            block_tokens = tokens[index * block_size : (index + 1) * block_size]
-            self.block_keys.append(chain_key(parent, block_tokens, fingerprint))
+        if num_blocks > len(self.block_keys):  # all_token_ids is a new list each time
+            extend_block_keys(
+                self.block_keys, self.all_token_ids, num_blocks, block_size, fingerprint
+            )

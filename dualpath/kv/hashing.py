@@ -164,3 +164,20 @@ def _array_token_bytes(ids: np.ndarray) -> bytes:
     if lowest < 0 or highest > _MAX_TOKEN_ID:
         raise ValueError(f"token ids must be in [0, 2**32), got min {lowest} max {highest}")
     return ids.astype("<u4", copy=False).tobytes()
+
+
+def extend_block_keys(
+    keys: list[BlockKey],
+    token_ids: Sequence[int],
+    num_blocks: int,
+    block_size_tokens: int,
+    fingerprint: str,
+) -> None:
+    """Extend ``keys``, the keys of the first ``len(keys)`` full blocks of ``token_ids``, to
+    its first ``num_blocks``: a growing sequence's chain, each key computed once (what both
+    engines persist a block under as it fills)."""
+    if num_blocks <= len(keys):
+        return
+    start = len(keys) * block_size_tokens
+    tokens = token_ids[start : num_blocks * block_size_tokens]
+    keys.extend(block_keys(tokens, block_size_tokens, fingerprint, keys[-1] if keys else None))

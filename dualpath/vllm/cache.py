@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from dualpath.engine.pages import adjacent
 from dualpath.kv.layout import KVLayout
 from dualpath.model.identity import VLLM_CPU_PAGE_ORDER
 
@@ -138,15 +139,40 @@ class VllmPagedCache:
     ) -> None:
         """Tokens ``first .. first + num`` of a Layer Block into block ``block_id`` of
         ``layer``; the page's other tokens are left as they are."""
-        shape = (self.num_heads, self.layout.block_size_tokens, self.itemsize)
-        source_keys, source_values = _head_views(page.reshape(-1), *shape)
-        keys, values = _head_views(self.pages[layer][block_id], *shape)
-        keys[:, :, first : first + num] = source_keys[:, :, first : first + num]
-        values[:, first : first + num] = source_values[:, first : first + num]
+        self.write_layer(layer, (block_id,), page.reshape(1, -1), first, num)
 
     def read_layer_pages(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
         """Blocks ``block_ids`` of ``layer`` into ``out`` ``[n, layer_block_bytes]``."""
+        self.read_layer(layer, block_ids, out)
+
+    # --- pages.KVPages ---------------------------------------------------------------------
+
+    def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
+        """Whole pages are one contiguous copy each; a token range follows the packing."""
+        layer_pages = self.pages[layer]
+        block_size = self.layout.block_size_tokens
+        if num is None or (first == 0 and num == block_size):
+            for block_id, block in zip(block_ids, blocks, strict=True):
+                layer_pages[block_id] = block.reshape(-1)
+            return
+        shape = (self.num_heads, block_size, self.itemsize)
+        for block_id, block in zip(block_ids, blocks, strict=True):
+            source_keys, source_values = _head_views(block.reshape(-1), *shape)
+            keys, values = _head_views(layer_pages[block_id], *shape)
+            keys[:, :, first : first + num] = source_keys[:, :, first : first + num]
+            values[:, first : first + num] = source_values[:, first : first + num]
+
+    def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
         np.take(self.pages[layer], block_ids, axis=0, out=out.reshape(len(block_ids), -1))
+
+    def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
+        if not block_ids or not adjacent(block_ids):
+            return None
+        run = self.pages[layer][block_ids[0] : block_ids[-1] + 1]
+        return run.reshape(len(block_ids), *self.layout.layer_block_shape)
+
+    def fence(self, layer: int) -> None:
+        """CPU pages: every write is done when it returns."""
 
     # --- kv_io.BlockCache -------------------------------------------------------------------
 
@@ -154,8 +180,8 @@ class VllmPagedCache:
         return None
 
     def load_full_block(self, block_id: int, full_block: np.ndarray) -> None:
-        for layer, layer_pages in enumerate(self.pages):
-            layer_pages[block_id] = full_block[layer].reshape(-1)
+        for layer in range(self.layout.num_layers):
+            self.write_layer(layer, (block_id,), full_block[layer : layer + 1])
 
     def copy_full_block(self, block_id: int) -> np.ndarray:
         full_block = self.layout.empty_full_block()

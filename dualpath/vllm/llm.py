@@ -5,9 +5,9 @@ the shape of our ``LLM`` (and of ``vllm.LLM``).
         out = llm.generate([ids], SamplingParams(max_tokens=16))[0]
 
 Each request's leading full blocks found in the store are read into a host buffer of its own;
-the connector loads them into vLLM's paged cache layer by layer (``KVPlan.load``, a hit vLLM
+the connector loads them into vLLM's paged cache layer by layer (``KVTransfer.load``, a hit vLLM
 already holds is not loaded again) and persists every full block beyond them, of the prompt and
-of the output, as it fills (``KVPlan.persist_from_block``): the same blocks, under the same keys
+of the output, as it fills (``KVTransfer.persist_from_block``): the same blocks, under the same keys
 and fingerprint, as ``dualpath serve --engine vllm`` writes and reads.
 """
 
@@ -22,6 +22,7 @@ from typing import Any
 
 from dualpath.config import KVStoreConfig
 from dualpath.engine.buffers import KVBuffer
+from dualpath.engine.courier import KVTransfer, LoadSource
 from dualpath.engine.llm import Prompt, RequestOutput, encode_prompt
 from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import block_keys
@@ -29,13 +30,7 @@ from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import checkpoint_kv_identity
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.types import SamplingParams
-from dualpath.vllm.connector import (
-    ConnectorHost,
-    KVPlan,
-    LoadSource,
-    register_host,
-    unregister_host,
-)
+from dualpath.vllm.connector import ConnectorHost, register_host, unregister_host
 from dualpath.vllm.engine import VllmEngineSpec, build_engine, vllm_sampling_params, with_plan
 
 _ENGINE_KEYS = itertools.count()
@@ -110,7 +105,7 @@ class VllmLLM:
         arrival_s = time.perf_counter()
         buffer, slots, num_hit = self._read_hits(prompt)
         load_s = time.perf_counter() - arrival_s
-        plan = KVPlan(
+        plan = KVTransfer(
             request_id,
             load=None if not num_hit else LoadSource(buffer, slots, num_hit * self.block_size),
             persist_from_block=num_hit,

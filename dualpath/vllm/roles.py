@@ -34,8 +34,8 @@ from typing import Any
 
 from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.courier import KVTransfer, LoadSource, RemoteBuffer, plan_prefill
 from dualpath.engine.decode import PersistingRequests
-from dualpath.engine.prefill import RemoteBuffer
 from dualpath.engine.remote_buffer import TransportStaging
 from dualpath.engine.role import (
     MAX_PROFILED_CONTEXT_TOKENS,
@@ -64,14 +64,7 @@ from dualpath.scheduler.batching import PrefillBatcher, PrefillWork
 from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import Transport
 from dualpath.types import SamplingParams, sampling_params_from_dict
-from dualpath.vllm.connector import (
-    ConnectorHost,
-    KVPlan,
-    LoadSource,
-    RemoteBlocks,
-    SendTarget,
-    register_host,
-)
+from dualpath.vllm.connector import ConnectorHost, register_host
 from dualpath.vllm.engine import (
     PrefixCacheProbe,
     VllmEngineSpec,
@@ -108,7 +101,7 @@ class _PrefillRequest:
     pe_slots: list[int] = field(default_factory=list)
     reads: Any = None  # Future[int]: leading PE-side blocks read (after the engine-cached ones)
     decode_ready: DecodeReady | None = None
-    plan: KVPlan | None = None  # set once its reads on both sides are done
+    plan: KVTransfer | None = None  # set once its reads on both sides are done
     is_in_vllm: bool = False
     num_hit: int = 0  # leading blocks with KV: engine-cached, read by the PE, read by the DE
 
@@ -257,42 +250,25 @@ class VllmPrefillRole:
             with_plan(params, request.request_id),
         )
 
-    def _plan(self, request: _PrefillRequest, remote: RemoteBuffer) -> KVPlan:
-        """What the connector loads and sends for a request whose reads on both sides are done:
-        hit blocks [0, num_hit) are in vLLM's cache (``num_cached``), then in the PE buffer
-        (PE side), then in the DE's buffer (DE side); the DE is sent all the rest."""
-        assignment, ready = request.assignment, request.decode_ready
-        assert ready is not None and request.reads is not None, "a request not ready"
-        num_pe = assignment.num_prefill_side_blocks
-        num_cached = request.num_engine_cached_blocks
-        num_pe_read = request.reads.result()
-        num_de_read = ready.num_decode_side_blocks_read
-        request.num_hit = num_cached + num_pe_read
-        held = range(0)  # blocks the DE read itself: not sent to it
-        if request.num_hit >= num_pe:  # the PE side whole: the DE side's blocks follow
-            # The DE skipped the DE-side blocks this engine said it holds (PrefillHeld).
-            held = range(max(num_pe, num_cached), num_pe + num_de_read)
-            request.num_hit = max(request.num_hit, num_pe + num_de_read)
-        remote_blocks = None
-        first_pulled = max(num_cached, num_pe)
-        if held and held.stop > first_pulled:
-            remote_blocks = RemoteBlocks(
-                remote, ready.slots[first_pulled : held.stop], first_block=first_pulled
-            )
-        load = None
-        if request.num_hit:
-            load = LoadSource(
-                self.buffer,
-                request.pe_slots[:num_pe_read],
-                request.num_hit * self.block_size,
-                num_cached,
-                remote_blocks,
-            )
-        return KVPlan(
+    def _plan(self, request: _PrefillRequest, remote: RemoteBuffer) -> KVTransfer:
+        """What the connector loads and sends for a request whose reads on both sides are done
+        (``plan_prefill``: vLLM's own cache, then the PE buffer, then the DE's)."""
+        assignment, ready, reads = request.assignment, request.decode_ready, request.reads
+        assert ready is not None and reads is not None, "a request not ready"
+        transfer, request.num_hit = plan_prefill(
             request.request_id,
-            load=load,
-            send=SendTarget(remote, ready.slots, len(assignment.prompt_token_ids), held),
+            buffer=self.buffer,
+            pe_slots=request.pe_slots,
+            num_prefill_side_blocks=assignment.num_prefill_side_blocks,
+            num_pe_read=reads.result(),
+            remote=remote,
+            de_slots=ready.slots,
+            num_de_read=ready.num_decode_side_blocks_read,
+            num_prompt_tokens=len(assignment.prompt_token_ids),
+            block_size=self.block_size,
+            num_engine_cached=request.num_engine_cached_blocks,
         )
+        return transfer
 
     def _flush_outbox(self, send: Send) -> None:
         outbox, self._outbox = self._outbox, []
@@ -394,7 +370,7 @@ class _DecodeRequest:
     num_skipped: int = 0  # leading DE-side blocks not read: the PE's engine holds them
     is_ready_sent: bool = False
     prefill_done: PrefillDone | None = None
-    plan: KVPlan | None = None  # set once it is in vLLM
+    plan: KVTransfer | None = None  # set once it is in vLLM
 
     @property
     def request_id(self) -> int:
@@ -502,7 +478,7 @@ class VllmDecodeRole:
                 continue
             assignment = request.assignment
             prompt = list(assignment.prompt_token_ids)
-            request.plan = KVPlan(
+            request.plan = KVTransfer(
                 request.request_id,
                 load=LoadSource(self.buffer, request.slots, len(prompt)),
                 persist_from_block=done.num_cached_tokens // self.block_size,

@@ -151,11 +151,12 @@ class Pair:
         while pending:
             for ready in self.decode.poll_ready():
                 self.prefill.on_decode_ready(ready)
-            batch = self.prefill.next_batch()
+            batch = self.prefill.next_batch(lambda de: self.remote)
             self.batches.append([(r.request_id, c.num_new_tokens) for r, c in batch])
             if batch:
-                finished = self.prefill.run_batch(batch, lambda de: self.remote, between_layers)
-                for done in finished:
+                outcome = self.prefill.run_batch(batch, between_layers)
+                assert not outcome.failed
+                for done in outcome.done:
                     results[done.request_id]["token_ids"].append(done.first_token_id)
                     results[done.request_id]["cached"] = done.num_cached_tokens
                     self.decode.on_prefill_done(done)
@@ -389,10 +390,12 @@ def test_a_transfer_timing_out_mid_layer_frees_both_buffers(
     while not batch:
         for ready in pair.decode.poll_ready():
             pair.prefill.on_decode_ready(ready)
-        batch = pair.prefill.next_batch()
+        batch = pair.prefill.next_batch(lambda de: remote)
     assert pair.prefill.buffer.num_used_bytes + pair.decode.buffer.num_used_bytes > 0
-    with pytest.raises(TransferTimeout, match="layer 2"):
-        pair.prefill.run_batch(batch, lambda de: remote)
+    outcome = pair.prefill.run_batch(batch)
+    assert not outcome.done
+    ((request_id, error),) = outcome.failed
+    assert request_id == 0 and isinstance(error, TransferTimeout) and "layer 2" in str(error)
     # The PE freed its side at once; the DE frees its side when the failure reaches it.
     assert pair.prefill.buffer.num_used_bytes == 0 and not pair.prefill.requests
     pair.decode.cancel(0)

@@ -150,20 +150,20 @@ def _assert_same_greedy(reference, logprobs, tokens, label: str) -> int:
 
 def _prefill_then_decode(served: Served, prompt, reference, reference_logprobs, pe_load=None):
     """PE mode (optionally loading hits), then DE mode from the DE buffer alone; the tokens."""
-    from dualpath.vllm.connector import KVPlan, LoadSource, SendTarget
+    from dualpath.engine.courier import KVTransfer, LoadSource, SendTarget
 
     num_blocks = -(-len(prompt) // BLOCK)
     de_buffer = KVBuffer(served.layout, num_blocks * served.layout.full_block_bytes)
     de_slots = de_buffer.allocate(num_blocks)
     served.engine.reset_prefix_cache()
-    pe_plan = KVPlan(
+    pe_plan = KVTransfer(
         1, load=pe_load, send=SendTarget(LocalRemote(de_buffer), de_slots, len(prompt))
     )
     first, _, num_cached = _run(served, prompt, 1, pe_plan)
     assert pe_plan.num_sent_blocks == num_blocks
     served.engine.reset_prefix_cache()  # the DE's tokens can only come from its buffer
     freed = []
-    de_plan = KVPlan(
+    de_plan = KVTransfer(
         2,
         load=LoadSource(de_buffer, de_slots, len(prompt)),
         persist_from_block=0,
@@ -196,7 +196,7 @@ def test_pe_then_de_give_plain_vllms_tokens_and_persist_the_blocks(
     pe_slots = pe_buffer.allocate(num_hit)
     for key, slot in zip(keys[:num_hit], pe_slots, strict=True):
         served.store.read(key, pe_buffer.full_block(slot))
-    from dualpath.vllm.connector import LoadSource
+    from dualpath.engine.courier import LoadSource
 
     warm, num_cached = _prefill_then_decode(
         served,
@@ -213,7 +213,7 @@ def test_a_hit_in_vllms_prefix_cache_is_not_loaded_and_need_not_be_read(served: 
     """PrefixCacheProbe finds the blocks vLLM holds (its hashes are vLLM's); a load that starts
     after them gives plain vLLM's tokens; if vLLM evicted them meanwhile, nothing is loaded and
     vLLM recomputes (the same tokens)."""
-    from dualpath.vllm.connector import KVPlan, LoadSource
+    from dualpath.engine.courier import KVTransfer, LoadSource
     from dualpath.vllm.engine import PrefixCacheProbe
 
     probe = PrefixCacheProbe(served.engine)
@@ -241,14 +241,14 @@ def test_a_hit_in_vllms_prefix_cache_is_not_loaded_and_need_not_be_read(served: 
     served.engine.reset_prefix_cache()
     _run(served, prompt[: first * BLOCK + 1], 1)  # vLLM holds blocks 0..3 only
     assert probe.num_cached_blocks(prompt, num_hit) == first
-    plan = KVPlan(3, load=LoadSource(buffer, slots, num_hit * BLOCK, first))
+    plan = KVTransfer(3, load=LoadSource(buffer, slots, num_hit * BLOCK, first))
     tokens, _, num_cached = _run(served, prompt, 6, plan)
     assert plan.num_loaded_tokens == (num_hit - first) * BLOCK
     assert num_cached == num_hit * BLOCK
     _assert_same_greedy(reference, reference_logprobs, tokens, "engine-cached + loaded")
 
     served.engine.reset_prefix_cache()  # evicted before the request is scheduled
-    plan = KVPlan(4, load=LoadSource(buffer, slots, num_hit * BLOCK, first))
+    plan = KVTransfer(4, load=LoadSource(buffer, slots, num_hit * BLOCK, first))
     tokens, _, num_cached = _run(served, prompt, 6, plan)
     assert plan.num_loaded_tokens == 0 and num_cached == 0
     _assert_same_greedy(reference, reference_logprobs, tokens, "evicted, recomputed")
@@ -298,13 +298,13 @@ def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent
     sends the DE only what it lacks (the PE side's blocks and the miss). The DE then decodes
     from its buffer: plain vLLM's tokens. A pull that fails (the DE died) fails the request,
     and vLLM keeps none of what it loaded: the prompt served next gives the same tokens."""
-    from dualpath.vllm.connector import KVPlan, LoadSource, RemoteBlocks, SendTarget
+    from dualpath.engine.courier import KVTransfer, LoadSource, RemoteBlocks, SendTarget
     from dualpath.vllm.engine import PrefixCacheProbe
 
     prompt = _prompt(1000, seed=11)
     served.engine.reset_prefix_cache()
     # Plain vLLM's tokens; the run persists the prompt's blocks, as a DE would.
-    reference, reference_logprobs, _ = _run(served, prompt, 8, KVPlan(5, persist_from_block=0))
+    reference, reference_logprobs, _ = _run(served, prompt, 8, KVTransfer(5, persist_from_block=0))
     served.host.store_io.flush()
     num_blocks, num_hit, num_pe = -(-len(prompt) // BLOCK), (len(prompt) - 1) // BLOCK, 6
     keys = block_keys(prompt[: num_hit * BLOCK], BLOCK, served.fingerprint)
@@ -323,10 +323,10 @@ def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent
 
     held = range(num_pe, num_hit)
 
-    def pe_plan_of(request_id, pe_buffer, pe_slots, remote, de_slots) -> KVPlan:
+    def pe_plan_of(request_id, pe_buffer, pe_slots, remote, de_slots) -> KVTransfer:
         """The PE's plan: blocks 0..5 from its buffer, the rest of the hit pulled from the
         DE's, every block but the DE's own sent to the DE."""
-        return KVPlan(
+        return KVTransfer(
             request_id,
             load=LoadSource(
                 pe_buffer,
@@ -353,7 +353,7 @@ def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent
     assert np.array_equal(de_buffer.array[de_slots[num_pe:num_hit]], de_side)  # untouched
 
     served.engine.reset_prefix_cache()  # the DE's tokens can only come from its buffer
-    de_plan = KVPlan(2, load=LoadSource(de_buffer, de_slots, len(prompt)))
+    de_plan = KVTransfer(2, load=LoadSource(de_buffer, de_slots, len(prompt)))
     rest, _, _ = _run(served, prompt + first, len(reference) - 1, de_plan)
     _assert_same_greedy(reference, reference_logprobs, first + rest, "DE read path")
 
