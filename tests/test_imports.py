@@ -46,7 +46,14 @@ def test_help_lists_every_command() -> None:
 # from a later one (the engines speak the protocol; they do not know the scheduler process or
 # the HTTP server).
 LAYERS = {
-    "dualpath.engine": ("dualpath.cluster", "dualpath.server", "dualpath.bench", "dualpath.sim"),
+    # Our engine knows no other engine: vLLM's adapters sit above it (``dualpath.vllm``).
+    "dualpath.engine": (
+        "dualpath.vllm",
+        "dualpath.cluster",
+        "dualpath.server",
+        "dualpath.bench",
+        "dualpath.sim",
+    ),
     # vLLM as an engine: its roles implement the engine layer's RoleEngine, driven from above.
     "dualpath.vllm": ("dualpath.cluster", "dualpath.server", "dualpath.bench", "dualpath.sim"),
     "dualpath.protocol": (
