@@ -14,7 +14,7 @@ few repeats in alternating order; medians are reported. A third way, ``vllm_load
 (``FileKVStore.read``, as the PE's reads), then, layer by layer, each block's Layer Block copied
 into its page of a vLLM-shaped CPU paged cache (``[blocks, kv_heads, block_size, 2 * head_dim]``
 float32, 64-dim heads; a vLLM engine's Layer Block is its page, byte for byte:
-``VllmPagedCache.write_layer_page``, the copy the connector makes in ``wait_for_layer_load``).
+``CpuAttentionPages.write_layer``, the copy the connector makes in ``wait_for_layer_load``).
 ``page_cache_dropped_fraction`` says
 how many files were verifiably out of the page cache before the cold runs (checked with
 ``preadv(RWF_NOWAIT)``); if it is not 1.0 the cold figures are partly warm.
@@ -182,11 +182,11 @@ def _store_read_all(store: FileKVStore, keys: Sequence[str], full_block: np.ndar
         store.read(key, out=full_block)
 
 
-def _vllm_shaped_cache(layout: KVLayout, num_blocks: int):  # -> VllmPagedCache
+def _vllm_shaped_cache(layout: KVLayout, num_blocks: int):  # -> CpuAttentionPages
     """A paged cache shaped as vLLM's CPU backend's, one page per block of the benchmark."""
     import torch
 
-    from dualpath.vllm.cache import VllmPagedCache
+    from dualpath.vllm.layouts import CpuAttentionPages
 
     num_heads, rest = divmod(layout.bytes_per_token_per_layer, 2 * VLLM_HEAD_DIM * 4)
     if rest or not num_heads:
@@ -196,7 +196,7 @@ def _vllm_shaped_cache(layout: KVLayout, num_blocks: int):  # -> VllmPagedCache
         )
     shape = (num_blocks, num_heads, layout.block_size_tokens, 2 * VLLM_HEAD_DIM)
     layers = [torch.zeros(shape, dtype=torch.float32) for _ in range(layout.num_layers)]
-    return VllmPagedCache(layers, layout)
+    return CpuAttentionPages(layers, layout)
 
 
 def _vllm_load_all(store: FileKVStore, keys: Sequence[str], buffer: np.ndarray, cache) -> None:
@@ -206,7 +206,7 @@ def _vllm_load_all(store: FileKVStore, keys: Sequence[str], buffer: np.ndarray, 
         store.read(key, out=buffer[slot])
     for layer in range(cache.layout.num_layers):
         for block_id in range(len(keys)):
-            cache.write_layer_page(layer, block_id, buffer[block_id, layer])
+            cache.write_layer(layer, (block_id,), buffer[block_id, layer : layer + 1])
 
 
 def _drop_page_cache(paths: Sequence[Path]) -> float | None:

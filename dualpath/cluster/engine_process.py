@@ -110,7 +110,11 @@ class _EngineProcess:
         loaded = None  # vLLM loads the model itself
         if is_vllm:
             model_config, self.identity = checkpoint_kv_identity(
-                config.model_dir, engine_config.dtype, engine_config.block_size_tokens, "vllm"
+                config.model_dir,
+                engine_config.dtype,
+                engine_config.block_size_tokens,
+                "vllm",
+                engine_config.device,
             )
         else:
             loaded = load_model(

@@ -146,6 +146,7 @@ class LocalCluster:
             self.engine_config.dtype,
             self.engine_config.block_size_tokens,
             self.engine_config.engine,
+            self.engine_config.device,
         )
         self.model_config = model_config
         self.max_model_len = (

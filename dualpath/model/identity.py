@@ -22,6 +22,20 @@ DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 VLLM_CPU_PAGE_ORDER = (
     "vllm-cpu-page: per kv head, K [head_dim][block_size], V [block_size][head_dim]"
 )
+# vLLM's other pages (``dualpath.vllm.layouts``): one name per byte order, never shared.
+VLLM_NHD_ORDER = "vllm-page-nhd: per token, per kv head, K [head_dim] then V [head_dim]"
+VLLM_HND_ORDER = "vllm-page-hnd: per kv head, per token, K [head_dim] then V [head_dim]"
+VLLM_MLA_ORDER = "vllm-page-mla: per token, latent [kv_lora_rank] then rope [qk_rope_head_dim]"
+
+
+def vllm_page_order(config: AnyModelConfig, device: str = "cpu") -> str:
+    """The byte order of a vLLM engine's Layer Blocks for ``config`` on ``device``: MLA pages
+    (one latent + rope entry a token) anywhere; a dense model's CPU attention page on a CPU,
+    token-major (vLLM's default layout) on a GPU. The store's fingerprint names it, and the
+    engine refuses to start if the pages vLLM registers are in another."""
+    if "latent" in dict(config.cache_entry_parts()):
+        return VLLM_MLA_ORDER
+    return VLLM_CPU_PAGE_ORDER if device == "cpu" else VLLM_NHD_ORDER
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -60,15 +74,17 @@ def kv_identity(
     kv_dtype: str,
     block_size_tokens: int,
     engine: str = "native",
+    device: str = "cpu",
 ) -> KVIdentity:
-    """``engine``: what computes the KV ("native" or "vllm"). Two engine kinds' kernels do not
-    give bit-identical KV, and a vLLM engine's blocks hold its pages as they are
-    (``VLLM_CPU_PAGE_ORDER``), so the kinds' blocks live in different namespaces (SPEC §9); the
+    """``engine``: what computes the KV ("native" or "vllm"), on ``device``. Two engine kinds'
+    kernels do not give bit-identical KV, and a vLLM engine's blocks hold its pages as they are
+    (``vllm_page_order``), so the kinds' blocks live in different namespaces (SPEC §9); the
     native engine's namespace is the one every store written before engines had kinds uses."""
     layout = kv_layout(config, kv_dtype, block_size_tokens)
     architecture = config.architecture_dict()
     if engine == "vllm":
-        architecture = {**architecture, "kv_engine": engine, "kv_order": VLLM_CPU_PAGE_ORDER}
+        order = vllm_page_order(config, device)
+        architecture = {**architecture, "kv_engine": engine, "kv_order": order}
     elif engine != "native":
         raise ValueError(f"engine must be 'native' or 'vllm', got {engine!r}")
     fingerprint = model_fingerprint(
@@ -96,11 +112,15 @@ def kv_facts(config: AnyModelConfig, kv_dtype: str | None = None) -> dict:
 
 
 def checkpoint_kv_identity(
-    path: Path, kv_dtype: str | None, block_size_tokens: int, engine: str = "native"
+    path: Path,
+    kv_dtype: str | None,
+    block_size_tokens: int,
+    engine: str = "native",
+    device: str = "cpu",
 ) -> tuple[AnyModelConfig, KVIdentity]:
     """Read a checkpoint directory's config and weights digest (no torch, no weights loaded)."""
     config = read_config(Path(path) / "config.json")
     digest = digest_files(weight_files(Path(path)))
     return config, kv_identity(
-        config, digest, kv_dtype or config.torch_dtype, block_size_tokens, engine
+        config, digest, kv_dtype or config.torch_dtype, block_size_tokens, engine, device
     )

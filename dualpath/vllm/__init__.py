@@ -14,5 +14,5 @@ Everything here imports ``vllm`` (``make test-vllm`` builds a venv with it), and
 imports the cluster, the server, the benchmarks or the simulator. The rest of the package
 imports this package only lazily, inside functions: ``cluster/engine_process``
 (``roles.make_vllm_role``, ``--engine vllm``), ``cli/generate`` (``llm.VllmLLM``) and
-``bench/store_bench`` (``cache.VllmPagedCache``).
+``bench/store_bench`` (``layouts.CpuAttentionPages``).
 """

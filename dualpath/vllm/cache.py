@@ -19,13 +19,11 @@ another order can never reach the store under this name.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from dualpath.engine.pages import adjacent
-from dualpath.kv.layout import KVLayout
 from dualpath.model.identity import VLLM_CPU_PAGE_ORDER
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -53,7 +51,7 @@ def pages(kv: torch.Tensor) -> np.ndarray:
     return kv.view(torch.uint8).numpy().reshape(kv.shape[0], -1)
 
 
-def _head_views(
+def head_views(
     page: np.ndarray, num_heads: int, block_size: int, itemsize: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """K ``[kv_heads, head_dim, block_size]`` and V ``[kv_heads, block_size, head_dim]`` of
@@ -102,89 +100,3 @@ def check_packing(num_heads: int, block_size: int, head_dim: int, dtype: torch.d
                 f"{VLLM_CPU_PAGE_ORDER!r}: serving with it would put mislabelled blocks in the "
                 "store, so this engine does not start"
             )
-
-
-class VllmPagedCache:
-    """vLLM's cache of one engine as blocks of ``layout`` (a ``kv_io.BlockCache``). A Layer
-    Block is a page, so whole blocks move as contiguous copies; a vLLM block's layers are
-    separate tensors, so a Full Block is no single view (``host_view`` is None) and store
-    reads and writes go through a host copy."""
-
-    def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout) -> None:
-        num_blocks, num_heads, block_size, two_dims = layers[0].shape
-        self.num_heads = num_heads
-        self.itemsize = layers[0].element_size()
-        page_bytes = num_heads * block_size * two_dims * self.itemsize
-        if len(layers) != layout.num_layers or block_size != layout.block_size_tokens:
-            raise ValueError(
-                f"vLLM's cache has {len(layers)} layers of {block_size}-token blocks; the "
-                f"store's layout has {layout.num_layers} of {layout.block_size_tokens}"
-            )
-        if page_bytes != layout.layer_block_bytes:
-            raise ValueError(
-                f"vLLM's pages are {page_bytes} bytes; the store's Layer Blocks are "
-                f"{layout.layer_block_bytes}"
-            )
-        self.layers = list(layers)
-        self.pages = [pages(kv) for kv in self.layers]  # per layer: [num_blocks, page_bytes]
-        self.layout = layout
-        self.num_blocks = num_blocks
-
-    def write_layer_page(self, layer: int, block_id: int, page: np.ndarray) -> None:
-        """A whole Layer Block (a page's bytes) into block ``block_id`` of ``layer``."""
-        self.pages[layer][block_id] = page.reshape(-1)
-
-    def write_layer_tokens(
-        self, layer: int, block_id: int, page: np.ndarray, first: int, num: int
-    ) -> None:
-        """Tokens ``first .. first + num`` of a Layer Block into block ``block_id`` of
-        ``layer``; the page's other tokens are left as they are."""
-        self.write_layer(layer, (block_id,), page.reshape(1, -1), first, num)
-
-    def read_layer_pages(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
-        """Blocks ``block_ids`` of ``layer`` into ``out`` ``[n, layer_block_bytes]``."""
-        self.read_layer(layer, block_ids, out)
-
-    # --- pages.KVPages ---------------------------------------------------------------------
-
-    def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
-        """Whole pages are one contiguous copy each; a token range follows the packing."""
-        layer_pages = self.pages[layer]
-        block_size = self.layout.block_size_tokens
-        if num is None or (first == 0 and num == block_size):
-            for block_id, block in zip(block_ids, blocks, strict=True):
-                layer_pages[block_id] = block.reshape(-1)
-            return
-        shape = (self.num_heads, block_size, self.itemsize)
-        for block_id, block in zip(block_ids, blocks, strict=True):
-            source_keys, source_values = _head_views(block.reshape(-1), *shape)
-            keys, values = _head_views(layer_pages[block_id], *shape)
-            keys[:, :, first : first + num] = source_keys[:, :, first : first + num]
-            values[:, first : first + num] = source_values[:, first : first + num]
-
-    def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
-        np.take(self.pages[layer], block_ids, axis=0, out=out.reshape(len(block_ids), -1))
-
-    def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
-        if not block_ids or not adjacent(block_ids):
-            return None
-        run = self.pages[layer][block_ids[0] : block_ids[-1] + 1]
-        return run.reshape(len(block_ids), *self.layout.layer_block_shape)
-
-    def fence(self, layer: int) -> None:
-        """CPU pages: every write is done when it returns."""
-
-    # --- kv_io.BlockCache -------------------------------------------------------------------
-
-    def host_view(self, block_id: int) -> np.ndarray | None:
-        return None
-
-    def load_full_block(self, block_id: int, full_block: np.ndarray) -> None:
-        for layer in range(self.layout.num_layers):
-            self.write_layer(layer, (block_id,), full_block[layer : layer + 1])
-
-    def copy_full_block(self, block_id: int) -> np.ndarray:
-        full_block = self.layout.empty_full_block()
-        for layer, layer_pages in enumerate(self.pages):
-            full_block[layer].reshape(-1)[...] = layer_pages[block_id]
-        return full_block

@@ -34,7 +34,7 @@ without ``dualpath_request_id`` is served by vLLM alone.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,8 @@ from dualpath.kv.hashing import extend_block_keys
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore
 from dualpath.transfer.traffic import Mover, direct_move
-from dualpath.vllm.cache import VllmPagedCache, check_packing, layer_index, layers_in_order
+from dualpath.vllm.cache import layer_index
+from dualpath.vllm.layouts import VllmPages, choose_layout
 
 REQUEST_ID_PARAM = "dualpath_request_id"  # our request id in vLLM's kv_transfer_params
 
@@ -74,8 +75,10 @@ class ConnectorHost:
     plans: dict[int, KVTransfer] = field(default_factory=dict)
     # Called after each layer's sends (the engine's chance to take messages mid-step).
     between_layers: Callable[[], None] | None = None
+    # The Layer Block order the store's fingerprint names (``layouts``); None: not checked.
+    page_order: str | None = None
     # Set when vLLM registers its cache (worker side).
-    cache: VllmPagedCache | None = None
+    cache: VllmPages | None = None
     store_io: KVStoreIO | None = None
 
 
@@ -227,16 +230,21 @@ class ConnectorWorker:
         self.courier: KVCourier | None = None
         self._meta: KVConnectorMetadata | None = None  # the step the courier is on
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = layers_in_order(kv_caches)
-        num_blocks, num_heads, block_size, two_dims = layers[0].shape
-        check_packing(num_heads, block_size, two_dims // 2, layers[0].dtype)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str) -> None:
+        """vLLM's pages, as the adapter of what the engine reports (``layouts.choose_layout``:
+        the backend vLLM chose, the views' shapes and strides), refused when unmapped."""
         host = self.host
-        host.cache = VllmPagedCache(layers, host.layout)
+        pages = choose_layout(kv_caches, backend, host.layout)
+        if host.page_order is not None and pages.order != host.page_order:
+            raise ValueError(
+                f"vLLM's {backend} pages are in the order {pages.order!r}, not the "
+                f"{host.page_order!r} this engine's store is named by: this engine does not start"
+            )
+        host.cache = pages
         if host.store is not None:
             host.store_io = KVStoreIO(
                 host.store,
-                host.cache,
+                pages,
                 num_io_threads=host.num_io_threads,
                 max_pending_write_bytes=host.max_pending_write_bytes,
                 mover=host.mover,
@@ -335,7 +343,7 @@ class DualpathConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        self.worker.register_kv_caches(kv_caches)
+        self.worker.register_kv_caches(kv_caches, attention_backend(self._vllm_config, kv_caches))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None
@@ -366,6 +374,16 @@ class DualpathConnector(KVConnectorBase_V1):
             self.worker.shutdown()
 
 
+def attention_backend(vllm_config: Any, layer_names: Iterable[str]) -> str:
+    """The attention backend vLLM chose for these layers (``get_name()``, e.g. ``CPU_ATTN``,
+    ``CPU_MLA``, ``FLASH_ATTN``); ``ValueError`` if they differ (a hybrid model)."""
+    context = vllm_config.compilation_config.static_forward_context
+    names = {context[name].get_attn_backend().get_name() for name in layer_names}
+    if len(names) != 1:
+        raise ValueError(f"vLLM's KV layers use several attention backends: {sorted(names)}")
+    return names.pop()
+
+
 def check_config(vllm_config: Any, layout: KVLayout) -> None:
     """``ValueError`` naming the vLLM setting the connector cannot serve exactly."""
     parallel = vllm_config.parallel_config
@@ -382,7 +400,3 @@ def check_config(vllm_config: Any, layout: KVLayout) -> None:
     model_config = vllm_config.model_config
     if getattr(model_config.hf_text_config, "sliding_window", None):
         raise ValueError("sliding-window attention is refused: the store holds whole contexts")
-    if model_config.use_mla:
-        raise ValueError(
-            "MLA models are refused on the vLLM engine (their latent KV is not mapped)"
-        )

@@ -47,13 +47,13 @@ import torch
 
 from dualpath.engine.pages import LayerBlockPages, adjacent
 from dualpath.kv.layout import KVLayout
-from dualpath.model.identity import VLLM_CPU_PAGE_ORDER
-from dualpath.vllm.cache import VllmPagedCache, check_packing, layers_in_order
-
-# Layer Block byte orders (store fingerprint names; one name per order, never shared).
-VLLM_NHD_ORDER = "vllm-page-nhd: per token, per kv head, K [head_dim] then V [head_dim]"
-VLLM_HND_ORDER = "vllm-page-hnd: per kv head, per token, K [head_dim] then V [head_dim]"
-VLLM_MLA_ORDER = "vllm-page-mla: per token, latent [kv_lora_rank] then rope [qk_rope_head_dim]"
+from dualpath.model.identity import (
+    VLLM_CPU_PAGE_ORDER,
+    VLLM_HND_ORDER,
+    VLLM_MLA_ORDER,
+    VLLM_NHD_ORDER,
+)
+from dualpath.vllm.cache import check_packing, head_views, layers_in_order, pages
 
 # Backend names as vLLM's ``get_name()`` gives them.
 DENSE_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
@@ -143,14 +143,30 @@ def _token_slice(
 
 
 class CpuAttentionPages(LayerBlockPages):
-    """vLLM's CPU attention pages (``cpu_attn.py``: LBHNC, each head's cells packed by the
-    kernel, see ``cache.py``): a Layer Block is a page, as ``VllmPagedCache`` moves it."""
+    """vLLM's CPU attention pages (``cpu_attn.py``: LBHNC, contiguous layers, each head's cells
+    packed by the kernel, see ``cache.py``): a Layer Block *is* a page, byte for byte, so whole
+    blocks move as one contiguous copy; only a token range follows the packing."""
 
     backend = CPU_ATTN
     order = VLLM_CPU_PAGE_ORDER
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout) -> None:
-        self.cache = VllmPagedCache(layers, layout)
+        _, num_heads, block_size, two_dims = layers[0].shape
+        self.num_heads = num_heads
+        self.itemsize = layers[0].element_size()
+        page_bytes = num_heads * block_size * two_dims * self.itemsize
+        if (len(layers), block_size, page_bytes) != (
+            layout.num_layers,
+            layout.block_size_tokens,
+            layout.layer_block_bytes,
+        ):
+            raise ValueError(
+                f"vLLM's cache has {len(layers)} layers of {block_size}-token pages of "
+                f"{page_bytes} bytes; the store's Layer Blocks are {layout.num_layers} layers "
+                f"of {layout.block_size_tokens} tokens, {layout.layer_block_bytes} bytes"
+            )
+        self.layers = list(layers)
+        self.pages = [pages(kv) for kv in self.layers]  # per layer: [num_blocks, page_bytes]
         self.layout = layout
 
     def write_layer(
@@ -162,21 +178,26 @@ class CpuAttentionPages(LayerBlockPages):
         num: int | None = None,
     ) -> None:
         tokens = _token_slice(self.layout, block_ids, blocks, first, num)
-        is_whole = tokens.stop - tokens.start == self.layout.block_size_tokens
+        layer_pages = self.pages[layer]
+        block_size = self.layout.block_size_tokens
+        if tokens.stop - tokens.start == block_size:
+            for block_id, block in zip(block_ids, blocks, strict=True):
+                layer_pages[block_id] = block.reshape(-1)
+            return
+        shape = (self.num_heads, block_size, self.itemsize)
         for block_id, block in zip(block_ids, blocks, strict=True):
-            if is_whole:
-                self.cache.write_layer_page(layer, block_id, block)
-            else:
-                num_tokens = tokens.stop - tokens.start
-                self.cache.write_layer_tokens(layer, block_id, block, tokens.start, num_tokens)
+            source_keys, source_values = head_views(block.reshape(-1), *shape)
+            keys, values = head_views(layer_pages[block_id], *shape)
+            keys[:, :, tokens] = source_keys[:, :, tokens]
+            values[:, tokens] = source_values[:, tokens]
 
     def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
-        self.cache.read_layer_pages(layer, block_ids, out)
+        np.take(self.pages[layer], block_ids, axis=0, out=out.reshape(len(block_ids), -1))
 
     def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
         if not block_ids or not adjacent(block_ids):
             return None
-        run = self.cache.pages[layer][block_ids[0] : block_ids[-1] + 1]
+        run = self.pages[layer][block_ids[0] : block_ids[-1] + 1]
         return run.reshape(len(block_ids), *self.layout.layer_block_shape)
 
 

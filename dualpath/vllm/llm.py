@@ -27,7 +27,7 @@ from dualpath.engine.llm import Prompt, RequestOutput, encode_prompt
 from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore
-from dualpath.model.identity import checkpoint_kv_identity
+from dualpath.model.identity import checkpoint_kv_identity, vllm_page_order
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.types import SamplingParams
 from dualpath.vllm.connector import ConnectorHost, register_host, unregister_host
@@ -62,7 +62,9 @@ class VllmLLM:
         if kv_store is not None:
             store_config = KVStoreConfig(Path(kv_store), capacity_bytes=kv_store_capacity_bytes)
             self.store = FileKVStore.from_config(store_config, self.layout, self.fingerprint)
-        self.host = ConnectorHost(self.layout, self.fingerprint, store=self.store)
+        self.host = ConnectorHost(
+            self.layout, self.fingerprint, store=self.store, page_order=vllm_page_order(config)
+        )
         self._key = f"llm-{os.getpid()}-{next(_ENGINE_KEYS)}"
         register_host(self._key, self.host)
         cores = None

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from dualpath.kv.layout import KVLayout
-from dualpath.vllm.cache import VllmPagedCache, page_entries, pages
+from dualpath.vllm.cache import page_entries, pages
+from dualpath.vllm.layouts import CpuAttentionPages
 
 NUM_PAGES, HEADS, BLOCK, DIM, LAYERS = 9, 3, 16, 8, 2
 
 
-def _cache(dtype: torch.dtype, *, seed: int | None = None) -> VllmPagedCache:
+def _cache(dtype: torch.dtype, *, seed: int | None = None) -> CpuAttentionPages:
     shape = (NUM_PAGES, HEADS, BLOCK, 2 * DIM)
     if seed is None:
         layers = [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
@@ -24,7 +25,7 @@ def _cache(dtype: torch.dtype, *, seed: int | None = None) -> VllmPagedCache:
         layers = [torch.randn(shape, generator=generator).to(dtype) for _ in range(LAYERS)]
     itemsize = layers[0].element_size()
     layout = KVLayout(LAYERS, BLOCK, 2 * HEADS * DIM * itemsize)
-    return VllmPagedCache(layers, layout)
+    return CpuAttentionPages(layers, layout)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -32,15 +33,15 @@ def test_pages_move_whole_and_token_ranges_land_at_their_tokens(dtype: torch.dty
     source = _cache(dtype, seed=0)
     block_ids = [7, 2, 5, 0]
     out = np.empty((len(block_ids), *source.layout.layer_block_shape), np.uint8)
-    source.read_layer_pages(1, block_ids, out)
+    source.read_layer(1, block_ids, out)
     assert np.array_equal(out.reshape(len(block_ids), -1), pages(source.layers[1])[block_ids])
 
     by_pages, by_tokens = _cache(dtype), _cache(dtype)
     for page, block_id in zip(out, block_ids, strict=True):
-        by_pages.write_layer_page(1, block_id, page)
+        by_pages.write_layer(1, (block_id,), page[None])
         # In two ranges, to check the offsets too.
-        by_tokens.write_layer_tokens(1, block_id, page, 0, 5)
-        by_tokens.write_layer_tokens(1, block_id, page, 5, BLOCK - 5)
+        by_tokens.write_layer(1, (block_id,), page[None], 0, 5)
+        by_tokens.write_layer(1, (block_id,), page[None], 5, BLOCK - 5)
     assert torch.equal(by_pages.layers[1], by_tokens.layers[1])
     for block_id in block_ids:
         assert torch.equal(by_pages.layers[1][block_id], source.layers[1][block_id])
@@ -49,7 +50,7 @@ def test_pages_move_whole_and_token_ranges_land_at_their_tokens(dtype: torch.dty
 
     # A range writes its tokens' K and V and nothing else of the page.
     partial = _cache(dtype)
-    partial.write_layer_tokens(0, 3, out[0], 4, 6)
+    partial.write_layer(0, (3,), out[:1], 4, 6)
     got, expected = page_entries(partial.layers[0], 3), page_entries(source.layers[1], 7)
     assert torch.equal(got[4:10], expected[4:10])
     assert not got[:4].any() and not got[10:].any()
@@ -78,7 +79,7 @@ def test_full_blocks_round_trip_through_the_store_order() -> None:
 
 def test_a_cache_whose_pages_are_not_the_layouts_layer_blocks_is_refused() -> None:
     layers = [torch.zeros((NUM_PAGES, HEADS, BLOCK, 2 * DIM)) for _ in range(LAYERS)]
-    with pytest.raises(ValueError, match="pages are"):
-        VllmPagedCache(layers, KVLayout(LAYERS, BLOCK, 2 * HEADS * DIM * 2))
+    with pytest.raises(ValueError, match="-token pages of"):
+        CpuAttentionPages(layers, KVLayout(LAYERS, BLOCK, 2 * HEADS * DIM * 2))
     with pytest.raises(ValueError, match="layers of"):
-        VllmPagedCache(layers, KVLayout(LAYERS + 1, BLOCK, 2 * HEADS * DIM * 4))
+        CpuAttentionPages(layers, KVLayout(LAYERS + 1, BLOCK, 2 * HEADS * DIM * 4))

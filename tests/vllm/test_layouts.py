@@ -186,9 +186,13 @@ def cases(request: pytest.FixtureRequest, vllm_config: object) -> list[Case]:
 
 def _decode(case: Case, order: str, blocks: np.ndarray) -> torch.Tensor:
     """Layer Blocks read as ``order`` says: ``[n, block_size, H, C]``."""
-    from dualpath.model.identity import VLLM_CPU_PAGE_ORDER
+    from dualpath.model.identity import (
+        VLLM_CPU_PAGE_ORDER,
+        VLLM_HND_ORDER,
+        VLLM_MLA_ORDER,
+        VLLM_NHD_ORDER,
+    )
     from dualpath.vllm.cache import page_entries
-    from dualpath.vllm.layouts import VLLM_HND_ORDER, VLLM_MLA_ORDER, VLLM_NHD_ORDER
 
     n, tokens, heads, content = len(blocks), case.block_size, case.num_heads, case.content
     values = torch.from_numpy(blocks.copy()).view(case.spec.dtype)
@@ -338,7 +342,7 @@ def test_choose_layout_refuses_what_it_cannot_map(vllm_config: object) -> None:
 
 
 def test_every_page_order_has_its_own_name() -> None:
-    from dualpath.vllm.layouts import (
+    from dualpath.model.identity import (
         VLLM_CPU_PAGE_ORDER,
         VLLM_HND_ORDER,
         VLLM_MLA_ORDER,
