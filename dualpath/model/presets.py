@@ -77,7 +77,8 @@ CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
 @dataclass(frozen=True, slots=True)
 class Preset:
     """Shape of a generated checkpoint: Qwen2 (Llama with QKV bias), or, with ``deepseek``,
-    DeepSeek-V3.2 (MLA, MoE, sparse attention) whose other fields it gives."""
+    DeepSeek-V3 (MLA, MoE) whose other fields it gives: V3.2 (sparse attention) when they
+    include the indexer's (``index_topk``)."""
 
     vocab_size: int
     hidden_size: int
@@ -92,7 +93,7 @@ class Preset:
     logit_std: float = 6.0
     rope_theta: float = 1_000_000.0
     description: str = ""
-    # config.json fields of DeepSeek-V3.2's own (its architecture then; None: Qwen2).
+    # config.json fields of DeepSeek-V3's or V3.2's own (its architecture then; None: Qwen2).
     deepseek: tuple[tuple[str, object], ...] | None = None
 
 
@@ -158,21 +159,62 @@ PRESETS: dict[str, Preset] = {
             ("attention_bias", False),
         ),
     ),
+    # DeepSeek-V3 (no indexer) at the head sizes vLLM's CPU MLA backends accept, so that vLLM
+    # and this engine serve the same checkpoint: they take a 576-value entry only, the
+    # published latent 512 + rope key 64 (vLLM 0.32's mla/cpu_mla.py and amx_mla.py), so a
+    # token caches 2,304 B per layer in float32, 1,152 B in bfloat16. The rest is
+    # tiny-deepseek's; vLLM needs noaux_tc and sigmoid, or the router's e_score_correction_bias
+    # has no home.
+    "tiny-deepseek-v3": Preset(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=4,
+        max_position_embeddings=16384,
+        rope_theta=10_000.0,
+        description="DeepSeek-V3 in miniature at vLLM's CPU MLA head sizes: MLA (latent 512, "
+        "rope 64), 8 routed experts (2 per token, 2 groups) + 1 shared after 1 dense layer, no "
+        "indexer; 2,304 B of KV per token per layer",
+        deepseek=(
+            ("moe_intermediate_size", 64),
+            ("first_k_dense_replace", 1),
+            ("n_routed_experts", 8),
+            ("n_shared_experts", 1),
+            ("num_experts_per_tok", 2),
+            ("n_group", 2),
+            ("topk_group", 1),
+            ("routed_scaling_factor", 2.5),
+            ("norm_topk_prob", True),
+            ("scoring_func", "sigmoid"),
+            ("topk_method", "noaux_tc"),
+            ("q_lora_rank", 64),
+            ("kv_lora_rank", 512),
+            ("qk_nope_head_dim", 32),
+            ("qk_rope_head_dim", 64),
+            ("v_head_dim", 32),
+            ("rope_interleave", True),
+            ("attention_bias", False),
+        ),
+    ),
 }
 
 
 def preset_config(preset: Preset, vocab_size: int, eos_token_id: int) -> dict[str, object]:
     if preset.deepseek is not None:
+        fields = dict(preset.deepseek)
+        is_v32 = "index_topk" in fields  # V3.2 is V3 plus the indexer
         return {
-            "architectures": ["DeepseekV32ForCausalLM"],
-            "model_type": "deepseek_v32",
+            "architectures": ["DeepseekV32ForCausalLM" if is_v32 else "DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v32" if is_v32 else "deepseek_v3",
             "vocab_size": vocab_size,
             "hidden_size": preset.hidden_size,
             "intermediate_size": preset.intermediate_size,
             "num_hidden_layers": preset.num_layers,
             "num_attention_heads": preset.num_attention_heads,
             "num_key_value_heads": preset.num_kv_heads,
-            **dict(preset.deepseek),
+            **fields,
             "hidden_act": "silu",
             "max_position_embeddings": preset.max_position_embeddings,
             "rms_norm_eps": 1e-6,

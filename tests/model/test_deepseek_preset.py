@@ -1,5 +1,6 @@
-"""The tiny DeepSeek-V3.2 preset (``make-model --preset tiny-deepseek``) as the engine serves
-it, against transformers loading the same directory; the published V3.2 config's KV bytes.
+"""The tiny DeepSeek presets (``make-model --preset tiny-deepseek``, V3.2, and
+``tiny-deepseek-v3``) as the engine serves them, against transformers loading the same
+directory; the published V3.2 config's KV bytes.
 
 The greedy reference is transformers' *uncached* forward: each next token is the argmax of its
 full forward over the prompt and the tokens so far. Its cached ``generate`` is not used for
@@ -21,6 +22,7 @@ from dualpath.model.identity import kv_facts
 from dualpath.model.layerwise import PackedBatch
 from dualpath.model.loader import load_model
 from dualpath.sim.profiles import MODELS
+from tests.conftest import shared_checkpoint
 from tests.model.published import PUBLISHED_V3, PUBLISHED_V32, dequantized
 
 transformers = pytest.importorskip("transformers", minversion="5.24")
@@ -32,20 +34,36 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# preset -> the architecture its config.json names
+ARCHITECTURES = {
+    "tiny-deepseek": "DeepseekV32ForCausalLM",
+    "tiny-deepseek-v3": "DeepseekV3ForCausalLM",  # vLLM's CPU MLA head sizes (576 a token)
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def preset_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if request.param == "tiny-deepseek":
+        return request.getfixturevalue("tiny_deepseek_dir")
+    from dualpath.model.make import make_model
+
+    name = request.param
+    return shared_checkpoint(tmp_path_factory, name, lambda models: make_model(name, models / name))
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_deepseek_dir: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_deepseek_dir, dtype=torch.float32
-    ).eval()
+def reference(preset_dir: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(preset_dir, dtype=torch.float32).eval()
 
 
 def test_the_preset_is_a_checkpoint_transformers_loads_with_the_same_logits(
-    tiny_deepseek_dir: Path, reference
+    preset_dir: Path, reference
 ) -> None:
-    ours = load_model(tiny_deepseek_dir)
-    assert ours.config.architecture == "DeepseekV32ForCausalLM"
+    ours = load_model(preset_dir)
+    assert ours.config.architecture == ARCHITECTURES[preset_dir.name]
     ids = torch.tensor(_prompt(300, seed=1))
-    assert len(ids) > ours.config.indexer.topk  # the indexer keeps a strict subset
+    if ours.config.indexer is not None:
+        assert len(ids) > ours.config.indexer.topk  # the indexer keeps a strict subset
     with torch.no_grad():
         expected = reference(ids[None]).logits[0]
     logits, _ = ours.model.forward_full(
@@ -54,12 +72,10 @@ def test_the_preset_is_a_checkpoint_transformers_loads_with_the_same_logits(
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_the_engine_generates_transformers_greedy_tokens(
-    tiny_deepseek_dir: Path, reference
-) -> None:
+def test_the_engine_generates_transformers_greedy_tokens(preset_dir: Path, reference) -> None:
     prompts = [_prompt(n, seed=n) for n in (300, 150, 64)]
     params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
-    with LLM(tiny_deepseek_dir) as llm:  # the three decode together: padded steps
+    with LLM(preset_dir) as llm:  # the three decode together: padded steps
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outputs, strict=True):
         sequence = torch.tensor(prompt + list(out.token_ids))
