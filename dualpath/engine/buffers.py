@@ -24,6 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -33,7 +34,9 @@ from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.hashing import BlockKey
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore
+from dualpath.protocol import Assignment
 from dualpath.transfer.traffic import Mover
+from dualpath.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -197,3 +200,98 @@ class StoreReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+@dataclass(eq=False)
+class BufferedRequest:
+    """A placed request on one engine, from its buffer slots and this side's store reads to
+    its end: what both engines' PE and DE requests share (``BufferReads`` runs it)."""
+
+    assignment: Assignment
+    params: SamplingParams
+    keys: list[BlockKey]  # the hit blocks this side reads
+    slots: list[int] = field(default_factory=list)
+    reads: Future[int] | None = None  # -> leading blocks of ``keys`` read
+
+    @property
+    def request_id(self) -> int:
+        return self.assignment.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.assignment.prompt_token_ids)
+
+    @property
+    def is_read(self) -> bool:
+        return self.reads is not None and self.reads.done()
+
+
+B = TypeVar("B", bound=BufferedRequest)
+
+
+class BufferReads(Generic[B]):
+    """One engine's reads into its buffer (SPEC §2-§3): a request waits for its slots (FIFO
+    back-pressure), then its hit blocks are read into them through the node's SNIC; cancelled
+    at any point, its slots come back. Every PE and DE of both engines holds one."""
+
+    def __init__(
+        self,
+        store: KVStore | None,
+        buffer: KVBuffer,
+        mover: Mover,
+        *,
+        side: str,
+        num_threads: int,
+        name: str,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """``side``: what the logs call these reads ("PE side"); ``name`` the threads'."""
+        self.buffer = buffer
+        self.side = side
+        self.reader = StoreReader(
+            store, buffer, mover, num_threads=num_threads, name=name, on_done=on_done
+        )
+        self.queue: SlotQueue[B] = SlotQueue(buffer)
+
+    def add(self, request: B, num_slots: int, on_slots: Callable[[B], None]) -> None:
+        """Queue ``request`` for ``num_slots`` slots; ``on_slots(request)`` once it has them
+        (``request.slots``), to start its reads (``read``)."""
+
+        def start(slots: list[int]) -> None:
+            request.slots = slots
+            on_slots(request)
+
+        self.queue.add(request, num_slots, start)
+
+    def read(self, request: B, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        """Read ``keys[i]`` into slot ``slots[i]`` (``request.reads``: leading blocks read)."""
+        what = f"request {request.request_id} {self.side}"
+        request.reads = self.reader.submit(keys, slots, what)
+
+    def release(self, request: B) -> None:
+        """Free ``request``'s slots, whatever it is at: waiting (taken out of the queue),
+        reading (once its reads end: the reading thread owns the slots until then), read."""
+        if self.queue.remove(request):
+            return
+        if request.reads is not None:
+            request.reads.result()
+        self.buffer.free(request.slots)
+        request.slots = []
+        self.queue.start_waiting()
+
+    def num_queued_blocks(self, *, waiting: bool) -> int:
+        """Blocks submitted for reading and not read yet, and with ``waiting`` the slots of
+        requests still waiting for them (a PE's side: one slot per block it will read)."""
+        num_waiting = self.queue.num_waiting_slots if waiting else 0
+        return self.reader.num_queued_blocks + num_waiting
+
+    @property
+    def num_read_bytes(self) -> int:
+        return self.reader.num_read_bytes
+
+    @property
+    def store(self) -> KVStore | None:
+        return self.reader.store
+
+    def close(self) -> None:
+        self.reader.close()

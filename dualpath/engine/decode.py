@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 
-from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
 from dualpath.engine.courier import KVCourier, KVTransfer, LoadSource, StepTransfer
 from dualpath.engine.llm import LLMEngine
 from dualpath.kv.hashing import BlockKey, block_keys
@@ -35,28 +33,18 @@ from dualpath.protocol import (
     TokenUpdate,
 )
 from dualpath.transfer.traffic import Mover, direct_move
-from dualpath.types import SamplingParams, TokenLogprob, sampling_params_from_dict
+from dualpath.types import TokenLogprob, sampling_params_from_dict
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class DecodeRequest:
-    assignment: Assignment
-    params: SamplingParams
-    keys: list[BlockKey]
-    slots: list[int] = field(default_factory=list)
-    reads: Future[int] | None = None  # -> leading DE-side blocks read
+class DecodeRequest(BufferedRequest):
+    """``slots``: one per prompt block; ``keys``/``reads``: the DE side's hit blocks
+    (``keys`` holds every hit block's key, the DE side's from ``num_prefill_side_blocks``)."""
+
     is_ready_sent: bool = False
     prefill_done: PrefillDone | None = None
-
-    @property
-    def request_id(self) -> int:
-        return self.assignment.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.assignment.prompt_token_ids)
 
 
 class PersistingRequests:
@@ -102,10 +90,11 @@ class DecodeEngine:
         self.block_size = engine.block_size
         self.store = None if engine.store_io is None else engine.store_io.store
         self.mover = mover
-        self.reader = StoreReader(
+        self.store_reads: BufferReads[DecodeRequest] = BufferReads(
             self.store,
             buffer,
             mover,
+            side="DE side",
             num_threads=num_io_threads,
             name="de-read",
             on_done=on_read_done,
@@ -115,8 +104,6 @@ class DecodeEngine:
             mover, num_layers=buffer.layout.num_layers, block_size=self.block_size
         )
         self.requests: dict[int, DecodeRequest] = {}
-        # Requests waiting for DE buffer slots for their whole prompt, then reading.
-        self._slot_queue: SlotQueue[DecodeRequest] = SlotQueue(buffer)
         self._num_cached_tokens: dict[int, int] = {}
         self._persisting = PersistingRequests(self._pending_writes)
 
@@ -130,20 +117,17 @@ class DecodeEngine:
         request = DecodeRequest(assignment, params, keys)
         self.requests[request.request_id] = request
         num_slots = -(-request.num_prompt_tokens // self.block_size)
-        self._slot_queue.add(request, num_slots, partial(self._start_reads, request))
+        self.store_reads.add(request, num_slots, self._start_reads)
 
-    def _start_reads(self, request: DecodeRequest, slots: list[int]) -> None:
-        request.slots = slots
+    def _start_reads(self, request: DecodeRequest) -> None:
         first, end = request.assignment.num_prefill_side_blocks, request.assignment.num_hit_blocks
-        request.reads = self.reader.submit(
-            request.keys[first:end], slots[first:end], f"request {request.request_id} DE side"
-        )
+        self.store_reads.read(request, request.keys[first:end], request.slots[first:end])
 
     def poll_ready(self) -> list[DecodeReady]:
         """DecodeReady for every request whose slots and DE-side reads are done."""
         ready = []
         for request in self.requests.values():
-            if request.is_ready_sent or request.reads is None or not request.reads.done():
+            if request.is_ready_sent or not request.is_read:
                 continue
             request.is_ready_sent = True
             ready.append(
@@ -180,8 +164,7 @@ class DecodeEngine:
                 return  # FIFO: later prompts wait behind this one
             self._num_cached_tokens[request.request_id] = done.num_cached_tokens
             del self.requests[request.request_id]
-            self.buffer.free(request.slots)
-            self._slot_queue.start_waiting()
+            self.store_reads.release(request)
 
     def _fill(self, request: DecodeRequest, block_table: list[int]) -> None:
         load = LoadSource(self.buffer, request.slots, request.num_prompt_tokens)
@@ -230,12 +213,8 @@ class DecodeEngine:
 
     def cancel(self, request_id: int) -> None:
         request = self.requests.pop(request_id, None)
-        # A request still waiting for slots holds none; one past it may be reading into them.
-        if request is not None and not self._slot_queue.remove(request):
-            if request.reads is not None:
-                request.reads.result()  # the read thread owns the slots until it returns
-            self.buffer.free(request.slots)
-            self._slot_queue.start_waiting()
+        if request is not None:
+            self.store_reads.release(request)
         if self.engine.abort_request(request_id):
             self._num_cached_tokens.pop(request_id, None)
 
@@ -246,7 +225,7 @@ class DecodeEngine:
         not counted: the DE buffer holds every request's whole prompt whichever side reads
         it, so waiting for it delays both read paths alike and says nothing about this
         node's SNIC (counting it pushed reads to the PE's SNIC during the first turns)."""
-        return self.reader.num_queued_blocks * self.block_size
+        return self.store_reads.num_queued_blocks(waiting=False) * self.block_size
 
     @property
     def num_queued_write_tokens(self) -> int:
@@ -276,8 +255,8 @@ class DecodeEngine:
 
     @property
     def num_read_bytes(self) -> int:
-        return self.reader.num_read_bytes
+        return self.store_reads.num_read_bytes
 
     def close(self) -> None:
-        self.reader.close()
+        self.store_reads.close()
         self.courier.close()

@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
 from dualpath.engine.courier import (
     KVCourier,
     KVTransfer,
@@ -50,7 +48,7 @@ from dualpath.engine.sampling import (
     sample,
     token_finish_reason,
 )
-from dualpath.kv.hashing import BlockKey, block_keys
+from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.model.layerwise import LayerwiseModel, PackedBatch
@@ -58,7 +56,7 @@ from dualpath.protocol import Assignment, DecodeReady, PrefillDone
 from dualpath.scheduler.attention_predictor import ConstantAttentionTimePredictor
 from dualpath.scheduler.batching import PrefillBatcher, PrefillChunk, PrefillWork
 from dualpath.transfer.traffic import Mover, direct_move
-from dualpath.types import SamplingParams, sampling_params_from_dict
+from dualpath.types import sampling_params_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +72,9 @@ class BatchOutcome:
 
 
 @dataclass(eq=False)
-class PrefillRequest:
-    assignment: Assignment
-    params: SamplingParams
-    keys: list[BlockKey]
-    pe_slots: list[int] = field(default_factory=list)
-    reads: Future[int] | None = None  # -> leading PE-side blocks read
+class PrefillRequest(BufferedRequest):
+    """``keys``/``slots``/``reads``: its PE-side hit blocks, read into this engine's buffer."""
+
     decode_ready: DecodeReady | None = None
     # Set when the request joins the batcher: leading blocks whose KV was read (either side),
     # and its KV movement (loads, sends to its DE).
@@ -90,16 +85,8 @@ class PrefillRequest:
     computed: list[torch.Tensor] = field(default_factory=list)
 
     @property
-    def request_id(self) -> int:
-        return self.assignment.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.assignment.prompt_token_ids)
-
-    @property
     def is_ready(self) -> bool:
-        return self.reads is not None and self.reads.done() and self.decode_ready is not None
+        return self.is_read and self.decode_ready is not None
 
 
 class PrefillEngine:
@@ -130,8 +117,14 @@ class PrefillEngine:
         self.device = device
         self.is_layerwise = is_layerwise
         self.mover = mover
-        self.reader = StoreReader(
-            store, buffer, mover, num_threads=num_io_threads, name="pe-read", on_done=on_read_done
+        self.store_reads: BufferReads[PrefillRequest] = BufferReads(
+            store,
+            buffer,
+            mover,
+            side="PE side",
+            num_threads=num_io_threads,
+            name="pe-read",
+            on_done=on_read_done,
         )
         # Loads a layer's hit KV while the one before computes; sends each layer to the DE.
         self.courier = KVCourier(
@@ -142,8 +135,6 @@ class PrefillEngine:
             name="pe-layer-load",
         )
         self.requests: dict[int, PrefillRequest] = {}
-        # Requests waiting for PE buffer slots (back-pressure), then reading.
-        self._slot_queue: SlotQueue[PrefillRequest] = SlotQueue(buffer)
         self.batcher = batcher or PrefillBatcher(
             ConstantAttentionTimePredictor(0.0),
             quota_s=float("inf"),
@@ -170,13 +161,10 @@ class PrefillEngine:
             ),
         )
         self.requests[request.request_id] = request
-        self._slot_queue.add(request, num_pe_blocks, partial(self._start_reads, request))
+        self.store_reads.add(request, num_pe_blocks, self._start_reads)
 
-    def _start_reads(self, request: PrefillRequest, slots: list[int]) -> None:
-        request.pe_slots = slots
-        request.reads = self.reader.submit(
-            request.keys[: len(slots)], slots, f"request {request.request_id} PE side"
-        )
+    def _start_reads(self, request: PrefillRequest) -> None:
+        self.store_reads.read(request, request.keys[: len(request.slots)], request.slots)
 
     def on_decode_ready(self, msg: DecodeReady) -> None:
         request = self.requests.get(msg.request_id)
@@ -187,18 +175,12 @@ class PrefillEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        if self._slot_queue.remove(request):
-            return
-        if request.reads is not None:
-            request.reads.result()  # the read thread owns the slots until it returns
         self.batcher.remove(request_id)
         self._release(request)
 
     def _release(self, request: PrefillRequest) -> None:
-        self.buffer.free(request.pe_slots)
-        request.pe_slots = []
+        self.store_reads.release(request)
         request.computed = []
-        self._slot_queue.start_waiting()
 
     def next_batch(
         self, remote_of: Callable[[int], RemoteBuffer | None]
@@ -226,7 +208,7 @@ class PrefillEngine:
         request.transfer, request.num_hit = plan_prefill(
             request.request_id,
             buffer=self.buffer,
-            pe_slots=request.pe_slots,
+            pe_slots=request.slots,
             num_prefill_side_blocks=request.assignment.num_prefill_side_blocks,
             num_pe_read=reads.result(),
             remote=remote,
@@ -242,8 +224,7 @@ class PrefillEngine:
         reads submitted and not done, and the PE-side blocks of requests still waiting for
         buffer slots (left out, a node whose buffer is full would look idle to the scheduler
         and draw the next reads)."""
-        num_waiting = self._slot_queue.num_waiting_slots  # one slot per PE-side block
-        return (self.reader.num_queued_blocks + num_waiting) * self.block_size
+        return self.store_reads.num_queued_blocks(waiting=True) * self.block_size
 
     @property
     def num_tokens(self) -> int:
@@ -409,8 +390,8 @@ class PrefillEngine:
 
     @property
     def num_read_bytes(self) -> int:
-        return self.reader.num_read_bytes
+        return self.store_reads.num_read_bytes
 
     def close(self) -> None:
-        self.reader.close()
+        self.store_reads.close()
         self.courier.close()

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.config import EngineProcessConfig
-from dualpath.engine.buffers import KVBuffer, SlotQueue, StoreReader
+from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
 from dualpath.engine.courier import KVTransfer, LoadSource, RemoteBuffer, plan_prefill
 from dualpath.engine.decode import PersistingRequests
 from dualpath.engine.remote_buffer import TransportStaging
@@ -63,7 +63,7 @@ from dualpath.protocol import (
 from dualpath.scheduler.batching import PrefillBatcher, PrefillWork
 from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import Transport
-from dualpath.types import SamplingParams, sampling_params_from_dict
+from dualpath.types import sampling_params_from_dict
 from dualpath.vllm.connector import ConnectorHost, register_host
 from dualpath.vllm.engine import (
     PrefixCacheProbe,
@@ -90,24 +90,17 @@ def _logprobs_of(output: Any, token_ids: list[int]) -> list | None:
 
 
 @dataclass(eq=False)
-class _PrefillRequest:
-    assignment: Assignment
-    params: SamplingParams
-    keys: list
+class _PrefillRequest(BufferedRequest):
+    """``keys``/``slots``/``reads``: its PE-side hit blocks past those vLLM held."""
+
     # Leading hit blocks vLLM's own prefix cache held when the request came: not read, pinned
     # there (``pinned``) until the request leaves this engine.
     num_engine_cached_blocks: int = 0
     pinned: list = field(default_factory=list)
-    pe_slots: list[int] = field(default_factory=list)
-    reads: Any = None  # Future[int]: leading PE-side blocks read (after the engine-cached ones)
     decode_ready: DecodeReady | None = None
     plan: KVTransfer | None = None  # set once its reads on both sides are done
     is_in_vllm: bool = False
     num_hit: int = 0  # leading blocks with KV: engine-cached, read by the PE, read by the DE
-
-    @property
-    def request_id(self) -> int:
-        return self.assignment.request_id
 
 
 class VllmPrefillRole:
@@ -144,10 +137,15 @@ class VllmPrefillRole:
         self.block_size = host.layout.block_size_tokens
         self.eos_token_ids = eos_token_ids
         # The PE reads its hit blocks into its buffer; the connector loads them from there.
-        self.reader = StoreReader(
-            store, buffer, mover, num_threads=num_io_threads, name="pe-read", on_done=wake
+        self.store_reads: BufferReads[_PrefillRequest] = BufferReads(
+            store,
+            buffer,
+            mover,
+            side="PE side",
+            num_threads=num_io_threads,
+            name="pe-read",
+            on_done=wake,
         )
-        self._slot_queue: SlotQueue[_PrefillRequest] = SlotQueue(buffer)
         self.requests: dict[int, _PrefillRequest] = {}
         # Hit KV counted cached but read by neither side: vLLM still held it.
         self.num_engine_cached_bytes = 0
@@ -173,13 +171,10 @@ class VllmPrefillRole:
         self.requests[request.request_id] = request
         if assignment.num_decode_side_blocks:  # the DE waits for this before reading
             self._outbox.append(PrefillHeld(request.request_id, num_cached))
-        self._slot_queue.add(request, len(request.keys), partial(self._start_reads, request))
+        self.store_reads.add(request, len(request.keys), self._start_reads)
 
-    def _start_reads(self, request: _PrefillRequest, slots: list[int]) -> None:
-        request.pe_slots = slots
-        request.reads = self.reader.submit(
-            request.keys, slots, f"request {request.request_id} PE side"
-        )
+    def _start_reads(self, request: _PrefillRequest) -> None:
+        self.store_reads.read(request, request.keys, request.slots)
 
     def on_peer_message(self, msg: PeerMessage) -> None:
         request = self.requests.get(msg.request_id) if isinstance(msg, DecodeReady) else None
@@ -199,12 +194,7 @@ class VllmPrefillRole:
         elif request.plan is not None and self.batcher is not None:
             self.batcher.remove(request_id)
         self._unpin(request)
-        if self._slot_queue.remove(request):
-            return
-        if request.reads is not None:
-            request.reads.result()  # the read thread owns the slots until it returns
-        self.buffer.free(request.pe_slots)
-        self._slot_queue.start_waiting()
+        self.store_reads.release(request)
 
     def _unpin(self, request: _PrefillRequest) -> None:
         self.prefix_cache.unpin(request.pinned)
@@ -216,7 +206,7 @@ class VllmPrefillRole:
         for request in self.requests.values():
             if request.plan is not None or request.decode_ready is None:
                 continue
-            if request.reads is None or not request.reads.done():
+            if not request.is_read:
                 continue
             remote = self.peers.remotes.get(request.assignment.decode_engine_id)
             if remote is None:
@@ -258,7 +248,7 @@ class VllmPrefillRole:
         transfer, request.num_hit = plan_prefill(
             request.request_id,
             buffer=self.buffer,
-            pe_slots=request.pe_slots,
+            pe_slots=request.slots,
             num_prefill_side_blocks=assignment.num_prefill_side_blocks,
             num_pe_read=reads.result(),
             remote=remote,
@@ -311,8 +301,7 @@ class VllmPrefillRole:
             request.num_engine_cached_blocks * self.host.layout.full_block_bytes
         )
         self._unpin(request)
-        self.buffer.free(request.pe_slots)
-        self._slot_queue.start_waiting()
+        self.store_reads.release(request)
         completion = output.outputs[0]
         (token_id,) = completion.token_ids
         logprobs = _logprobs_of(completion, [token_id])
@@ -341,40 +330,33 @@ class VllmPrefillRole:
 
     def load(self) -> RoleLoad:
         num_tokens = sum(len(r.assignment.prompt_token_ids) for r in self.requests.values())
-        num_waiting = self._slot_queue.num_waiting_slots
-        read_tokens = (self.reader.num_queued_blocks + num_waiting) * self.block_size
+        read_tokens = self.store_reads.num_queued_blocks(waiting=True) * self.block_size
         return RoleLoad(len(self.requests), num_tokens, 0, read_tokens, 0)
 
     @property
     def num_read_bytes(self) -> int:
-        return self.reader.num_read_bytes
+        return self.store_reads.num_read_bytes
 
     @property
     def store(self) -> KVStore | None:
-        return self.reader.store
+        return self.store_reads.store
 
     def close(self, flush_timeout_s: float) -> int:
-        self.reader.close()
+        self.store_reads.close()
         return 0
 
 
 @dataclass(eq=False)
-class _DecodeRequest:
-    assignment: Assignment
-    params: SamplingParams
-    keys: list  # the DE-side hit blocks' keys
+class _DecodeRequest(BufferedRequest):
+    """``slots``: one per prompt block; ``keys``: the DE side's hit blocks, ``reads``: those
+    of them past the ones the PE's engine holds."""
+
     # Leading blocks the PE's engine holds (PrefillHeld): not read here. None: not known yet.
     num_held_by_prefill: int | None = None
-    slots: list[int] = field(default_factory=list)
-    reads: Any = None  # Future[int]: leading DE-side blocks read into ``slots``
     num_skipped: int = 0  # leading DE-side blocks not read: the PE's engine holds them
     is_ready_sent: bool = False
     prefill_done: PrefillDone | None = None
     plan: KVTransfer | None = None  # set once it is in vLLM
-
-    @property
-    def request_id(self) -> int:
-        return self.assignment.request_id
 
 
 class VllmDecodeRole:
@@ -395,14 +377,19 @@ class VllmDecodeRole:
         self.host = host
         self.buffer = buffer
         # The DE read path: DE-side hit blocks read into this buffer, for the PE to pull.
-        self.reader = StoreReader(
-            host.store, buffer, host.mover, num_threads=num_io_threads, name="de-read", on_done=wake
+        self.store_reads: BufferReads[_DecodeRequest] = BufferReads(
+            host.store,
+            buffer,
+            host.mover,
+            side="DE side",
+            num_threads=num_io_threads,
+            name="de-read",
+            on_done=wake,
         )
         self.block_size = host.layout.block_size_tokens
         self.eos_token_ids = eos_token_ids
         self._block_pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
         self.num_kv_blocks = self._block_pool.num_gpu_blocks
-        self._slot_queue: SlotQueue[_DecodeRequest] = SlotQueue(buffer)
         self.requests: dict[int, _DecodeRequest] = {}
         self._persisting = PersistingRequests(self._pending_writes)
 
@@ -418,11 +405,7 @@ class VllmDecodeRole:
         if not request.keys:
             request.num_held_by_prefill = 0  # nothing to read: no need to wait for the PE
         self.requests[request.request_id] = request
-        self._slot_queue.add(request, num_slots, partial(self._on_slots, request))
-
-    def _on_slots(self, request: _DecodeRequest, slots: list[int]) -> None:
-        request.slots = slots
-        self._start_reads(request)
+        self.store_reads.add(request, num_slots, self._start_reads)
 
     def _start_reads(self, request: _DecodeRequest) -> None:
         """Read the DE side's hit blocks the PE's engine does not hold, once the slots are
@@ -432,10 +415,10 @@ class VllmDecodeRole:
         first = request.assignment.num_prefill_side_blocks
         request.num_skipped = min(len(request.keys), max(0, request.num_held_by_prefill - first))
         start = first + request.num_skipped
-        request.reads = self.reader.submit(
+        self.store_reads.read(
+            request,
             request.keys[request.num_skipped :],
             request.slots[start : first + len(request.keys)],
-            f"request {request.request_id} DE side",
         )
 
     def on_peer_message(self, msg: PeerMessage) -> None:
@@ -458,17 +441,7 @@ class VllmDecodeRole:
         if request.plan is not None:
             self.engine.abort_request([str(request_id)])
             self.host.plans.pop(request_id, None)
-            if request.plan.load is None:
-                return  # loaded: the slots were freed then
-        if not self._slot_queue.remove(request):
-            if request.reads is not None:
-                request.reads.result()  # the read thread owns the slots until it returns
-            self._free_slots(request)
-
-    def _free_slots(self, request: _DecodeRequest) -> None:
-        self.buffer.free(request.slots)
-        request.slots = []
-        self._slot_queue.start_waiting()
+        self.store_reads.release(request)  # nothing left to free once its load is done
 
     def _adopt_prefilled(self) -> None:
         """Hand vLLM every request whose prompt KV is in the buffer."""
@@ -482,7 +455,7 @@ class VllmDecodeRole:
                 request.request_id,
                 load=LoadSource(self.buffer, request.slots, len(prompt)),
                 persist_from_block=done.num_cached_tokens // self.block_size,
-                on_loaded=partial(self._free_slots, request),
+                on_loaded=partial(self.store_reads.release, request),
             )
             self.host.plans[request.request_id] = request.plan
             num_before = assignment.num_output_tokens + 1  # output so far, the first token too
@@ -501,7 +474,7 @@ class VllmDecodeRole:
 
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
         for request in self.requests.values():
-            if request.is_ready_sent or request.reads is None or not request.reads.done():
+            if request.is_ready_sent or not request.is_read:
                 continue
             request.is_ready_sent = True
             num_covered = request.num_skipped + request.reads.result()
@@ -565,13 +538,13 @@ class VllmDecodeRole:
             len(self.requests),
             num_tokens,
             self._block_pool.get_num_free_blocks(),
-            self.reader.num_queued_blocks * self.block_size,
+            self.store_reads.num_queued_blocks(waiting=False) * self.block_size,
             num_writes * self.block_size,
         )
 
     @property
     def num_read_bytes(self) -> int:
-        return self.reader.num_read_bytes
+        return self.store_reads.num_read_bytes
 
     num_engine_cached_bytes = 0  # the PE's vLLM holds the hits it did not read
 
@@ -580,7 +553,7 @@ class VllmDecodeRole:
         return self.host.store
 
     def close(self, flush_timeout_s: float) -> int:
-        self.reader.close()
+        self.store_reads.close()
         store_io = self.host.store_io
         return 0 if store_io is None else store_io.flush(flush_timeout_s)
 
