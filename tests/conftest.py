@@ -78,6 +78,19 @@ def tiny_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3 in miniature (MLA with the 576-value entry vLLM's CPU MLA backend takes,
+    MoE, no indexer; ``presets.py``)."""
+    from dualpath.model.make import make_model
+
+    return shared_checkpoint(
+        tmp_path_factory,
+        "tiny-deepseek-v3",
+        lambda models: make_model("tiny-deepseek-v3", models / "tiny-deepseek-v3"),
+    )
+
+
 @pytest.fixture(params=["tiny", "tiny-deepseek"])
 def each_architecture_dir(request: pytest.FixtureRequest) -> Path:
     """A dense model, then an MLA one: the KV-path guarantees hold for both cache entries."""

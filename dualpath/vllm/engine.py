@@ -84,8 +84,31 @@ def build_engine(spec: VllmEngineSpec) -> Any:
     )
     if spec.num_kv_blocks is not None:
         args["num_gpu_blocks_override"] = spec.num_kv_blocks
+    args.update(mla_args(spec.model_dir))
     args.update(spec.args)
     return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def mla_args(model_dir: Path) -> dict[str, Any]:
+    """vLLM's settings for an MLA model (DeepSeek-V3's latent KV) on a CPU, {} otherwise.
+
+    The ``CPU_MLA`` backend, whichever CPU: a host with AMX tiles would get ``AMX_MLA``,
+    which takes bfloat16 only and 128-token blocks, so the same command would give another
+    engine (and other pages) on another host. ``CPU_MLA`` serves 16-token blocks only (vLLM
+    forces its block size to 16). And vLLM's custom rotary-embedding op is left out: in eager
+    mode (every op custom) it rotates MLA's strided rope keys at the wrong positions, which
+    makes a prefill's cached keys depend on the batch (measured: vLLM 0.32, CPU)."""
+    import json
+
+    from vllm.platforms import current_platform
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if not config.get("kv_lora_rank") or not current_platform.is_cpu():
+        return {}
+    return {
+        "attention_backend": "CPU_MLA",
+        "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+    }
 
 
 def vllm_sampling_params(params: SamplingParams, *, max_tokens: int, min_tokens: int) -> Any:

@@ -22,7 +22,6 @@ from dualpath.model.identity import kv_facts
 from dualpath.model.layerwise import PackedBatch
 from dualpath.model.loader import load_model
 from dualpath.sim.profiles import MODELS
-from tests.conftest import shared_checkpoint
 from tests.model.published import PUBLISHED_V3, PUBLISHED_V32, dequantized
 
 transformers = pytest.importorskip("transformers", minversion="5.24")
@@ -42,13 +41,9 @@ ARCHITECTURES = {
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
-def preset_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if request.param == "tiny-deepseek":
-        return request.getfixturevalue("tiny_deepseek_dir")
-    from dualpath.model.make import make_model
-
-    name = request.param
-    return shared_checkpoint(tmp_path_factory, name, lambda models: make_model(name, models / name))
+def preset_dir(request: pytest.FixtureRequest) -> Path:
+    fixture = {"tiny-deepseek": "tiny_deepseek_dir", "tiny-deepseek-v3": "tiny_deepseek_v3_dir"}
+    return request.getfixturevalue(fixture[request.param])
 
 
 @pytest.fixture(scope="module")

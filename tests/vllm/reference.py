@@ -1,6 +1,6 @@
 """Plain vLLM's greedy tokens for token-id prompts (no connector), from one vLLM engine in a
 process of its own (a vLLM engine is process-wide) that serves the whole test session:
-``python -m tests.vllm.reference MODEL MAX_MODEL_LEN`` reads one JSON line per batch on stdin
+``python -m tests.vllm.reference MODEL MAX_MODEL_LEN BLOCK_SIZE`` reads one JSON line per batch on stdin
 (``[[prompt ids], max_tokens]`` pairs) and answers each with one JSON line on stdout: per prompt,
 its tokens and each token's top-2 logprobs (vLLM's own logs go to stderr).
 
@@ -24,8 +24,9 @@ MAX_MODEL_LEN = 4160  # the longest prompt a test sends (4,000 tokens) + output,
 class PlainVllm:
     """The reference engine's process: started once, asked many times, closed at the end."""
 
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, *, block_size: int = 64) -> None:
         argv = [sys.executable, "-m", "tests.vllm.reference", str(model_dir), str(MAX_MODEL_LEN)]
+        argv.append(str(block_size))
         self._log_path = log_path
         with open(log_path, "wb") as log:
             self._process = subprocess.Popen(
@@ -74,7 +75,7 @@ def near_ties(reference: dict, tokens: list[int], label: str) -> int:
 
 
 def main() -> None:
-    model_dir, max_model_len = sys.argv[1], int(sys.argv[2])
+    model_dir, max_model_len, block_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     # Answers on the stdout we were given; everything vLLM prints goes to stderr.
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -82,9 +83,12 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # a batch of every conversation turn
     from vllm import LLM, SamplingParams
 
+    from dualpath.vllm.engine import mla_args
+
     llm = LLM(
-        model_dir, dtype="float32", block_size=64, max_model_len=max_model_len,
+        model_dir, dtype="float32", block_size=block_size, max_model_len=max_model_len,
         enforce_eager=True, seed=0, enable_prefix_caching=False,
+        **mla_args(Path(model_dir)),  # the backend and ops an MLA model gets on CPU
     )  # fmt: skip
     for line in sys.stdin:
         requests = json.loads(line)
