@@ -15,6 +15,9 @@ few repeats in alternating order; medians are reported. A third way, ``vllm_load
 into its page of a vLLM-shaped CPU paged cache (``[blocks, kv_heads, block_size, 2 * head_dim]``
 float32, 64-dim heads; a vLLM engine's Layer Block is its page, byte for byte:
 ``CpuAttentionPages.write_layer``, the copy the connector makes in ``wait_for_layer_load``).
+A fourth, ``vllm_direct``, lands each store read straight in those pages (``read_layers``: one
+positioned read per block scatters its Layer Blocks into the layers' pages, no buffer and no
+second copy), as ``KVStoreIO.load`` does for a block whose layers are host pages.
 ``page_cache_dropped_fraction`` says
 how many files were verifiably out of the page cache before the cold runs (checked with
 ``preadv(RWF_NOWAIT)``); if it is not 1.0 the cold figures are partly warm.
@@ -47,7 +50,7 @@ from dualpath.units import GB
 
 logger = logging.getLogger(__name__)
 
-_METHODS = ("plain", "store", "vllm_load")
+_METHODS = ("plain", "store", "vllm_load", "vllm_direct")
 VLLM_HEAD_DIM = 64  # the vLLM-shaped cache's head size (bytes_per_token_per_layer sets the heads)
 _MAX_DROP_ATTEMPTS = 5
 
@@ -86,18 +89,23 @@ def run_store_read_bench(
     full_block = layout.empty_full_block()
     buffer = np.empty((num_blocks, *layout.full_block_shape), dtype=np.uint8)
     cache = _vllm_shaped_cache(layout, num_blocks)
+    direct = _vllm_shaped_cache(layout, num_blocks)
     method_to_read_all: dict[str, Callable[[], None]] = {
         "plain": lambda: _plain_read_all(paths, file_buffer),
         "store": lambda: _store_read_all(store, keys, full_block),
         "vllm_load": lambda: _vllm_load_all(store, keys, buffer, cache),
+        "vllm_direct": lambda: _vllm_direct_all(store, keys, direct),
     }
     samples_s, dropped_fractions = _time_reads(
         method_to_read_all, paths, num_repeats, show_progress
     )
     store.close()
-    for block in range(num_blocks):  # the load moved the bytes, not just the time
-        if not np.array_equal(cache.copy_full_block(block), buffer[block]):
-            raise RuntimeError(f"vllm_load: block {block} in the paged cache is not the stored one")
+    for block in range(num_blocks):  # the loads moved the bytes, not just the time
+        for name, pages in (("vllm_load", cache), ("vllm_direct", direct)):
+            if not np.array_equal(pages.copy_full_block(block), buffer[block]):
+                raise RuntimeError(
+                    f"{name}: block {block} in the paged cache is not the stored one"
+                )
     total_bytes = num_blocks * layout.full_block_bytes
     result: dict = {
         "num_blocks": num_blocks,
@@ -150,12 +158,17 @@ def _throughputs(samples_s: dict[tuple[str, str], list[float]], total_bytes: int
         plain_gb_per_s = total_bytes / statistics.median(samples_s[temperature, "plain"]) / GB
         store_gb_per_s = total_bytes / statistics.median(samples_s[temperature, "store"]) / GB
         load_gb_per_s = total_bytes / statistics.median(samples_s[temperature, "vllm_load"]) / GB
+        direct_gb_per_s = (
+            total_bytes / statistics.median(samples_s[temperature, "vllm_direct"]) / GB
+        )
         result[temperature] = {
             "plain_gb_per_s": plain_gb_per_s,
             "store_gb_per_s": store_gb_per_s,
             "ratio": store_gb_per_s / plain_gb_per_s,
             "vllm_load_gb_per_s": load_gb_per_s,
             "vllm_load_ratio": load_gb_per_s / plain_gb_per_s,
+            "vllm_direct_gb_per_s": direct_gb_per_s,
+            "vllm_direct_ratio": direct_gb_per_s / plain_gb_per_s,
         }
     # Every timing, in run order, so the spread behind each median is visible.
     result["samples_s"] = {
@@ -207,6 +220,14 @@ def _vllm_load_all(store: FileKVStore, keys: Sequence[str], buffer: np.ndarray, 
     for layer in range(cache.layout.num_layers):
         for block_id in range(len(keys)):
             cache.write_layer(layer, (block_id,), buffer[block_id, layer : layer + 1])
+
+
+def _vllm_direct_all(store: FileKVStore, keys: Sequence[str], cache) -> None:
+    """The store read straight into vLLM's pages, as ``KVStoreIO.load`` reads a block whose
+    layers are host pages: one positioned read per block scatters its Layer Blocks into them."""
+    layers = range(cache.layout.num_layers)
+    for block_id, key in enumerate(keys):
+        store.read_layers(key, [cache.layer_view(layer, (block_id,))[0] for layer in layers])
 
 
 def _drop_page_cache(paths: Sequence[Path]) -> float | None:

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -46,6 +46,10 @@ class BlockCache(Protocol):
     def host_view(self, block_id: int) -> np.ndarray | None:
         """A zero-copy uint8 Full Block view of block ``block_id`` for the store to read into,
         or None when the block's bytes are not host memory in the store's order."""
+        ...
+
+    def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
+        """``KVPages.layer_view``: a zero-copy host view of one layer of the blocks, or None."""
         ...
 
     def load_full_block(self, block_id: int, full_block: np.ndarray) -> None:
@@ -99,16 +103,31 @@ class KVStoreIO:
         return is_loaded.index(False) if False in is_loaded else len(is_loaded)
 
     def _read_one(self, key: BlockKey, block_id: int) -> bool:
-        host = self.cache.host_view(block_id)
+        """Straight into the block when its bytes are host memory in the store's order: the
+        whole Full Block (our cache), or each layer's page (vLLM's: one positioned read
+        scatters the file into them); through a host copy otherwise."""
+        cache = self.cache
+        host = cache.host_view(block_id)
+        layers = None if host is not None else self._layer_views(block_id)
+        nbytes = cache.layout.full_block_bytes
         try:
-            nbytes = self.cache.layout.full_block_bytes
+            if layers is not None:
+                self._mover("snic", nbytes, lambda: self.store.read_layers(key, layers))
+                return True
             data = self._mover("snic", nbytes, lambda: self.store.read(key, out=host))
         except KVStoreError as exc:
             logger.warning("block %s unreadable, recomputing from it: %s", key, exc)
             return False
         if host is None:
-            self.cache.load_full_block(block_id, data)
+            cache.load_full_block(block_id, data)
         return True
+
+    def _layer_views(self, block_id: int) -> list[np.ndarray] | None:
+        layers = range(self.cache.layout.num_layers)
+        views = [self.cache.layer_view(layer, (block_id,)) for layer in layers]
+        if any(view is None for view in views):
+            return None
+        return [view[0] for view in views]
 
     def persist(self, key: BlockKey, block_id: int) -> None:
         """Queue device block ``block_id`` for writing under ``key``; returns at once."""

@@ -125,6 +125,15 @@ class KVStore(ABC):
         absent and ``CorruptBlock`` if it is damaged (it is then deleted).
         """
 
+    def read_layers(self, key: BlockKey, layer_blocks: Sequence[np.ndarray]) -> None:
+        """The Full Block with Layer Block l written into ``layer_blocks[l]`` (writeable
+        C-contiguous ``uint8`` arrays of ``layout.layer_block_shape``, e.g. an engine's pages,
+        one tensor per layer); errors as ``read``. Here through a host copy; a store that can
+        scatter its read (``FileKVStore``) lands it in them directly."""
+        full_block = self.read(key)
+        for layer, layer_block in enumerate(_check_layer_blocks(layer_blocks, self.layout)):
+            layer_block[...] = full_block[layer]
+
     @abstractmethod
     def write(self, key: BlockKey, full_block: BlockBuffer) -> bool:
         """Store ``full_block`` under ``key``; ``False`` if it was already present.
@@ -312,13 +321,23 @@ class FileKVStore(KVStore):
         return self._is_present(key)
 
     def read(self, key: BlockKey, out: np.ndarray | None = None) -> np.ndarray:
-        self._check_open()
-        key_bytes = key_to_bytes(key)
         full_block = (
             _check_out(out, self.layout)
             if out is not None
             else np.empty(self._full_block_shape, dtype=np.uint8)
         )
+        self._read(key, [full_block])
+        return full_block
+
+    def read_layers(self, key: BlockKey, layer_blocks: Sequence[np.ndarray]) -> None:
+        """One positioned read scatters the file's Layer Blocks straight into
+        ``layer_blocks`` (``preadv``): no copy through a Full Block."""
+        self._read(key, _check_layer_blocks(layer_blocks, self.layout))
+
+    def _read(self, key: BlockKey, payload: Sequence[np.ndarray]) -> None:
+        """Read block ``key``'s payload into ``payload`` (its bytes in order)."""
+        self._check_open()
+        key_bytes = key_to_bytes(key)
         path = self._block_path(key)
         with self._lock:
             entry_before_open = self._index.get(key)
@@ -334,7 +353,7 @@ class FileKVStore(KVStore):
         except OSError as exc:
             raise KVStoreError(f"cannot open block {key} at {path}: {exc}") from exc
         try:
-            problem = self._read_block_file(fd, key_bytes, full_block)
+            problem = self._read_block_file(fd, key_bytes, payload)
             if problem is not None:
                 self._delete_corrupt(key, path, fd, problem)
         except OSError as exc:
@@ -346,7 +365,6 @@ class FileKVStore(KVStore):
             self._count("read_bytes", self._full_block_bytes)
             path_to_touch = self._mark_used(key)
         self._touch_files([path_to_touch])
-        return full_block
 
     def write(self, key: BlockKey, full_block: BlockBuffer) -> bool:
         self._check_open()
@@ -511,10 +529,13 @@ class FileKVStore(KVStore):
 
     # -- file I/O ------------------------------------------------------------------------------
 
-    def _read_block_file(self, fd: int, key_bytes: bytes, full_block: np.ndarray) -> str | None:
-        """Read header and payload (straight into ``full_block``); what is wrong, or ``None``."""
+    def _read_block_file(
+        self, fd: int, key_bytes: bytes, payload: Sequence[np.ndarray]
+    ) -> str | None:
+        """Read header and payload (straight into ``payload``'s arrays, in order); what is
+        wrong, or ``None``."""
         header = bytearray(HEADER_BYTES)
-        num_read = _preadv_full(fd, [header, full_block], self._block_file_bytes)
+        num_read = _preadv_full(fd, [header, *payload], self._block_file_bytes)
         if num_read < HEADER_BYTES:
             return f"file is {num_read} bytes, shorter than the {HEADER_BYTES}-byte header"
         # Fast path: every header field but the checksum is known; compare them in one go.
@@ -522,7 +543,7 @@ class FileKVStore(KVStore):
             checksum = int.from_bytes(header[_CHECKSUM_OFFSET:], "little")
             if num_read != self._block_file_bytes:
                 return f"file is {num_read} bytes, expected {self._block_file_bytes}"
-            if self._verify_checksums and xxhash.xxh3_64_intdigest(full_block) != checksum:
+            if self._verify_checksums and _checksum(payload) != checksum:
                 return "payload checksum mismatch"
             return None
         return self._header_problem(header, key_bytes)
@@ -735,6 +756,32 @@ def _is_key(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _checksum(payload: Sequence[np.ndarray]) -> int:
+    """xxh3-64 of the payload's bytes in order (streamed: the same as of their concatenation)."""
+    if len(payload) == 1:
+        return xxhash.xxh3_64_intdigest(payload[0])
+    hasher = xxhash.xxh3_64()
+    for part in payload:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+def _check_layer_blocks(layer_blocks: Sequence[np.ndarray], layout: KVLayout) -> list[np.ndarray]:
+    if len(layer_blocks) != layout.num_layers or not all(
+        isinstance(b, np.ndarray)
+        and b.dtype == np.uint8
+        and b.shape == layout.layer_block_shape
+        and b.flags.c_contiguous
+        and b.flags.writeable
+        for b in layer_blocks
+    ):
+        raise ValueError(
+            f"layer_blocks must be {layout.num_layers} writeable C-contiguous uint8 arrays of "
+            f"shape {layout.layer_block_shape}"
+        )
+    return list(layer_blocks)
 
 
 def _check_out(out: np.ndarray, layout: KVLayout) -> np.ndarray:

@@ -61,6 +61,21 @@ def test_write_then_read_round_trips_exact_bytes(make_store: StoreFactory) -> No
     assert (stats.reads, stats.read_bytes) == (4, 4 * TINY_LAYOUT.full_block_bytes)
 
 
+def test_read_layers_lands_each_layer_block_in_its_own_array(make_store: StoreFactory) -> None:
+    # As an engine's pages hold them: one array per layer, apart in memory.
+    store = make_store()
+    (key,) = make_keys(1)
+    block = make_block(5)
+    store.write(key, block)
+    pages = np.zeros((TINY_LAYOUT.num_layers, 3, *TINY_LAYOUT.layer_block_shape), np.uint8)
+    store.read_layers(key, [pages[layer, 1] for layer in range(TINY_LAYOUT.num_layers)])
+    assert np.array_equal(pages[:, 1], block) and not pages[:, [0, 2]].any()
+    with pytest.raises(ValueError, match="layer_blocks"):
+        store.read_layers(key, [pages[layer, 1] for layer in range(TINY_LAYOUT.num_layers - 1)])
+    with pytest.raises(ValueError, match="layer_blocks"):
+        store.read_layers(key, [pages[layer, 1, ::2] for layer in range(TINY_LAYOUT.num_layers)])
+
+
 def test_read_returns_a_private_copy(make_store: StoreFactory) -> None:
     store = make_store()
     (key,) = make_keys(1)
@@ -510,7 +525,10 @@ def test_damaged_block_is_detected_dropped_and_rewritable(
         store = _file_store(tmp_path)
     expected_error = fresh_store_error if is_fresh_store else same_store_error
     with pytest.raises(expected_error, match=keys[0]):
-        store.read(keys[0])
+        if kind == "flip_payload_byte":  # the checksum covers a read scattered into layers
+            store.read_layers(keys[0], list(TINY_LAYOUT.empty_full_block()))
+        else:
+            store.read(keys[0])
     assert not _path(tmp_path, keys[0]).exists()
     assert store.lookup(keys[:1]) == 0
     stats = store.stats()
@@ -639,7 +657,8 @@ def test_store_read_bench_quick_run(tmp_path: Path) -> None:
     assert result["total_bytes"] == 8 * 4096
     for temperature in ("cold", "warm"):
         assert set(result[temperature]) == {
-            "plain_gb_per_s", "store_gb_per_s", "ratio", "vllm_load_gb_per_s", "vllm_load_ratio"
+            "plain_gb_per_s", "store_gb_per_s", "ratio", "vllm_load_gb_per_s", "vllm_load_ratio",
+            "vllm_direct_gb_per_s", "vllm_direct_ratio",
         }  # fmt: skip
         assert all(value > 0 for value in result[temperature].values())
     assert result["page_cache_drop"] == "posix_fadvise"
