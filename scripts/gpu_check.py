@@ -8,7 +8,11 @@
    buffers) are joined through NIXL, tokens compared with the single-node engine on the CPU
    for the PE, DE and split read paths;
 3. NIXL registration of device memory: a VRAM -> VRAM write between two agents;
-4. a throughput figure: single-node prefill and decode tokens/s of the `small` preset.
+4. a throughput figure: single-node prefill and decode tokens/s of the `small` preset;
+5. vLLM as the engine, where this Python has vLLM (upstream's CUDA build on a GPU): `dualpath
+   serve --engine vllm --nodes 1P1D` on the tiny model, its greedy tokens against plain vLLM's
+   (its own `LLM`, no connector) cold and then warm from the store, through the page layout
+   vLLM reports for its attention backend (``dualpath.vllm.layouts``). Skipped without vLLM.
 
 With ``--device cpu`` it runs the same steps on the CPU (no VRAM step) so the script itself
 can be checked anywhere. Every step records ok / error and its figures in the JSON.
@@ -131,6 +135,108 @@ def step_throughput(device: str, work: Path) -> dict:
     }
 
 
+# Plain vLLM's greedy tokens and top-2 logprobs, in a process of its own (vLLM is process-wide).
+_PLAIN_VLLM = """
+import json, sys
+from vllm import LLM, SamplingParams
+model, dtype, prompts, memory = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+llm = LLM(model, dtype=dtype, block_size=64, max_model_len=2048, enforce_eager=True, seed=0,
+          enable_prefix_caching=False, gpu_memory_utilization=float(memory))
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2))
+print(json.dumps([[list(o.outputs[0].token_ids),
+                   [sorted((lp.logprob for lp in e.values()), reverse=True)[:2]
+                    for e in o.outputs[0].logprobs]] for o in outs]))
+"""
+
+
+def step_vllm_serve(device: str, model_dir: Path, work: Path) -> dict:
+    """``dualpath serve --engine vllm --nodes 1P1D`` against plain vLLM, cold then warm."""
+    import importlib.util
+    import os
+    import socket
+    import subprocess
+
+    import httpx
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"ok": None, "skipped": "this Python has no vLLM (pip install vllm)"}
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    memory = "0.25"  # of the GPU per vLLM engine: the server runs two
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (300, 1500)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    plain = subprocess.run(
+        [sys.executable, "-c", _PLAIN_VLLM, str(model_dir), dtype, json.dumps(prompts), memory],
+        capture_output=True, text=True, timeout=600, env=env, check=True,
+    )  # fmt: skip
+    reference = json.loads(plain.stdout.strip().splitlines()[-1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [
+        sys.executable, "-m", "dualpath.cli", "serve", "--model", str(model_dir),
+        "--engine", "vllm", "--nodes", "1P1D", "--dtype", dtype, "--port", str(port),
+        "--served-model-name", "tiny",
+        "--kv-store", str(work / "vllm-kv"), "--max-model-len", "2048",
+        "--vllm-arg", f"gpu_memory_utilization={memory}",
+    ]  # fmt: skip
+    result: dict = {"dtype": dtype, "passes": {}}
+    with open(work / "vllm-serve.log", "wb") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            log_tail = (work / "vllm-serve.log").read_text()[-2000:]
+            return {"ok": False, "error": f"the server did not become healthy: {log_tail}"}
+        for label in ("cold", "warm"):
+            outs = [
+                httpx.post(
+                    f"{url}/v1/completions",
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 16,
+                          "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                    timeout=600,
+                ).json()
+                for prompt in prompts
+            ]  # fmt: skip
+            result["passes"][label] = [
+                _against_plain_vllm(out, ref) for out, ref in zip(outs, reference, strict=True)
+            ]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    passes = result["passes"]
+    result["ok"] = all(r["same_or_near_tie"] for p in passes.values() for r in p) and all(
+        r["cached_tokens"] > 0 for r in passes["warm"]
+    )
+    return result
+
+
+def _against_plain_vllm(out: dict, reference: list) -> dict:
+    """One completion against plain vLLM's: the first difference only at a near tie of its
+    top two tokens (bfloat16 rounding differs between a cached and an uncached prefill)."""
+    tokens = out["choices"][0]["token_ids"]
+    expected, tops = reference
+    first = next(
+        (i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None
+    )
+    margin = None if first is None else tops[first][0] - tops[first][1]
+    return {
+        "same_or_near_tie": len(tokens) == len(expected) and (margin is None or margin < 0.05),
+        "first_difference": first,
+        "top2_margin": margin,
+        "cached_tokens": out["usage"]["prompt_tokens_details"]["cached_tokens"],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -153,6 +259,7 @@ def main() -> int:
             "disaggregated": lambda: step_disaggregated(args.device, model_dir, work),
             "nixl_vram": lambda: step_nixl_vram(args.device),
             "throughput": lambda: step_throughput(args.device, work),
+            "vllm_serve": lambda: step_vllm_serve(args.device, model_dir, work),
         }
         for name, run in steps.items():
             start = time.perf_counter()

@@ -34,7 +34,7 @@ from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.capacity import role_buffer_bytes
 from dualpath.errors import TransferTimeout
 from dualpath.lifetime import die_with_parent
-from dualpath.model.identity import checkpoint_kv_identity, kv_identity
+from dualpath.model.identity import checkpoint_kv_identity, kv_identity, vllm_device
 from dualpath.model.loader import load_model
 from dualpath.protocol import (
     Assignment,
@@ -114,7 +114,7 @@ class _EngineProcess:
                 engine_config.dtype,
                 engine_config.block_size_tokens,
                 "vllm",
-                engine_config.device,
+                vllm_device(),
             )
         else:
             loaded = load_model(

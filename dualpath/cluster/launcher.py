@@ -43,7 +43,7 @@ from dualpath.control.channel import new_cluster_token
 from dualpath.engine.capacity import check_capacity
 from dualpath.errors import ClusterUnavailable
 from dualpath.kv.layout import KVLayout
-from dualpath.model.identity import checkpoint_kv_identity
+from dualpath.model.identity import checkpoint_kv_identity, vllm_device
 from dualpath.protocol import DECODE, PREFILL, RequestEvent
 from dualpath.transfer.links import check_pd_ratio
 from dualpath.types import SamplingParams
@@ -146,7 +146,7 @@ class LocalCluster:
             self.engine_config.dtype,
             self.engine_config.block_size_tokens,
             self.engine_config.engine,
-            self.engine_config.device,
+            vllm_device() if self.engine_config.engine == "vllm" else self.engine_config.device,
         )
         self.model_config = model_config
         self.max_model_len = (

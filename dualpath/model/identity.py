@@ -28,6 +28,14 @@ VLLM_HND_ORDER = "vllm-page-hnd: per kv head, per token, K [head_dim] then V [he
 VLLM_MLA_ORDER = "vllm-page-mla: per token, latent [kv_lora_rank] then rope [qk_rope_head_dim]"
 
 
+def vllm_device() -> str:
+    """Where this host's vLLM engines run: "cuda" with a GPU (vLLM's CUDA build), else "cpu"
+    (its CPU build). vLLM's platform is the build's, never a flag of ours."""
+    import torch  # only a vLLM engine's identity asks: it runs torch anyway
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def vllm_page_order(config: AnyModelConfig, device: str = "cpu") -> str:
     """The byte order of a vLLM engine's Layer Blocks for ``config`` on ``device``: MLA pages
     (one latent + rope entry a token) anywhere; a dense model's CPU attention page on a CPU,

@@ -27,7 +27,7 @@ from dualpath.engine.llm import Prompt, RequestOutput, encode_prompt
 from dualpath.errors import KVStoreError
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore
-from dualpath.model.identity import checkpoint_kv_identity, vllm_page_order
+from dualpath.model.identity import checkpoint_kv_identity, vllm_device, vllm_page_order
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.types import SamplingParams
 from dualpath.vllm.connector import ConnectorHost, register_host, unregister_host
@@ -53,7 +53,9 @@ class VllmLLM:
         vllm_args: dict[str, Any] | None = None,
     ) -> None:
         model_dir = Path(model)
-        config, identity = checkpoint_kv_identity(model_dir, dtype, block_size, engine="vllm")
+        config, identity = checkpoint_kv_identity(
+            model_dir, dtype, block_size, "vllm", vllm_device()
+        )
         self.layout = identity.layout
         self.fingerprint = identity.fingerprint
         self.block_size = block_size
@@ -63,7 +65,10 @@ class VllmLLM:
             store_config = KVStoreConfig(Path(kv_store), capacity_bytes=kv_store_capacity_bytes)
             self.store = FileKVStore.from_config(store_config, self.layout, self.fingerprint)
         self.host = ConnectorHost(
-            self.layout, self.fingerprint, store=self.store, page_order=vllm_page_order(config)
+            self.layout,
+            self.fingerprint,
+            store=self.store,
+            page_order=vllm_page_order(config, vllm_device()),
         )
         self._key = f"llm-{os.getpid()}-{next(_ENGINE_KEYS)}"
         register_host(self._key, self.host)

@@ -49,7 +49,7 @@ from dualpath.engine.role import (
 from dualpath.engine.sampling import token_finish_reason
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import FileKVStore, KVStore
-from dualpath.model.identity import KVIdentity, vllm_page_order
+from dualpath.model.identity import KVIdentity, vllm_device, vllm_page_order
 from dualpath.protocol import (
     DECODE,
     Assignment,
@@ -586,7 +586,7 @@ def make_vllm_role(
         is_layerwise=config.cluster.settings.is_layerwise,
         num_io_threads=engine_config.num_io_threads,
         max_pending_write_bytes=engine_config.max_pending_write_bytes,
-        page_order=vllm_page_order(model_config, engine_config.device),
+        page_order=vllm_page_order(model_config, vllm_device()),
     )
     key = f"engine-{config.engine_id}"
     register_host(key, host)
