@@ -168,7 +168,7 @@ class PrefillRole:
 
     @property
     def num_read_bytes(self) -> int:
-        return self.engine.num_read_bytes
+        return self.engine.store_reads.num_read_bytes
 
     num_engine_cached_bytes = 0
 
@@ -240,7 +240,7 @@ class DecodeRole:
 
     @property
     def num_read_bytes(self) -> int:
-        return self.engine.num_read_bytes
+        return self.engine.store_reads.num_read_bytes
 
     num_engine_cached_bytes = 0
 

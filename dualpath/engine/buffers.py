@@ -236,20 +236,24 @@ class BufferReads(Generic[B]):
 
     def __init__(
         self,
+        side: str,
         store: KVStore | None,
         buffer: KVBuffer,
         mover: Mover,
-        *,
-        side: str,
         num_threads: int,
-        name: str,
         on_done: Callable[[], None] | None = None,
     ) -> None:
-        """``side``: what the logs call these reads ("PE side"); ``name`` the threads'."""
+        """``side``: "PE" or "DE" (the logs' "PE side", the threads' "pe-read");
+        ``on_done`` as ``StoreReader``'s."""
         self.buffer = buffer
-        self.side = side
+        self.side = f"{side} side"
         self.reader = StoreReader(
-            store, buffer, mover, num_threads=num_threads, name=name, on_done=on_done
+            store,
+            buffer,
+            mover,
+            num_threads=num_threads,
+            name=f"{side.lower()}-read",
+            on_done=on_done,
         )
         self.queue: SlotQueue[B] = SlotQueue(buffer)
 

@@ -91,13 +91,7 @@ class DecodeEngine:
         self.store = None if engine.store_io is None else engine.store_io.store
         self.mover = mover
         self.store_reads: BufferReads[DecodeRequest] = BufferReads(
-            self.store,
-            buffer,
-            mover,
-            side="DE side",
-            num_threads=num_io_threads,
-            name="de-read",
-            on_done=on_read_done,
+            "DE", self.store, buffer, mover, num_io_threads, on_read_done
         )
         # Takes a prefilled prompt's KV from the buffer into the paged cache.
         self.courier = KVCourier(
@@ -252,10 +246,6 @@ class DecodeEngine:
     @property
     def num_seqs(self) -> int:
         return len(self.requests) + len(self.engine.running) + len(self.engine.waiting)
-
-    @property
-    def num_read_bytes(self) -> int:
-        return self.store_reads.num_read_bytes
 
     def close(self) -> None:
         self.store_reads.close()

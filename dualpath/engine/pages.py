@@ -20,7 +20,7 @@ is filled when ``read_layer`` returns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -69,12 +69,8 @@ class LayerBlockPages:
     view and the store reads and writes through host copies."""
 
     layout: KVLayout
-
-    def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
-        raise NotImplementedError
-
-    def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
-        raise NotImplementedError
+    write_layer: Callable[..., None]  # ``KVPages``' own, from the adapter
+    read_layer: Callable[[int, Sequence[int], np.ndarray], None]
 
     def fence(self, layer: int) -> None:
         pass

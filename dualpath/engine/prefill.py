@@ -118,13 +118,7 @@ class PrefillEngine:
         self.is_layerwise = is_layerwise
         self.mover = mover
         self.store_reads: BufferReads[PrefillRequest] = BufferReads(
-            store,
-            buffer,
-            mover,
-            side="PE side",
-            num_threads=num_io_threads,
-            name="pe-read",
-            on_done=on_read_done,
+            "PE", store, buffer, mover, num_io_threads, on_read_done
         )
         # Loads a layer's hit KV while the one before computes; sends each layer to the DE.
         self.courier = KVCourier(
@@ -387,10 +381,6 @@ class PrefillEngine:
             request.computed.append(new.clone())
         else:
             request.computed[layer] = torch.cat((request.computed[layer], new))
-
-    @property
-    def num_read_bytes(self) -> int:
-        return self.store_reads.num_read_bytes
 
     def close(self) -> None:
         self.store_reads.close()

@@ -169,14 +169,7 @@ class CpuAttentionPages(LayerBlockPages):
         self.pages = [pages(kv) for kv in self.layers]  # per layer: [num_blocks, page_bytes]
         self.layout = layout
 
-    def write_layer(
-        self,
-        layer: int,
-        block_ids: Sequence[int],
-        blocks: np.ndarray,
-        first: int = 0,
-        num: int | None = None,
-    ) -> None:
+    def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
         tokens = _token_slice(self.layout, block_ids, blocks, first, num)
         layer_pages = self.pages[layer]
         block_size = self.layout.block_size_tokens
@@ -232,14 +225,7 @@ class StridedPages(LayerBlockPages):
         self.copier = copier
         self.backend = backend
 
-    def write_layer(
-        self,
-        layer: int,
-        block_ids: Sequence[int],
-        blocks: np.ndarray,
-        first: int = 0,
-        num: int | None = None,
-    ) -> None:
+    def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
         tokens = _token_slice(self.layout, block_ids, blocks, first, num)
         pages = self.pages[layer]
         # (block, *block's dims) with the token dim cut to the range.

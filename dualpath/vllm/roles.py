@@ -138,13 +138,7 @@ class VllmPrefillRole:
         self.eos_token_ids = eos_token_ids
         # The PE reads its hit blocks into its buffer; the connector loads them from there.
         self.store_reads: BufferReads[_PrefillRequest] = BufferReads(
-            store,
-            buffer,
-            mover,
-            side="PE side",
-            num_threads=num_io_threads,
-            name="pe-read",
-            on_done=wake,
+            "PE", store, buffer, mover, num_io_threads, wake
         )
         self.requests: dict[int, _PrefillRequest] = {}
         # Hit KV counted cached but read by neither side: vLLM still held it.
@@ -378,13 +372,7 @@ class VllmDecodeRole:
         self.buffer = buffer
         # The DE read path: DE-side hit blocks read into this buffer, for the PE to pull.
         self.store_reads: BufferReads[_DecodeRequest] = BufferReads(
-            host.store,
-            buffer,
-            host.mover,
-            side="DE side",
-            num_threads=num_io_threads,
-            name="de-read",
-            on_done=wake,
+            "DE", host.store, buffer, host.mover, num_io_threads, wake
         )
         self.block_size = host.layout.block_size_tokens
         self.eos_token_ids = eos_token_ids
