@@ -95,6 +95,69 @@ def adjacent(block_ids: Sequence[int]) -> bool:
     return all(b == a + 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
 
 
+class PageCopier(Protocol):
+    """How bytes reach pages on the pages' device: the only place that knows about streams."""
+
+    def write(self, layer: int, blocks: np.ndarray, put: Callable[[torch.Tensor], None]) -> None:
+        """``put(blocks on the pages' device)``; complete after ``fence(layer)``. ``blocks``
+        may be reused by the caller on return."""
+        ...
+
+    def read(self, layer: int, take: Callable[[], torch.Tensor], out: np.ndarray) -> None:
+        """``take()`` (after every write to ``layer``) into ``out``; filled on return."""
+        ...
+
+    def fence(self, layer: int) -> None:
+        """Make the caller's stream wait for every write to ``layer`` so far."""
+        ...
+
+
+class HostCopier:
+    """``CudaCopier``'s CPU twin: the same calls, done at once on the caller's thread."""
+
+    def write(self, layer: int, blocks: np.ndarray, put: Callable[[torch.Tensor], None]) -> None:
+        put(torch.from_numpy(np.ascontiguousarray(blocks)))
+
+    def read(self, layer: int, take: Callable[[], torch.Tensor], out: np.ndarray) -> None:
+        taken = take()
+        torch.from_numpy(out).view(taken.shape).copy_(taken)
+
+    def fence(self, layer: int) -> None:
+        """Writes are done on return: nothing to wait for."""
+
+
+class CudaCopier:
+    """Writes into a GPU's pages on a side stream, so that layer l + 1 loads while layer l
+    computes: each write stages through page-locked memory, runs on the side stream and
+    records layer ``layer``'s event; ``fence(layer)`` makes the caller's (compute) stream wait
+    on that event only. Built where the compute stream is current (``register_kv_caches``)."""
+
+    def __init__(self, device: torch.device, num_layers: int) -> None:
+        self.device = device
+        self.compute_stream = torch.cuda.current_stream(device)
+        self.side_stream = torch.cuda.Stream(device)
+        self.layer_events = [torch.cuda.Event() for _ in range(num_layers)]
+
+    def write(self, layer: int, blocks: np.ndarray, put: Callable[[torch.Tensor], None]) -> None:
+        # Page-locked, so the device copy is one DMA; torch's host allocator keeps the buffer
+        # until that copy is done, so the caller's array is free on return.
+        staging = torch.empty(blocks.shape, dtype=torch.uint8, pin_memory=True)
+        staging.numpy()[...] = blocks
+        with torch.cuda.stream(self.side_stream):
+            # After the compute queued so far: it may still read a block given out again.
+            self.side_stream.wait_stream(self.compute_stream)
+            put(staging.to(self.device, non_blocking=True))
+            self.layer_events[layer].record(self.side_stream)
+
+    def read(self, layer: int, take: Callable[[], torch.Tensor], out: np.ndarray) -> None:
+        self.fence(layer)
+        taken = take()
+        torch.from_numpy(out).view(taken.shape).copy_(taken)  # to pageable memory: synchronous
+
+    def fence(self, layer: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.layer_events[layer])
+
+
 class BatchPages:
     """Our PE's pages for one batch: block j of a request at page ``first_page + j``, for the
     layers in flight only (two when layer-wise: the one computing and the one loading; every
@@ -111,8 +174,11 @@ class BatchPages:
         dtype: torch.dtype,
         entry_shape: tuple[int, ...],
         device: torch.device,
+        copier: PageCopier,
     ) -> None:
+        """``copier``: the engine's (``CudaCopier`` on a GPU: loads on a side stream)."""
         self.layout = layout
+        self.copier = copier
         self.num_resident_layers = num_resident_layers
         self.dtype = dtype
         self.entry_shape = entry_shape
@@ -127,13 +193,16 @@ class BatchPages:
     def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
         end = self.layout.block_size_tokens if num is None else first + num
         pages = self.pages[self._resident(layer)]
-        for block_id, block in zip(block_ids, blocks, strict=True):
-            source = torch.from_numpy(block[first:end])
-            pages[block_id, first:end].copy_(source, non_blocking=True)
+
+        def put(source: torch.Tensor) -> None:
+            for i, block_id in enumerate(block_ids):
+                pages[block_id, first:end] = source[i, first:end]
+
+        self.copier.write(layer, blocks, put)
 
     def read_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
         index = torch.as_tensor(list(block_ids), device=self.pages.device)
-        out[...] = self.pages[self._resident(layer)].index_select(0, index).cpu().numpy()
+        self.copier.read(layer, lambda: self.pages[self._resident(layer)][index], out)
 
     def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
         if self._host is None or not block_ids or not adjacent(block_ids):
@@ -141,7 +210,7 @@ class BatchPages:
         return self._host[self._resident(layer), block_ids[0] : block_ids[-1] + 1]
 
     def fence(self, layer: int) -> None:
-        """Writes are on the compute stream, in order: nothing to wait for."""
+        self.copier.fence(layer)
 
     def entries(self, layer: int, first_page: int, num_tokens: int) -> torch.Tensor:
         """The first ``num_tokens`` entries from page ``first_page`` on of ``layer``

@@ -41,7 +41,7 @@ from dualpath.engine.courier import (
     StepTransfer,
     plan_prefill,
 )
-from dualpath.engine.pages import BatchPages
+from dualpath.engine.pages import BatchPages, CudaCopier, HostCopier, PageCopier
 from dualpath.engine.sampling import (
     banned_token_ids,
     make_generator,
@@ -136,6 +136,10 @@ class PrefillEngine:
             chunk_align_tokens=self.block_size,
         )
         self._entry_shape = model.cache_entry_shape
+        # Loads into a batch's pages: on a GPU on a side stream, one event per layer.
+        self._copier: PageCopier = (
+            CudaCopier(device, model.num_layers) if device.type == "cuda" else HostCopier()
+        )
         self._eos_token_ids = model.config.eos_token_ids
 
     # --- requests ---------------------------------------------------------------------------
@@ -372,6 +376,7 @@ class PrefillEngine:
             dtype=self.dtype,
             entry_shape=self._entry_shape,
             device=self.device,
+            copier=self._copier,
         )
         return pages, steps
 

@@ -34,18 +34,23 @@ kernel, ``VLLM_CPU_PAGE_ORDER`` (``cache.py``: within an HND page the kernel pac
 K dim-major, an order of its own that ``check_packing`` verifies at start). An order names no
 backend: FlashAttention, Triton and FlashInfer pages in one order hold the same bytes.
 
-Writes into device pages run on a side stream (``CudaCopier``); ``HostCopier`` is its CPU twin.
+Writes into device pages run on a side stream (``pages.CudaCopier``; ``HostCopier`` its CPU twin).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from dualpath.engine.pages import LayerBlockPages, adjacent
+from dualpath.engine.pages import (
+    CudaCopier,
+    HostCopier,
+    LayerBlockPages,
+    PageCopier,
+    adjacent,
+)
 from dualpath.kv.layout import KVLayout
 from dualpath.model.identity import (
     VLLM_CPU_PAGE_ORDER,
@@ -59,69 +64,6 @@ from dualpath.vllm.cache import check_packing, head_views, layers_in_order, page
 DENSE_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
 MLA_BACKENDS = ("CPU_MLA", "AMX_MLA", "FLASHMLA", "TRITON_MLA")
 CPU_ATTN = "CPU_ATTN"
-
-
-class PageCopier(Protocol):
-    """How bytes reach pages on the pages' device: the only place that knows about streams."""
-
-    def write(self, layer: int, blocks: np.ndarray, put: Callable[[torch.Tensor], None]) -> None:
-        """``put(blocks on the pages' device)``; complete after ``fence(layer)``. ``blocks``
-        may be reused by the caller on return."""
-        ...
-
-    def read(self, layer: int, take: Callable[[], torch.Tensor], out: np.ndarray) -> None:
-        """``take()`` (after every write to ``layer``) into ``out``; filled on return."""
-        ...
-
-    def fence(self, layer: int) -> None:
-        """Make the caller's stream wait for every write to ``layer`` so far."""
-        ...
-
-
-class HostCopier:
-    """``CudaCopier``'s CPU twin: the same calls, done at once on the caller's thread."""
-
-    def write(self, layer: int, blocks: np.ndarray, put: Callable[[torch.Tensor], None]) -> None:
-        put(torch.from_numpy(np.ascontiguousarray(blocks)))
-
-    def read(self, layer: int, take: Callable[[], torch.Tensor], out: np.ndarray) -> None:
-        taken = take()
-        torch.from_numpy(out).view(taken.shape).copy_(taken)
-
-    def fence(self, layer: int) -> None:
-        """Writes are done on return: nothing to wait for."""
-
-
-class CudaCopier:
-    """Writes into a GPU's pages on a side stream, so that layer l + 1 loads while layer l
-    computes: each write stages through page-locked memory, runs on the side stream and
-    records layer ``layer``'s event; ``fence(layer)`` makes the caller's (compute) stream wait
-    on that event only. Built where the compute stream is current (``register_kv_caches``)."""
-
-    def __init__(self, device: torch.device, num_layers: int) -> None:
-        self.device = device
-        self.compute_stream = torch.cuda.current_stream(device)
-        self.side_stream = torch.cuda.Stream(device)
-        self.layer_events = [torch.cuda.Event() for _ in range(num_layers)]
-
-    def write(self, layer: int, blocks: np.ndarray, put: Callable[[torch.Tensor], None]) -> None:
-        # Page-locked, so the device copy is one DMA; torch's host allocator keeps the buffer
-        # until that copy is done, so the caller's array is free on return.
-        staging = torch.empty(blocks.shape, dtype=torch.uint8, pin_memory=True)
-        staging.numpy()[...] = blocks
-        with torch.cuda.stream(self.side_stream):
-            # After the compute queued so far: it may still read a block given out again.
-            self.side_stream.wait_stream(self.compute_stream)
-            put(staging.to(self.device, non_blocking=True))
-            self.layer_events[layer].record(self.side_stream)
-
-    def read(self, layer: int, take: Callable[[], torch.Tensor], out: np.ndarray) -> None:
-        self.fence(layer)
-        taken = take()
-        torch.from_numpy(out).view(taken.shape).copy_(taken)  # to pageable memory: synchronous
-
-    def fence(self, layer: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.layer_events[layer])
 
 
 def _token_slice(

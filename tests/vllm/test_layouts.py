@@ -354,7 +354,7 @@ def test_every_page_order_has_its_own_name() -> None:
 
 
 def test_the_cuda_copier_has_the_host_copiers_calls() -> None:
-    from dualpath.vllm.layouts import CudaCopier, HostCopier
+    from dualpath.engine.pages import CudaCopier, HostCopier
 
     for name in ("write", "read", "fence"):
         assert callable(getattr(CudaCopier, name)) and callable(getattr(HostCopier, name))
@@ -364,7 +364,8 @@ def test_the_cuda_copier_has_the_host_copiers_calls() -> None:
 def test_device_pages_load_on_a_side_stream_and_fence_per_layer() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from dualpath.vllm.layouts import CudaCopier, StridedPages
+    from dualpath.engine.pages import CudaCopier
+    from dualpath.vllm.layouts import StridedPages
 
     layout = KVLayout(NUM_LAYERS, 16, NUM_KV_HEADS * 2 * HEAD_DIM * 2)
     device = torch.device("cuda")
