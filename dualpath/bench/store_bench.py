@@ -15,7 +15,9 @@ few repeats in alternating order; medians are reported. A third way, ``vllm_load
 into its page of a vLLM-shaped CPU paged cache (``[blocks, kv_heads, block_size, 2 * head_dim]``
 float32, 64-dim heads; a vLLM engine's Layer Block is its page, byte for byte:
 ``CpuAttentionPages.write_layer``, the copy the connector makes in ``wait_for_layer_load``).
-A fourth, ``vllm_direct``, lands each store read straight in those pages (``read_layers``: one
+``plain_to_memory`` is the plain read with each file landing in a place of its own, as any
+load that keeps what it reads must (``plain`` reuses one buffer, which stays in the CPU's cache
+when warm: a floor no load reaches). A fifth, ``vllm_direct``, lands each store read straight in those pages (``read_layers``: one
 positioned read per block scatters its Layer Blocks into the layers' pages, no buffer and no
 second copy), as ``KVStoreIO.load`` does for a block whose layers are host pages.
 ``page_cache_dropped_fraction`` says
@@ -50,7 +52,7 @@ from dualpath.units import GB
 
 logger = logging.getLogger(__name__)
 
-_METHODS = ("plain", "store", "vllm_load", "vllm_direct")
+_METHODS = ("plain", "plain_to_memory", "store", "vllm_load", "vllm_direct")
 VLLM_HEAD_DIM = 64  # the vLLM-shaped cache's head size (bytes_per_token_per_layer sets the heads)
 _MAX_DROP_ATTEMPTS = 5
 
@@ -86,12 +88,14 @@ def run_store_read_bench(
         store.write(key, rng.bytes(layout.full_block_bytes))
     paths = [block_file_path(root_dir, fingerprint, key) for key in keys]
     file_buffer = np.empty(os.path.getsize(paths[0]), dtype=np.uint8)
+    files = np.zeros((num_blocks, file_buffer.size), dtype=np.uint8)
     full_block = layout.empty_full_block()
     buffer = np.empty((num_blocks, *layout.full_block_shape), dtype=np.uint8)
     cache = _vllm_shaped_cache(layout, num_blocks)
     direct = _vllm_shaped_cache(layout, num_blocks)
     method_to_read_all: dict[str, Callable[[], None]] = {
         "plain": lambda: _plain_read_all(paths, file_buffer),
+        "plain_to_memory": lambda: _plain_read_all_to_memory(paths, files),
         "store": lambda: _store_read_all(store, keys, full_block),
         "vllm_load": lambda: _vllm_load_all(store, keys, buffer, cache),
         "vllm_direct": lambda: _vllm_direct_all(store, keys, direct),
@@ -161,6 +165,9 @@ def _throughputs(samples_s: dict[tuple[str, str], list[float]], total_bytes: int
         direct_gb_per_s = (
             total_bytes / statistics.median(samples_s[temperature, "vllm_direct"]) / GB
         )
+        to_memory_gb_per_s = (
+            total_bytes / statistics.median(samples_s[temperature, "plain_to_memory"]) / GB
+        )
         result[temperature] = {
             "plain_gb_per_s": plain_gb_per_s,
             "store_gb_per_s": store_gb_per_s,
@@ -169,6 +176,8 @@ def _throughputs(samples_s: dict[tuple[str, str], list[float]], total_bytes: int
             "vllm_load_ratio": load_gb_per_s / plain_gb_per_s,
             "vllm_direct_gb_per_s": direct_gb_per_s,
             "vllm_direct_ratio": direct_gb_per_s / plain_gb_per_s,
+            "plain_to_memory_gb_per_s": to_memory_gb_per_s,
+            "vllm_direct_vs_plain_to_memory": direct_gb_per_s / to_memory_gb_per_s,
         }
     # Every timing, in run order, so the spread behind each median is visible.
     result["samples_s"] = {
@@ -181,6 +190,15 @@ def _time(read_all: Callable[[], None]) -> float:
     start_s = time.perf_counter()
     read_all()
     return time.perf_counter() - start_s
+
+
+def _plain_read_all_to_memory(paths: Sequence[Path], files: np.ndarray) -> None:
+    """Plain reads, each file into a place of its own: the floor of a load that keeps what it
+    reads (``plain`` reuses one buffer, which stays in the CPU's cache when warm)."""
+    for path, file_buffer in zip(paths, files, strict=True):
+        with open(path, "rb", buffering=0) as file:
+            num_read = file.readinto(file_buffer)
+        assert num_read == file_buffer.size, f"{path}: read {num_read} of {file_buffer.size} bytes"
 
 
 def _plain_read_all(paths: Sequence[Path], file_buffer: np.ndarray) -> None:

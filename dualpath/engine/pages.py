@@ -92,7 +92,9 @@ class LayerBlockPages:
 
 def adjacent(block_ids: Sequence[int]) -> bool:
     """Whether ``block_ids`` are consecutive and increasing (one contiguous run of pages)."""
-    return all(b == a + 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
+    return len(block_ids) < 2 or all(
+        b == a + 1 for a, b in zip(block_ids, block_ids[1:], strict=False)
+    )
 
 
 class PageCopier(Protocol):

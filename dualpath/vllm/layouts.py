@@ -109,6 +109,8 @@ class CpuAttentionPages(LayerBlockPages):
             )
         self.layers = list(layers)
         self.pages = [pages(kv) for kv in self.layers]  # per layer: [num_blocks, page_bytes]
+        # The same bytes as Layer Blocks, per layer [num_blocks, *layer_block_shape] (views).
+        self._blocks = [p.reshape(len(p), *layout.layer_block_shape) for p in self.pages]
         self.layout = layout
 
     def write_layer(self, layer, block_ids, blocks, first=0, num=None) -> None:  # noqa: ANN001
@@ -132,8 +134,7 @@ class CpuAttentionPages(LayerBlockPages):
     def layer_view(self, layer: int, block_ids: Sequence[int]) -> np.ndarray | None:
         if not block_ids or not adjacent(block_ids):
             return None
-        run = self.pages[layer][block_ids[0] : block_ids[-1] + 1]
-        return run.reshape(len(block_ids), *self.layout.layer_block_shape)
+        return self._blocks[layer][block_ids[0] : block_ids[-1] + 1]
 
 
 class StridedPages(LayerBlockPages):

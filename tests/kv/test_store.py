@@ -658,7 +658,8 @@ def test_store_read_bench_quick_run(tmp_path: Path) -> None:
     for temperature in ("cold", "warm"):
         assert set(result[temperature]) == {
             "plain_gb_per_s", "store_gb_per_s", "ratio", "vllm_load_gb_per_s", "vllm_load_ratio",
-            "vllm_direct_gb_per_s", "vllm_direct_ratio",
+            "vllm_direct_gb_per_s", "vllm_direct_ratio", "plain_to_memory_gb_per_s",
+            "vllm_direct_vs_plain_to_memory",
         }  # fmt: skip
         assert all(value > 0 for value in result[temperature].values())
     assert result["page_cache_drop"] == "posix_fadvise"
