@@ -1,13 +1,15 @@
 """vLLM as a dualpath engine (SPEC §9): our KV connector on vLLM's paged cache.
 
-    cache.py       vLLM's CPU pages <-> our Layer and Full Blocks (the byte order of the store
-                   and the buffers), checked against vLLM's own packing at start
-    connector.py   ``DualpathConnector`` (vLLM's ``KVConnectorBase_V1``): hit KV loaded into
-                   vLLM's blocks per layer, every layer's KV sent to a decode engine's buffer,
-                   a decode engine's prompt KV loaded from its buffer, full blocks persisted
+    layouts.py     vLLM's pages per attention backend (CPU, MLA, GPU layouts) as ``KVPages``
+                   adapters, chosen from what vLLM registers
+    cache.py       vLLM's CPU attention page packing, checked against vLLM's own op at start
+    connector.py   ``DualpathConnector`` (vLLM's ``KVConnectorBase_V1``): a scheduler side that
+                   plans each step, a worker side whose layer hooks call our ``KVCourier``
     engine.py      the in-process vLLM engine (cores, connector, prefix-cache probe, profile)
-                   and the requests we give it (sampling parameters naming a connector plan)
-    roles.py       a PE and a DE on vLLM behind ``dualpath.engine.role``'s ``RoleEngine``
+                   and the requests we give it (sampling parameters naming a transfer)
+    prefill.py     a PE on vLLM, behind ``dualpath.engine.role``'s ``RoleEngine``
+    decode.py      a DE on vLLM, behind the same interface
+    roles.py       ``make_vllm_role``: the vLLM engine and the role an engine process runs
     llm.py         ``VllmLLM``: one engine with the store behind it (``generate --engine vllm``)
 
 Everything here imports ``vllm`` (``make test-vllm`` builds a venv with it), and nothing here

@@ -133,6 +133,17 @@ def vllm_sampling_params(params: SamplingParams, *, max_tokens: int, min_tokens:
     )
 
 
+def logprobs_of(output: Any, token_ids: list[int]) -> list | None:
+    """Our (logprob, top) pairs for vLLM's per-token logprob dicts, or None."""
+    if output.logprobs is None:
+        return None
+    result = []
+    for token_id, entry in zip(token_ids, output.logprobs, strict=True):
+        top = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda item: -item[1])
+        result.append((entry[token_id].logprob, tuple(top)))
+    return result
+
+
 def with_plan(vllm_params: Any, request_id: int) -> Any:
     """``vllm_params`` naming the ``KVPlan`` the connector follows for the request."""
     from dualpath.vllm.connector import REQUEST_ID_PARAM  # lazy as every vLLM import here

@@ -1,0 +1,239 @@
+"""A decode engine whose model runs on vLLM (``--engine vllm``): each placed request gets
+buffer slots for its whole prompt and its DE-side hit blocks read into them; once prefilled it
+goes to vLLM as prompt + first token, the connector loading the prompt's KV from the buffer and
+persisting every block the store lacks as it fills (``roles.py`` says how the sides meet)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
+from dualpath.engine.courier import KVTransfer, LoadSource
+from dualpath.engine.decode import PersistingRequests
+from dualpath.engine.role import PeerMessage, RoleLoad, Send
+from dualpath.kv.hashing import block_keys
+from dualpath.kv.store import KVStore
+from dualpath.protocol import (
+    Assignment,
+    DecodeReady,
+    PeerTable,
+    PrefillDone,
+    PrefillHeld,
+    RequestFailed,
+    TokenUpdate,
+)
+from dualpath.types import sampling_params_from_dict
+from dualpath.vllm.connector import ConnectorHost
+from dualpath.vllm.engine import logprobs_of, vllm_sampling_params, with_plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _DecodeRequest(BufferedRequest):
+    """``slots``: one per prompt block; ``keys``: the DE side's hit blocks, ``reads``: those
+    of them past the ones the PE's engine holds."""
+
+    # Leading blocks the PE's engine holds (PrefillHeld): not read here. None: not known yet.
+    num_held_by_prefill: int | None = None
+    num_skipped: int = 0  # leading DE-side blocks not read: the PE's engine holds them
+    is_ready_sent: bool = False
+    prefill_done: PrefillDone | None = None
+    plan: KVTransfer | None = None  # set once it is in vLLM
+
+
+class VllmDecodeRole:
+    """A DE on vLLM: each prefilled request goes to vLLM as prompt + first token, its prompt KV
+    loaded from this engine's buffer; vLLM decodes it, the connector persists its blocks."""
+
+    def __init__(
+        self,
+        engine: Any,
+        host: ConnectorHost,
+        buffer: KVBuffer,
+        *,
+        wake: Callable[[], None],
+        eos_token_ids: tuple[int, ...],
+        num_io_threads: int,
+    ) -> None:
+        self.engine = engine
+        self.host = host
+        self.buffer = buffer
+        # The DE read path: DE-side hit blocks read into this buffer, for the PE to pull.
+        self.store_reads: BufferReads[_DecodeRequest] = BufferReads(
+            "DE", host.store, buffer, host.mover, num_io_threads, wake
+        )
+        self.block_size = host.layout.block_size_tokens
+        self.eos_token_ids = eos_token_ids
+        self._block_pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        self.num_kv_blocks = self._block_pool.num_gpu_blocks
+        self.requests: dict[int, _DecodeRequest] = {}
+        self._persisting = PersistingRequests(self._pending_writes)
+
+    def add(self, assignment: Assignment) -> None:
+        prompt = list(assignment.prompt_token_ids)
+        num_slots = -(-len(prompt) // self.block_size)
+        self.buffer.check_fits(num_slots)
+        first, end = assignment.num_prefill_side_blocks, assignment.num_hit_blocks
+        keys = block_keys(prompt[: end * self.block_size], self.block_size, self.host.fingerprint)
+        request = _DecodeRequest(
+            assignment, sampling_params_from_dict(assignment.sampling), keys[first:end]
+        )
+        if not request.keys:
+            request.num_held_by_prefill = 0  # nothing to read: no need to wait for the PE
+        self.requests[request.request_id] = request
+        self.store_reads.add(request, num_slots, self._start_reads)
+
+    def _start_reads(self, request: _DecodeRequest) -> None:
+        """Read the DE side's hit blocks the PE's engine does not hold, once the slots are
+        there and the PE has said what it holds."""
+        if not request.slots or request.num_held_by_prefill is None or request.reads is not None:
+            return
+        first = request.assignment.num_prefill_side_blocks
+        request.num_skipped = min(len(request.keys), max(0, request.num_held_by_prefill - first))
+        start = first + request.num_skipped
+        self.store_reads.read(
+            request,
+            request.keys[request.num_skipped :],
+            request.slots[start : first + len(request.keys)],
+        )
+
+    def on_peer_message(self, msg: PeerMessage) -> None:
+        request = self.requests.get(msg.request_id)
+        if request is None or isinstance(msg, DecodeReady):
+            return
+        if isinstance(msg, PrefillHeld):
+            request.num_held_by_prefill = msg.num_blocks
+            self._start_reads(request)
+        else:
+            request.prefill_done = msg
+
+    def connect_peers(self, table: PeerTable) -> None:
+        """The DE is only ever the remote side."""
+
+    def cancel(self, request_id: int) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.plan is not None:
+            self.engine.abort_request([str(request_id)])
+            self.host.plans.pop(request_id, None)
+        self.store_reads.release(request)  # nothing left to free once its load is done
+
+    def _adopt_prefilled(self) -> None:
+        """Hand vLLM every request whose prompt KV is in the buffer."""
+        for request in self.requests.values():
+            done = request.prefill_done
+            if done is None or request.plan is not None:
+                continue
+            assignment = request.assignment
+            prompt = list(assignment.prompt_token_ids)
+            request.plan = KVTransfer(
+                request.request_id,
+                load=LoadSource(self.buffer, request.slots, len(prompt)),
+                persist_from_block=done.num_cached_tokens // self.block_size,
+                on_loaded=partial(self.store_reads.release, request),
+            )
+            self.host.plans[request.request_id] = request.plan
+            num_before = assignment.num_output_tokens + 1  # output so far, the first token too
+            # A request that ends at its first token still has its prompt KV taken in and
+            # persisted: vLLM makes one token more, which is not sent.
+            params = vllm_sampling_params(
+                request.params,
+                max_tokens=max(1, request.params.max_tokens - num_before),
+                min_tokens=max(0, request.params.min_tokens - num_before),
+            )
+            self.engine.add_request(
+                str(request.request_id),
+                {"prompt_token_ids": [*prompt, done.first_token_id]},
+                with_plan(params, request.request_id),
+            )
+
+    def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
+        for request in self.requests.values():
+            if request.is_ready_sent or not request.is_read:
+                continue
+            request.is_ready_sent = True
+            num_covered = request.num_skipped + request.reads.result()
+            send(DecodeReady(request.request_id, tuple(request.slots), num_covered))
+        self._adopt_prefilled()
+        if not self.engine.has_unfinished_requests():
+            return False
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug: every request of the step fails, the engine goes on
+            logger.exception("decode step failed")
+            for request_id in list(self.requests):
+                self.cancel(request_id)
+                send(RequestFailed(request_id, f"decode failed: {exc!r}"))
+            return True
+        for output in outputs:
+            update = self._update(int(output.request_id), output)
+            if update is not None:
+                send(update)
+        persisted = self._persisting.poll()
+        if persisted is not None:
+            send(persisted)
+        return True
+
+    def _update(self, request_id: int, output: Any) -> TokenUpdate | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        done = request.prefill_done
+        assert done is not None and request.plan is not None
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        finish_reason = completion.finish_reason if output.finished else None
+        if done.finish_reason is not None:  # it ended at the PE's token: nothing more is sent
+            token_ids = []
+            finish_reason = done.finish_reason if output.finished else None
+        persisting: tuple = ()
+        if output.finished:
+            del self.requests[request_id]
+            plan = self.host.plans.pop(request_id)
+            persisting = self._persisting.add(request_id, tuple(plan.persisted_keys))
+        return TokenUpdate(
+            request_id,
+            tuple(token_ids),
+            finish_reason,
+            done.num_cached_tokens,
+            None if not token_ids else logprobs_of(completion, token_ids),
+            persisting,
+        )
+
+    def _pending_writes(self, keys: tuple) -> tuple:
+        store_io = self.host.store_io
+        return () if store_io is None or not keys else store_io.pending(keys)
+
+    def load(self) -> RoleLoad:
+        requests = self.requests.values()
+        num_tokens = sum(len(r.assignment.prompt_token_ids) + r.params.max_tokens for r in requests)
+        store_io = self.host.store_io
+        num_writes = 0 if store_io is None else store_io.num_unfinished_writes
+        return RoleLoad(
+            len(self.requests),
+            num_tokens,
+            self._block_pool.get_num_free_blocks(),
+            self.store_reads.num_queued_blocks(waiting=False) * self.block_size,
+            num_writes * self.block_size,
+        )
+
+    @property
+    def num_read_bytes(self) -> int:
+        return self.store_reads.num_read_bytes
+
+    num_engine_cached_bytes = 0  # the PE's vLLM holds the hits it did not read
+
+    @property
+    def store(self) -> KVStore | None:
+        return self.host.store
+
+    def close(self, flush_timeout_s: float) -> int:
+        self.store_reads.close()
+        store_io = self.host.store_io
+        return 0 if store_io is None else store_io.flush(flush_timeout_s)
