@@ -393,9 +393,12 @@ def check_config(vllm_config: Any, layout: KVLayout) -> None:
             raise ValueError(f"dualpath's vLLM engine runs one worker: {name}={value} is refused")
     cache_config = vllm_config.cache_config
     if cache_config.block_size != layout.block_size_tokens:
+        hint = "give --block-size to both"
+        if vllm_config.model_config.use_mla:  # vLLM sets the block size for its MLA backend
+            hint = f"pass --block-size {cache_config.block_size}, the size vLLM's MLA pages take"
         raise ValueError(
             f"vLLM block_size={cache_config.block_size} differs from the store's "
-            f"{layout.block_size_tokens}-token blocks: give --block-size to both"
+            f"{layout.block_size_tokens}-token blocks: {hint}"
         )
     model_config = vllm_config.model_config
     if getattr(model_config.hf_text_config, "sliding_window", None):
