@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dualpath.config import VLLM_PREFILL_BATCHING, ClusterConfig, EngineConfig
+from dualpath.model.registry import AnyModelConfig
 
 ENGINE_KIND_CHOICES = ("native", "vllm")
 
@@ -45,14 +46,31 @@ def check_vllm_args(args: Mapping[str, Any]) -> None:
         )
 
 
-def check_engine_kind(cluster: ClusterConfig, engine: EngineConfig) -> None:
+# vLLM's CPU MLA backend (``CPU_MLA``, what ``dualpath.vllm.engine.mla_args`` asks for) keeps
+# 16-token pages whatever block size it is given: the store's blocks must be the same.
+CPU_MLA_BLOCK_SIZE = 16
+
+
+def check_engine_kind(
+    cluster: ClusterConfig, engine: EngineConfig, model_config: AnyModelConfig | None = None
+) -> None:
     """``ValueError`` for engine settings the engine kind cannot serve: on vLLM engines, a
-    reserved argument passed through or a device of ours. Every mode and read path is served
+    reserved argument passed through, a device of ours, or (given the model's config) an MLA
+    model on a CPU in blocks other than vLLM's MLA pages'. Every mode and read path is served
     on either kind."""
     if engine.engine != "vllm":
         return
     check_vllm_args(engine.vllm_args)
     check_vllm_device(engine.device)
+    if model_config is None or "latent" not in dict(model_config.cache_entry_parts()):
+        return
+    from dualpath.model.identity import vllm_device
+
+    if vllm_device() == "cpu" and engine.block_size_tokens != CPU_MLA_BLOCK_SIZE:
+        raise ValueError(
+            f"an MLA model on vLLM's CPU build runs on its CPU_MLA backend, whose pages hold "
+            f"{CPU_MLA_BLOCK_SIZE} tokens: pass --block-size {CPU_MLA_BLOCK_SIZE}"
+        )
 
 
 def check_vllm_installed() -> None:

@@ -126,4 +126,4 @@ def _check_engine_capacity(config) -> None:  # config: EngineProcessConfig
         kv_layout(model_config, engine.dtype, engine.block_size_tokens),
         engine.max_model_len or model_config.max_position_embeddings,
     )
-    check_engine_kind(config.cluster, engine)
+    check_engine_kind(config.cluster, engine, model_config)

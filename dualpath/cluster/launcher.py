@@ -154,7 +154,7 @@ class LocalCluster:
         )
         # Refused here, before any engine starts, rather than by the first long request.
         check_capacity(cluster, self.engine_config, self.identity.layout, self.max_model_len)
-        check_engine_kind(cluster, self.engine_config)
+        check_engine_kind(cluster, self.engine_config, model_config)
         self.scheduler_config = scheduler or _scheduler_config(
             cluster, self.engine_config, prefill_tokens_per_s, attention_quota_s
         )

@@ -62,7 +62,7 @@ def make_vllm_role(
     connector; the process is pinned to one core per thread (vLLM's CPU build ignores its own
     binding variable in-process), engine ``e`` of a host on cores ``e * threads ...``."""
     engine_config = config.engine
-    check_engine_kind(config.cluster, engine_config)
+    check_engine_kind(config.cluster, engine_config, model_config)
     store = (
         FileKVStore.from_config(config.store, identity.layout, identity.fingerprint)
         if config.store.is_enabled

@@ -16,6 +16,8 @@ two tokens (``near_ties``).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,3 +130,13 @@ def test_split_reads_after_a_restart(
         reads = _read_bytes(server, FULL_BLOCKS_BYTES)
         assert reads["prefill"] > 0 and reads["decode"] > 0, reads
         assert reads["prefill"] + reads["decode"] == FULL_BLOCKS_BYTES, reads
+
+
+def test_other_blocks_than_vllms_mla_pages_are_refused_before_any_engine_starts(
+    tiny_deepseek_v3_dir: Path, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-m", "dualpath.cli", "serve", "--engine", "vllm"]
+    argv += ["--model", str(tiny_deepseek_v3_dir), "--kv-store", str(tmp_path / "kv")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "pass --block-size 16" in result.stderr
