@@ -97,6 +97,23 @@ class Preset:
     deepseek: tuple[tuple[str, object], ...] | None = None
 
 
+# The tiny DeepSeek presets' router and experts (and query compression): 8 routed experts, 2
+# a token in 2 groups, 1 shared, after 1 dense layer.
+_TINY_DEEPSEEK_MOE: tuple[tuple[str, object], ...] = (
+    ("moe_intermediate_size", 64),
+    ("first_k_dense_replace", 1),
+    ("n_routed_experts", 8),
+    ("n_shared_experts", 1),
+    ("num_experts_per_tok", 2),
+    ("n_group", 2),
+    ("topk_group", 1),
+    ("routed_scaling_factor", 2.5),
+    ("norm_topk_prob", True),
+    ("scoring_func", "sigmoid"),
+    ("topk_method", "noaux_tc"),
+    ("q_lora_rank", 64),
+)
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         vocab_size=1024,
@@ -136,18 +153,7 @@ PRESETS: dict[str, Preset] = {
         "(2 per token, 2 groups) + 1 shared after 1 dense layer, indexer top-64; 320 B of KV "
         "per token per layer",
         deepseek=(
-            ("moe_intermediate_size", 64),
-            ("first_k_dense_replace", 1),
-            ("n_routed_experts", 8),
-            ("n_shared_experts", 1),
-            ("num_experts_per_tok", 2),
-            ("n_group", 2),
-            ("topk_group", 1),
-            ("routed_scaling_factor", 2.5),
-            ("norm_topk_prob", True),
-            ("scoring_func", "sigmoid"),
-            ("topk_method", "noaux_tc"),
-            ("q_lora_rank", 64),
+            *_TINY_DEEPSEEK_MOE,
             ("kv_lora_rank", 32),
             ("qk_nope_head_dim", 32),
             ("qk_rope_head_dim", 16),
@@ -178,18 +184,7 @@ PRESETS: dict[str, Preset] = {
         "rope 64), 8 routed experts (2 per token, 2 groups) + 1 shared after 1 dense layer, no "
         "indexer; 2,304 B of KV per token per layer",
         deepseek=(
-            ("moe_intermediate_size", 64),
-            ("first_k_dense_replace", 1),
-            ("n_routed_experts", 8),
-            ("n_shared_experts", 1),
-            ("num_experts_per_tok", 2),
-            ("n_group", 2),
-            ("topk_group", 1),
-            ("routed_scaling_factor", 2.5),
-            ("norm_topk_prob", True),
-            ("scoring_func", "sigmoid"),
-            ("topk_method", "noaux_tc"),
-            ("q_lora_rank", 64),
+            *_TINY_DEEPSEEK_MOE,
             ("kv_lora_rank", 512),
             ("qk_nope_head_dim", 32),
             ("qk_rope_head_dim", 64),
