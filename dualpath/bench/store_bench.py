@@ -44,9 +44,9 @@ from tqdm import tqdm
 
 from dualpath.bench.hardware import hardware_info
 from dualpath.flags import positive_int
+from dualpath.kv.file_store import FileKVStore, block_file_path
 from dualpath.kv.hashing import block_keys, model_fingerprint
 from dualpath.kv.layout import KVLayout
-from dualpath.kv.store import FileKVStore, block_file_path
 from dualpath.options import add_json_argument
 from dualpath.units import GB
 

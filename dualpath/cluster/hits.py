@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from dualpath.errors import KVStoreError
+from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.hashing import BlockKey, block_keys
-from dualpath.kv.store import FileKVStore, KVStore
+from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from dualpath.engine.role import (
     failed_batch_messages,
     prefill_batcher,
 )
-from dualpath.kv.store import FileKVStore, KVStore
+from dualpath.kv.file_store import FileKVStore
+from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity
 from dualpath.model.loader import LoadedModel
 from dualpath.protocol import (

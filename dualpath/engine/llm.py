@@ -40,7 +40,7 @@ from dualpath.engine.sampling import (
 )
 from dualpath.engine.sequence import Sequence, SequenceStatus
 from dualpath.kv.block_pool import BlockPool
-from dualpath.kv.store import FileKVStore
+from dualpath.kv.file_store import FileKVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import LoadedModel, load_model
 from dualpath.transfer.traffic import Mover, direct_move

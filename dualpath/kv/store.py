@@ -1,75 +1,28 @@
-"""The external KV store: Full Blocks keyed by chained hashes, one namespace per model fingerprint.
+"""The external KV store's interface: Full Blocks keyed by chained hashes, one namespace per
+model fingerprint.
 
-``KVStore`` is the interface the engine uses; ``FileKVStore`` keeps one plain file per Full Block
-on a local directory or any distributed POSIX mount (NFS, CephFS, GlusterFS, 3FS), and
-``MemoryKVStore`` is an in-process dict with the same semantics, the fake for tests of code
-that uses a ``KVStore`` (the ``oracle`` mode uses a ``FileKVStore`` too, on /dev/shm in the
-benchmarks). Layout on disk::
-
-    root_dir/<fingerprint>/namespace.json          human-readable description, never read back
-    root_dir/<fingerprint>/<key[:2]>/<key>.kvb     one Full Block: header + payload
-    root_dir/<fingerprint>/<key[:2]>/.<key>.<pid>.<random>.tmp   a write in progress
-
-Block file = 68-byte little-endian header, then the Full Block's bytes ``[L, bs, bpt]``:
-
-    offset  0  magic b"DPKV"       4  format version u32    8  fingerprint (16 raw bytes)
-           24  block key (16)     40  num_layers u32       44  block_size_tokens u32
-           48  bytes_per_token_per_layer u32               52  payload length u64
-           60  xxh3_64 of the payload u64                  68  payload
-
-Sharing rules (several engine processes may share one directory, each with its own store
-object): writes go to a temp file and are published with ``os.replace``, so a block file is
-either absent or complete; there are no locks, no mmap and no database. Each object's index is
-only a cache of the directory: a miss is checked with ``os.stat``, and a block another process
-evicted is noticed when its read finds the file gone (``BlockNotFound``). Eviction is
-``os.unlink``, which is safe while readers are active: a reader that already opened the file
-reads it to the end (POSIX keeps the inode alive); a reader racing the unlink gets
-``BlockNotFound``. The engine recomputes any block it cannot read.
+``KVStore`` is the interface the engine uses; ``FileKVStore`` (``file_store.py``) keeps one
+plain file per Full Block on a local directory or any distributed POSIX mount, and
+``MemoryKVStore`` here is an in-process dict with the same semantics, the fake for tests of
+code that uses a ``KVStore`` (the ``oracle`` mode uses a ``FileKVStore`` too, on /dev/shm in
+the benchmarks). Both keep their index in the same LRU order (``LruIndex``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import json
-import logging
-import os
-import secrets
-import struct
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
-import xxhash
 
-from dualpath.config import KVStoreConfig
-from dualpath.errors import BlockNotFound, CorruptBlock, KVStoreError, StoreWriteError
-from dualpath.kv.hashing import FORMAT_VERSION, BlockKey, key_to_bytes
+from dualpath.errors import BlockNotFound
+from dualpath.kv.hashing import BlockKey, key_to_bytes
 from dualpath.kv.layout import BlockBuffer, KVLayout
-
-logger = logging.getLogger(__name__)
-
-MAGIC = b"DPKV"
-_HEADER = struct.Struct("<4sI16s16sIIIQQ")
-HEADER_BYTES = _HEADER.size
-_KEY_OFFSET = 24  # see the header diagram in the module docstring
-_CHECKSUM_OFFSET = 60
-assert HEADER_BYTES == _CHECKSUM_OFFSET + 8, "header offsets out of step with its struct"
-BLOCK_FILE_SUFFIX = ".kvb"
-_TMP_SUFFIX = ".tmp"
-NAMESPACE_FILE = "namespace.json"
-# A temp file this old belongs to a writer that died; a live write takes milliseconds.
-_STALE_TMP_AGE_S = 3600.0
-# Refresh a used block's mtime (the LRU order other processes' scans see) at most this often:
-# on a network mount every utime is a metadata round trip.
-_TOUCH_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +43,7 @@ class StoreStats:
     write_errors: int = 0  # writes that raised StoreWriteError
 
 
-_STAT_NAMES = tuple(field.name for field in dataclasses.fields(StoreStats))
+STAT_NAMES = tuple(field.name for field in dataclasses.fields(StoreStats))
 
 
 class KVStore(ABC):
@@ -131,7 +84,7 @@ class KVStore(ABC):
         one tensor per layer); errors as ``read``. Here through a host copy; a store that can
         scatter its read (``FileKVStore``) lands it in them directly."""
         full_block = self.read(key)
-        for layer, layer_block in enumerate(_check_layer_blocks(layer_blocks, self.layout)):
+        for layer, layer_block in enumerate(check_layer_blocks(layer_blocks, self.layout)):
             layer_block[...] = full_block[layer]
 
     @abstractmethod
@@ -165,7 +118,7 @@ class _Sized(Protocol):
 _EntryT = TypeVar("_EntryT", bound=_Sized)
 
 
-class _LruIndex(Generic[_EntryT]):
+class LruIndex(Generic[_EntryT]):
     """Keys in least-recently-used-first order with their sizes. Not thread-safe by itself."""
 
     def __init__(self, capacity_bytes: int | None) -> None:
@@ -216,435 +169,6 @@ class _LruIndex(Generic[_EntryT]):
         return evicted
 
 
-@dataclass(slots=True)
-class _FileEntry:
-    size_bytes: int
-    mtime_s: float  # wall-clock time of the file's mtime as we last saw or set it
-
-
-class FileKVStore(KVStore):
-    """One file per Full Block under ``root_dir/<fingerprint>/``; see the module docstring.
-
-    ``capacity_bytes`` bounds the block files (header included) this object knows of; beyond
-    it the least-recently-used blocks are deleted after each write, and at start-up if the
-    directory is already over budget. Blocks other processes wrote join the budget once this
-    object sees them, so the directory can overshoot by blocks nobody here has looked up yet.
-    An eviction racing a rewrite of the same key can leave the index naming a deleted file
-    (there are no locks on disk); ``read`` then raises ``BlockNotFound`` and drops the key.
-    """
-
-    def __init__(
-        self,
-        root_dir: Path,
-        layout: KVLayout,
-        fingerprint: str,
-        *,
-        capacity_bytes: int | None = None,
-        verify_checksums: bool = True,
-        fsync_writes: bool = False,
-    ) -> None:
-        self.layout = layout
-        self.fingerprint = fingerprint
-        self._fingerprint_bytes = key_to_bytes(fingerprint, what="fingerprint")
-        # Cached: read() is on the hot path and these are computed properties.
-        self._full_block_shape = layout.full_block_shape
-        self._full_block_bytes = layout.full_block_bytes
-        self._block_file_bytes = HEADER_BYTES + self._full_block_bytes
-        # The header of every block file here, split around its key (and minus its checksum).
-        expected_header = _HEADER.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            self._fingerprint_bytes,
-            bytes(16),
-            *self._full_block_shape,
-            self._full_block_bytes,
-            0,
-        )
-        self._header_head = expected_header[:_KEY_OFFSET]
-        self._header_tail = expected_header[_KEY_OFFSET + 16 : _CHECKSUM_OFFSET]
-        if capacity_bytes is not None and capacity_bytes < self._block_file_bytes:
-            raise ValueError(
-                f"capacity_bytes {capacity_bytes} cannot hold one block file of "
-                f"{self._block_file_bytes} bytes ({layout})"
-            )
-        self._verify_checksums = verify_checksums
-        self._fsync_writes = fsync_writes
-        self._namespace_dir = os.path.join(os.fspath(root_dir), fingerprint)
-        self._lock = threading.Lock()
-        self._index: _LruIndex[_FileEntry] = _LruIndex(capacity_bytes)
-        self._stat_name_to_count = dict.fromkeys(_STAT_NAMES, 0)
-        self._is_closed = False
-        try:
-            os.makedirs(self._namespace_dir, exist_ok=True)
-        except OSError as exc:
-            raise StoreWriteError(
-                f"cannot create store namespace {self._namespace_dir}: {exc}"
-            ) from exc
-        self._ensure_namespace_file()
-        self._load_index()
-
-    @classmethod
-    def from_config(cls, config: KVStoreConfig, layout: KVLayout, fingerprint: str) -> FileKVStore:
-        if config.root_dir is None:
-            raise ValueError("KVStoreConfig.root_dir is None: the store is disabled")
-        return cls(
-            config.root_dir,
-            layout,
-            fingerprint,
-            capacity_bytes=config.capacity_bytes,
-            verify_checksums=config.verify_checksums,
-            fsync_writes=config.fsync_writes,
-        )
-
-    # -- the KVStore interface -----------------------------------------------------------------
-
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        self._check_open()
-        keys = list(keys)
-        num_hits = 0
-        for key in keys:
-            if not self._is_present(key):
-                break
-            num_hits += 1
-        with self._lock:
-            self._count("lookups")
-            self._count("hit_blocks", num_hits)
-            self._count("miss_blocks", len(keys) - num_hits)
-            # Deepest block first, so the prefix's root ends most recently used: a trie loses
-            # its leaves before its root, never leaving unreachable children behind.
-            paths_to_touch = [self._mark_used(key) for key in reversed(keys[:num_hits])]
-        self._touch_files(paths_to_touch)
-        return num_hits
-
-    def contains(self, key: BlockKey) -> bool:
-        self._check_open()
-        return self._is_present(key)
-
-    def read(self, key: BlockKey, out: np.ndarray | None = None) -> np.ndarray:
-        full_block = (
-            _check_out(out, self.layout)
-            if out is not None
-            else np.empty(self._full_block_shape, dtype=np.uint8)
-        )
-        self._read(key, [full_block])
-        return full_block
-
-    def read_layers(self, key: BlockKey, layer_blocks: Sequence[np.ndarray]) -> None:
-        """One positioned read scatters the file's Layer Blocks straight into
-        ``layer_blocks`` (``preadv``): no copy through a Full Block."""
-        self._read(key, _check_layer_blocks(layer_blocks, self.layout))
-
-    def _read(self, key: BlockKey, payload: Sequence[np.ndarray]) -> None:
-        """Read block ``key``'s payload into ``payload`` (its bytes in order)."""
-        self._check_open()
-        key_bytes = key_to_bytes(key)
-        path = self._block_path(key)
-        with self._lock:
-            entry_before_open = self._index.get(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            with self._lock:
-                # Drop the entry we trusted, not one a writer has just added (file and all).
-                if entry_before_open is not None and self._index.get(key) is entry_before_open:
-                    self._index.pop(key)
-                self._count("missing_on_read")
-            raise BlockNotFound(f"block {key} is not in the store (no file {path})") from None
-        except OSError as exc:
-            raise KVStoreError(f"cannot open block {key} at {path}: {exc}") from exc
-        try:
-            problem = self._read_block_file(fd, key_bytes, payload)
-            if problem is not None:
-                self._delete_corrupt(key, path, fd, problem)
-        except OSError as exc:
-            raise KVStoreError(f"reading block {key} from {path} failed: {exc}") from exc
-        finally:
-            os.close(fd)
-        with self._lock:
-            self._count("reads")
-            self._count("read_bytes", self._full_block_bytes)
-            path_to_touch = self._mark_used(key)
-        self._touch_files([path_to_touch])
-
-    def write(self, key: BlockKey, full_block: BlockBuffer) -> bool:
-        self._check_open()
-        key_bytes = key_to_bytes(key)
-        payload = self.layout.as_full_block(full_block)
-        if self._is_present(key):
-            with self._lock:
-                self._count("duplicate_writes")
-            return False
-        header = _HEADER.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            self._fingerprint_bytes,
-            key_bytes,
-            *self._full_block_shape,
-            self._full_block_bytes,
-            xxhash.xxh3_64_intdigest(payload),
-        )
-        try:
-            self._publish_file(key, header, payload)
-        except OSError as exc:
-            with self._lock:
-                self._count("write_errors")
-            raise StoreWriteError(
-                f"writing block {key} ({self._block_file_bytes} bytes) under "
-                f"{self._namespace_dir} failed: {exc}"
-            ) from exc
-        with self._lock:
-            self._index.add(key, _FileEntry(self._block_file_bytes, time.time()))
-            self._index.touch(key)
-            self._count("writes")
-            self._count("write_bytes", self._full_block_bytes)
-            evicted = self._index.evict_over_capacity(keep=key)
-            self._count("evictions", len(evicted))
-        self._unlink_evicted(evicted)
-        return True
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            return StoreStats(**self._stat_name_to_count)
-
-    def close(self) -> None:
-        with self._lock:
-            self._is_closed = True
-            self._index = _LruIndex(self._index.capacity_bytes)
-
-    # -- paths and the index -------------------------------------------------------------------
-
-    def _block_path(self, key: str) -> str:
-        return f"{self._namespace_dir}/{key[:2]}/{key}{BLOCK_FILE_SUFFIX}"
-
-    def _check_open(self) -> None:
-        if self._is_closed:
-            raise RuntimeError(f"caller bug: store {self._namespace_dir} is closed")
-
-    def _count(self, name: str, amount: int = 1) -> None:
-        """Caller holds the lock."""
-        self._stat_name_to_count[name] += amount
-
-    def _is_present(self, key: str) -> bool:
-        """Index hit, or a complete file on disk (which then joins the index)."""
-        key_to_bytes(key)
-        with self._lock:
-            if key in self._index:
-                return True
-        path = self._block_path(key)
-        try:
-            stat = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        except OSError as exc:
-            raise KVStoreError(f"cannot stat block {key} at {path}: {exc}") from exc
-        if stat.st_size != self._block_file_bytes:
-            return False  # damaged; a read or the next start-up scan deletes it
-        with self._lock:
-            self._index.add(key, _FileEntry(stat.st_size, stat.st_mtime))
-        return True
-
-    def _mark_used(self, key: str) -> str | None:
-        """Move ``key`` to most recently used; the path whose mtime is due a refresh, if any.
-
-        Caller holds the lock. A key missing from the index (evicted while being read) stays
-        missing: its file may be gone.
-        """
-        entry = self._index.touch(key)
-        if entry is None:
-            return None
-        now_s = time.time()
-        if now_s - entry.mtime_s < _TOUCH_INTERVAL_S:
-            return None
-        entry.mtime_s = now_s
-        return self._block_path(key)
-
-    def _touch_files(self, paths: Sequence[str | None]) -> None:
-        """Best-effort mtime refresh, so other processes' start-up scans see the use."""
-        for path in paths:
-            if path is None:
-                continue
-            with contextlib.suppress(OSError):  # evicted or read-only mount: recency is a hint
-                os.utime(path)
-
-    def _load_index(self) -> None:
-        """Index the namespace's block files, oldest mtime first; evict if over capacity."""
-        found: list[tuple[float, str, int]] = []
-        now_s = time.time()
-        try:
-            fanout_dirs = [entry for entry in os.scandir(self._namespace_dir) if entry.is_dir()]
-            for fanout_dir in fanout_dirs:
-                for entry in os.scandir(fanout_dir.path):
-                    block = self._scan_entry(fanout_dir.name, entry, now_s)
-                    if block is not None:
-                        found.append(block)
-        except OSError as exc:
-            raise KVStoreError(f"cannot scan store namespace {self._namespace_dir}: {exc}") from exc
-        found.sort()
-        with self._lock:
-            for mtime_s, key, size_bytes in found:
-                self._index.add(key, _FileEntry(size_bytes, mtime_s))
-            evicted = self._index.evict_over_capacity()
-            self._count("evictions", len(evicted))
-            total_bytes = self._index.total_bytes
-        self._unlink_evicted(evicted)
-        logger.info("store %s: %d blocks, %d bytes", self._namespace_dir, len(found), total_bytes)
-
-    def _scan_entry(
-        self, fanout_name: str, entry: os.DirEntry[str], now_s: float
-    ) -> tuple[float, str, int] | None:
-        """``(mtime_s, key, size_bytes)`` of a sound-looking block file; cleans up the rest."""
-        name = entry.name
-        try:
-            if name.startswith(".") and name.endswith(_TMP_SUFFIX):
-                if now_s - entry.stat().st_mtime > _STALE_TMP_AGE_S:
-                    os.unlink(entry.path)
-                return None
-            key = name.removesuffix(BLOCK_FILE_SUFFIX)
-            if key == name or key[:2] != fanout_name or not _is_key(key):
-                return None  # not ours; leave it alone
-            stat = entry.stat()
-            if stat.st_size != self._block_file_bytes:
-                os.unlink(entry.path)
-                logger.warning(
-                    "deleted block file %s: %d bytes, expected %d",
-                    entry.path,
-                    stat.st_size,
-                    self._block_file_bytes,
-                )
-                with self._lock:
-                    self._count("corrupt_blocks")
-                return None
-        except FileNotFoundError:
-            return None  # removed by another process meanwhile
-        return (stat.st_mtime, key, stat.st_size)
-
-    def _unlink_evicted(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            try:
-                os.unlink(self._block_path(key))
-            except FileNotFoundError:
-                pass  # already gone: evicted or deleted by another process
-            except OSError as exc:
-                logger.warning("could not evict block %s: %s", key, exc)
-
-    # -- file I/O ------------------------------------------------------------------------------
-
-    def _read_block_file(
-        self, fd: int, key_bytes: bytes, payload: Sequence[np.ndarray]
-    ) -> str | None:
-        """Read header and payload (straight into ``payload``'s arrays, in order); what is
-        wrong, or ``None``."""
-        header = bytearray(HEADER_BYTES)
-        num_read = _preadv_full(fd, [header, *payload], self._block_file_bytes)
-        if num_read < HEADER_BYTES:
-            return f"file is {num_read} bytes, shorter than the {HEADER_BYTES}-byte header"
-        # Fast path: every header field but the checksum is known; compare them in one go.
-        if header[:_CHECKSUM_OFFSET] == self._header_head + key_bytes + self._header_tail:
-            checksum = int.from_bytes(header[_CHECKSUM_OFFSET:], "little")
-            if num_read != self._block_file_bytes:
-                return f"file is {num_read} bytes, expected {self._block_file_bytes}"
-            if self._verify_checksums and _checksum(payload) != checksum:
-                return "payload checksum mismatch"
-            return None
-        return self._header_problem(header, key_bytes)
-
-    def _header_problem(self, header: bytearray, key_bytes: bytes) -> str:
-        """Which header field is wrong (the slow path, for the error message)."""
-        magic, version, fingerprint, key_in_header, *shape, payload_bytes, _checksum = (
-            _HEADER.unpack(header)
-        )
-        if magic != MAGIC:
-            return f"bad magic {magic!r}"
-        if version != FORMAT_VERSION:
-            return f"format version {version}, expected {FORMAT_VERSION}"
-        if fingerprint != self._fingerprint_bytes:
-            return f"fingerprint {fingerprint.hex()}, expected {self.fingerprint}"
-        if key_in_header != key_bytes:
-            return f"header names block {key_in_header.hex()}"
-        if tuple(shape) != self._full_block_shape:
-            return f"shape {tuple(shape)}, expected {self._full_block_shape}"
-        assert payload_bytes != self._full_block_bytes, "the fast path accepts this header"
-        return f"payload length {payload_bytes}, expected {self._full_block_bytes}"
-
-    def _delete_corrupt(self, key: str, path: str, fd: int, problem: str) -> None:
-        """Delete the damaged file ``fd`` was opened from, count it, raise ``CorruptBlock``."""
-        is_gone = False
-        try:
-            # Only unlink the file we read: a writer may have replaced it meanwhile.
-            if _same_file(os.fstat(fd), os.stat(path)):
-                os.unlink(path)
-                is_gone = True
-        except FileNotFoundError:
-            is_gone = True
-        except OSError as exc:
-            logger.warning("could not delete corrupt block file %s: %s", path, exc)
-        with self._lock:
-            if is_gone:
-                self._index.pop(key)
-            self._count("corrupt_blocks")
-        logger.warning("deleted corrupt block %s (%s): %s", key, path, problem)
-        raise CorruptBlock(f"block {key} at {path} was corrupt and has been dropped: {problem}")
-
-    def _publish_file(self, key: str, header: bytes, payload: np.ndarray) -> None:
-        """Write a temp file in the block's directory and rename it into place.
-
-        On any error the temp file is removed, so no partial block is ever visible.
-        """
-        fanout_dir = f"{self._namespace_dir}/{key[:2]}"
-        tmp_path = f"{fanout_dir}/.{key}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        try:
-            fd = os.open(tmp_path, flags, 0o644)
-        except FileNotFoundError:
-            os.makedirs(fanout_dir, exist_ok=True)  # first block of this fan-out dir
-            fd = os.open(tmp_path, flags, 0o644)
-        try:
-            try:
-                _pwritev_full(fd, [header, payload])
-                if self._fsync_writes:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp_path, self._block_path(key))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
-            raise
-        if self._fsync_writes:
-            _fsync_dir(fanout_dir)
-
-    def _ensure_namespace_file(self) -> None:
-        """(Re)write ``namespace.json`` if missing or not what we would write. Never trusted."""
-        path = os.path.join(self._namespace_dir, NAMESPACE_FILE)
-        info = {
-            "note": "informational only: dualpath never reads this file back",
-            "fingerprint": self.fingerprint,
-            "format_version": FORMAT_VERSION,
-            "num_layers": self.layout.num_layers,
-            "block_size_tokens": self.layout.block_size_tokens,
-            "bytes_per_token_per_layer": self.layout.bytes_per_token_per_layer,
-            "header_bytes": HEADER_BYTES,
-            "block_file_bytes": self._block_file_bytes,
-        }
-        try:
-            with open(path, encoding="utf-8") as file:
-                if json.load(file) == info:
-                    return
-        except (OSError, ValueError):
-            pass  # missing or damaged: rewrite below
-        tmp_path = f"{path}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
-        try:
-            with open(tmp_path, "w", encoding="utf-8") as file:
-                json.dump(info, file, indent=2)
-                file.write("\n")
-            os.replace(tmp_path, path)
-        except OSError as exc:
-            # A read-only mount can still serve reads; the file is only documentation.
-            logger.warning("could not write %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
-
-
 class MemoryKVStore(KVStore):
     """An in-process dict with ``FileKVStore``'s semantics (the same LRU eviction, errors and
     statistics): the fake for tests of code that uses a ``KVStore``.
@@ -664,8 +188,8 @@ class MemoryKVStore(KVStore):
         self.layout = layout
         self.fingerprint = fingerprint
         self._lock = threading.Lock()
-        self._index: _LruIndex[_MemoryEntry] = _LruIndex(capacity_bytes)
-        self._stat_name_to_count = dict.fromkeys(_STAT_NAMES, 0)
+        self._index: LruIndex[_MemoryEntry] = LruIndex(capacity_bytes)
+        self._stat_name_to_count = dict.fromkeys(STAT_NAMES, 0)
         self._is_closed = False
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -692,7 +216,7 @@ class MemoryKVStore(KVStore):
 
     def read(self, key: BlockKey, out: np.ndarray | None = None) -> np.ndarray:
         key_to_bytes(key)
-        full_block = _check_out(out, self.layout) if out is not None else None
+        full_block = check_out(out, self.layout) if out is not None else None
         with self._lock:
             self._check_open()
             entry = self._index.touch(key)
@@ -745,30 +269,7 @@ class _MemoryEntry:
     data: bytes
 
 
-def block_file_path(root_dir: Path, fingerprint: str, key: BlockKey) -> Path:
-    """Where ``FileKVStore`` keeps ``key``'s file: for tools, tests and benchmarks only."""
-    return Path(root_dir) / fingerprint / key[:2] / f"{key}{BLOCK_FILE_SUFFIX}"
-
-
-def _is_key(text: str) -> bool:
-    try:
-        key_to_bytes(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _checksum(payload: Sequence[np.ndarray]) -> int:
-    """xxh3-64 of the payload's bytes in order (streamed: the same as of their concatenation)."""
-    if len(payload) == 1:
-        return xxhash.xxh3_64_intdigest(payload[0])
-    hasher = xxhash.xxh3_64()
-    for part in payload:
-        hasher.update(part)
-    return hasher.intdigest()
-
-
-def _check_layer_blocks(layer_blocks: Sequence[np.ndarray], layout: KVLayout) -> list[np.ndarray]:
+def check_layer_blocks(layer_blocks: Sequence[np.ndarray], layout: KVLayout) -> list[np.ndarray]:
     if len(layer_blocks) != layout.num_layers or not all(
         isinstance(b, np.ndarray)
         and b.dtype == np.uint8
@@ -784,7 +285,7 @@ def _check_layer_blocks(layer_blocks: Sequence[np.ndarray], layout: KVLayout) ->
     return list(layer_blocks)
 
 
-def _check_out(out: np.ndarray, layout: KVLayout) -> np.ndarray:
+def check_out(out: np.ndarray, layout: KVLayout) -> np.ndarray:
     if (
         not isinstance(out, np.ndarray)
         or out.dtype != np.uint8
@@ -797,62 +298,3 @@ def _check_out(out: np.ndarray, layout: KVLayout) -> np.ndarray:
             f", got {getattr(out, 'dtype', type(out))} {getattr(out, 'shape', '')}"
         )
     return out
-
-
-def _byte_views(buffers: Sequence[bytes | bytearray | np.ndarray]) -> list[memoryview]:
-    return [memoryview(buffer).cast("B") for buffer in buffers]
-
-
-def _preadv_full(fd: int, buffers: Sequence[bytearray | np.ndarray], num_wanted: int) -> int:
-    """Fill ``buffers`` (``num_wanted`` bytes in all) from offset 0, in one syscall if possible.
-
-    Returns the bytes read; fewer than ``num_wanted`` only at end of file.
-    """
-    num_read = os.preadv(fd, buffers, 0)
-    if num_read == num_wanted:
-        return num_read  # the usual case: one syscall
-    views = _advance(_byte_views(buffers), num_read)
-    while views:
-        num_new = os.preadv(fd, views, num_read)
-        if num_new == 0:
-            break
-        num_read += num_new
-        views = _advance(views, num_new)
-    return num_read
-
-
-def _pwritev_full(fd: int, buffers: Sequence[bytes | np.ndarray]) -> None:
-    views = _byte_views(buffers)
-    num_written = 0
-    while views:
-        num_new = os.pwritev(fd, views, num_written)
-        if num_new == 0:
-            raise OSError(errno.EIO, f"write made no progress after {num_written} bytes")
-        num_written += num_new
-        views = _advance(views, num_new)
-
-
-def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
-    """Drop the first ``num_bytes`` bytes (after a short read or write)."""
-    while views and num_bytes >= len(views[0]):
-        num_bytes -= len(views[0])
-        views = views[1:]
-    if num_bytes:
-        views = [views[0][num_bytes:], *views[1:]]
-    return views
-
-
-def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _fsync_dir(path: str) -> None:
-    """Persist a rename; best effort, since some network file systems refuse directory fsync."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        logger.debug("fsync of directory %s failed: %s", path, exc)

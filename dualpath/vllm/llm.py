@@ -25,8 +25,8 @@ from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.courier import KVTransfer, LoadSource
 from dualpath.engine.llm import Prompt, RequestOutput, encode_prompt
 from dualpath.errors import KVStoreError
+from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.hashing import block_keys
-from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import checkpoint_kv_identity, vllm_device, vllm_page_order
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.types import SamplingParams

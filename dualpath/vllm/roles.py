@@ -34,7 +34,7 @@ from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.remote_buffer import TransportStaging
 from dualpath.engine.role import MAX_PROFILED_CONTEXT_TOKENS, DecodePeers, prefill_batcher
-from dualpath.kv.store import FileKVStore
+from dualpath.kv.file_store import FileKVStore
 from dualpath.model.identity import KVIdentity, vllm_device, vllm_page_order
 from dualpath.protocol import DECODE
 from dualpath.transfer.traffic import Mover

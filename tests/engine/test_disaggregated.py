@@ -19,8 +19,8 @@ from dualpath.engine.llm import LLMEngine
 from dualpath.engine.prefill import PrefillEngine
 from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
 from dualpath.errors import TransferTimeout
+from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.hashing import block_keys
-from dualpath.kv.store import FileKVStore
 from dualpath.model.identity import kv_identity
 from dualpath.model.loader import load_model
 from dualpath.protocol import Assignment

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dualpath import LLM, SamplingParams
-from dualpath.kv.store import FileKVStore
+from dualpath.kv.file_store import FileKVStore
 from tests.helpers import assert_same_tokens
 
 BLOCK = 64

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dualpath.kv.file_store import HEADER_BYTES, FileKVStore
 from dualpath.kv.hashing import block_keys, model_fingerprint
 from dualpath.kv.layout import KVLayout
-from dualpath.kv.store import HEADER_BYTES, FileKVStore, KVStore, MemoryKVStore
+from dualpath.kv.store import KVStore, MemoryKVStore
 
 TINY_LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
 TINY_FINGERPRINT = model_fingerprint(

@@ -19,15 +19,9 @@ from hypothesis import strategies as st
 from dualpath.bench.store_bench import run_store_read_bench
 from dualpath.config import KVStoreConfig
 from dualpath.errors import BlockNotFound, CorruptBlock, StoreWriteError
+from dualpath.kv.file_store import HEADER_BYTES, NAMESPACE_FILE, FileKVStore, block_file_path
 from dualpath.kv.layout import KVLayout
-from dualpath.kv.store import (
-    HEADER_BYTES,
-    NAMESPACE_FILE,
-    FileKVStore,
-    KVStore,
-    MemoryKVStore,
-    block_file_path,
-)
+from dualpath.kv.store import KVStore, MemoryKVStore
 from tests.kv.conftest import (
     TINY_FINGERPRINT,
     TINY_LAYOUT,
@@ -339,7 +333,7 @@ def test_another_process_writes_and_this_one_reads(tmp_path: Path) -> None:
     script = (
         "import sys; from pathlib import Path\n"
         "from tests.kv.conftest import TINY_FINGERPRINT, TINY_LAYOUT, make_block, make_keys\n"
-        "from dualpath.kv.store import FileKVStore\n"
+        "from dualpath.kv.file_store import FileKVStore\n"
         "store = FileKVStore(Path(sys.argv[1]), TINY_LAYOUT, TINY_FINGERPRINT)\n"
         "for index, key in enumerate(make_keys(2)):\n"
         "    store.write(key, make_block(index))\n"
@@ -614,7 +608,7 @@ def test_disk_full_mid_write_leaves_no_partial_block(tmp_path: Path) -> None:
         "import resource, signal, sys; from pathlib import Path\n"
         "from tests.kv.conftest import TINY_FINGERPRINT, TINY_LAYOUT, make_block, make_keys\n"
         "from dualpath.errors import StoreWriteError\n"
-        "from dualpath.kv.store import FileKVStore\n"
+        "from dualpath.kv.file_store import FileKVStore\n"
         "store = FileKVStore(Path(sys.argv[1]), TINY_LAYOUT, TINY_FINGERPRINT)\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))\n"

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from dualpath.engine.buffers import KVBuffer
+from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.hashing import block_keys
-from dualpath.kv.store import FileKVStore
 
 pytestmark = pytest.mark.vllm
 
