@@ -393,6 +393,9 @@ class EngineProcessConfig:
     # and the process exits anyway: a store that hangs (a cut-off network mount) must not
     # keep a stopped engine alive. The blocks are recomputed when next needed.
     store_flush_timeout_s: float = 10.0
+    # The OpenAI URL of the vLLM server this engine runs in (``dualpath vllm-config --url``),
+    # which the front door forwards requests to; "" for a ``dualpath engine`` process.
+    url: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ENGINE_ROLES:

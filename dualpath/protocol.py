@@ -50,6 +50,12 @@ class EngineInfo:
     buffer_descriptor: bytes
     num_buffer_slots: int
     num_kv_blocks: int  # device KV blocks (the DE memory gate's unit)
+    # A vLLM server the user started with our connector (``dualpath vllm-config``): the
+    # OpenAI URL the front door forwards its requests to. "" for a ``dualpath engine``.
+    url: str = ""
+    # The store namespace its KV is keyed by (``KVIdentity.fingerprint``); the scheduler
+    # refuses an engine whose KV would not match the blocks it finds hits for. "": not said.
+    kv_fingerprint: str = ""
 
 
 @message("peers")
@@ -257,3 +263,23 @@ class RequestEvent:
     # The error is the cluster's state, not the request's: no engine of a role it needs is
     # alive (the server answers 503, not 500).
     is_unavailable: bool = False
+    # Set on the one event that says the request was placed on a vLLM server DE (``url``):
+    # the front door forwards it there (``Forward``); that placement's tokens reach the
+    # client over HTTP, not as events.
+    forward: Forward | None = None
+    # A forwarded request's placement was lost with an engine (or a transfer to it): the front
+    # door places it again itself, going on from the tokens its client was sent.
+    is_engine_lost: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Where a request placed on vLLM servers goes: the placement's id (the connector's
+    ``dualpath_request_id``), its engines, and their OpenAI URLs ("" for a PE that is a
+    ``dualpath engine``: it is sent the Assignment only)."""
+
+    request_id: int
+    prefill_engine_id: int
+    decode_engine_id: int
+    prefill_url: str
+    decode_url: str

@@ -106,6 +106,8 @@ class ClusterSnapshot:
     # Requests in flight that each engine's loss would place again (a DE's from assignment
     # to the last token, a PE's until prefilled): engine id -> count, engines holding any.
     engine_id_to_num_requests: dict[int, int] = field(default_factory=dict)
+    # Live engines that are vLLM servers (``dualpath vllm-config``): id -> OpenAI URL.
+    engine_urls: dict[int, str] = field(default_factory=dict)
     # Why no request can be served (no live engine of a role, or the scheduler loop died), or
     # None when requests can be served (or engines are still joining).
     unavailable_reason: str | None = None
@@ -142,7 +144,11 @@ class Coordinator:
         self.server = ControlServer(cluster.control_endpoint, token)
         self.endpoint = self.server.endpoint
         self.membership = Membership(
-            self.topology, self.server, heartbeat_timeout_s=cluster.heartbeat_timeout_s, clock=clock
+            self.topology,
+            self.server,
+            heartbeat_timeout_s=cluster.heartbeat_timeout_s,
+            clock=clock,
+            kv_fingerprint=identity.fingerprint,
         )
         self.persisting: PersistingBlocks[RequestState] = PersistingBlocks(
             cluster.persist_wait_s if store is not None else 0.0
@@ -194,6 +200,11 @@ class Coordinator:
 
     def on_engine_exited(self, engine_id: int, exit_code: int) -> None:
         self.membership.on_engine_exited(engine_id, exit_code)
+
+    def on_engine_unreachable(self, engine_id: int, why: str) -> None:
+        """A vLLM server engine's HTTP connection failed (any thread): it is declared dead at
+        the loop's next turn; it joins again when its connector reports."""
+        self.membership.on_engine_unreachable(engine_id, why)
 
     @property
     def num_expected_engines(self) -> int:
@@ -257,6 +268,7 @@ class Coordinator:
             dead_engines=self.dead_engines(),
             engine_deaths=dict(self.membership.engine_deaths),
             engine_id_to_num_requests=self.requests.num_requests_by_engine(),
+            engine_urls=self.membership.engine_urls(),
             unavailable_reason=self.unavailable_reason,
         )
 

@@ -399,6 +399,11 @@ class LocalCluster:
         self._arrivals.pop(request_id, None)
         self._cancellations.put(request_id)
 
+    def report_unreachable(self, engine_id: int, why: str) -> None:
+        """A vLLM server engine's HTTP connection failed: declare it dead now (thread-safe);
+        what it held is failed as lost to the front door, which places it again."""
+        self.coordinator.on_engine_unreachable(engine_id, why)
+
     def snapshot(self) -> ClusterSnapshot:
         """The latest state the loop thread published (at most ``SNAPSHOT_INTERVAL_S`` old)."""
         return self._snapshot

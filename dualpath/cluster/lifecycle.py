@@ -28,6 +28,7 @@ from dualpath.protocol import (
     DECODE,
     Assignment,
     CancelRequest,
+    Forward,
     KVPersisted,
     PrefillDone,
     RequestEvent,
@@ -215,6 +216,26 @@ class RequestLifecycle:
             self._fail(request_id, f"engine unavailable at assignment: {exc}")
             return
         self.num_assigned += 1
+        self._forward_if_served(state, pe, de)
+
+    def _forward_if_served(self, state: RequestState, pe: int, de: int) -> None:
+        """A request placed on a vLLM server DE: the front door is told where to forward it
+        (the connectors of both already hold its Assignment)."""
+        decode_url = self.membership.engine_url(de)
+        if not decode_url:
+            return
+        state.is_forwarded = True
+        forward = Forward(state.request_id, pe, de, self.membership.engine_url(pe), decode_url)
+        self._events.put(
+            RequestEvent(
+                state.client_request_id,
+                (),
+                None,
+                state.num_cached_tokens,
+                time_s=self.clock(),
+                forward=forward,
+            )
+        )
 
     # --- the engines' messages (the loop) -----------------------------------------------------
 
@@ -234,9 +255,12 @@ class RequestLifecycle:
         if state is None:
             return
         state.is_prefill_done = True
-        state.finish_reason_pending = msg.finish_reason
         if state.reported_cached_tokens is None:
             state.reported_cached_tokens = msg.num_cached_tokens
+        if state.is_forwarded:  # the DE's server samples and streams every token itself
+            self.relay(msg.request_id, msg, to_prefill=False)
+            return
+        state.finish_reason_pending = msg.finish_reason
         logprobs = None if msg.first_token_logprob is None else (msg.first_token_logprob,)
         self._emit(state, (msg.first_token_id,), None, logprobs, now_s)
         self.relay(msg.request_id, msg, to_prefill=False)
@@ -246,7 +270,11 @@ class RequestLifecycle:
         if state is None:
             return
         state.finish_reason_pending = None
-        self._emit(state, msg.token_ids, msg.finish_reason, msg.logprobs, now_s)
+        if state.is_forwarded:  # its tokens went to the front door over HTTP: only the end
+            if msg.finish_reason is not None:
+                self._emit(state, (), msg.finish_reason, None, now_s)
+        else:
+            self._emit(state, msg.token_ids, msg.finish_reason, msg.logprobs, now_s)
         if msg.finish_reason is not None:
             self._pop(msg.request_id)
             if msg.persisting_keys and state.decode_engine_id is not None:
@@ -284,7 +312,11 @@ class RequestLifecycle:
 
     def on_failed(self, msg: RequestFailed, now_s: float) -> None:
         state = self._requests.get(msg.request_id)
-        if msg.is_retryable and state is not None and may_place_again(state):
+        if state is not None and state.is_forwarded:
+            if msg.is_retryable and msg.peer_engine_id >= 0:
+                self._suspect(msg.peer_engine_id)
+            self._fail(msg.request_id, msg.reason, is_engine_lost=msg.is_retryable)
+        elif msg.is_retryable and state is not None and may_place_again(state):
             # The PE lost a DE (``replacement.retry_after_failure``); that DE is suspected:
             # nothing more is placed on it until it reports again.
             if msg.peer_engine_id >= 0:
@@ -318,7 +350,14 @@ class RequestLifecycle:
             del self._client_id_to_request_id[state.client_request_id]
         return state
 
-    def _fail(self, request_id: int, reason: str, *, is_unavailable: bool = False) -> None:
+    def _fail(
+        self,
+        request_id: int,
+        reason: str,
+        *,
+        is_unavailable: bool = False,
+        is_engine_lost: bool = False,
+    ) -> None:
         state = self._pop(request_id)
         if state is None:
             return
@@ -332,6 +371,7 @@ class RequestLifecycle:
                 state.num_cached_tokens,
                 error=reason,
                 is_unavailable=is_unavailable,
+                is_engine_lost=is_engine_lost,
             )
         )
         self._cancel_on_live_engines(state)
@@ -353,7 +393,9 @@ class RequestLifecycle:
         left, every request that needs one fails."""
         for request_id, request in list(self._requests.items()):
             if needs_engine(request, engine_id):
-                if request.finish_reason_pending is not None:  # only its finish was lost
+                if request.is_forwarded:  # the front door places it again from its stream
+                    self._fail(request_id, why, is_engine_lost=True)
+                elif request.finish_reason_pending is not None:  # only its finish was lost
                     self._emit(request, (), request.finish_reason_pending, None, self.clock())
                     self._pop(request_id)
                 elif may_place_again(request):

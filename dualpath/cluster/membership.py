@@ -61,8 +61,10 @@ class Membership:
         *,
         heartbeat_timeout_s: float,
         clock: Callable[[], float],
+        kv_fingerprint: str = "",
     ) -> None:
         self.server = server
+        self.kv_fingerprint = kv_fingerprint  # "": engines' KV namespaces are not checked
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.engine_id_to_node = {e: n.node_id for n in topology.nodes for e in n.engine_ids}
@@ -82,7 +84,7 @@ class Membership:
         # not counted by walking every engine (1,152 at 48P96D).
         self._role_to_num_live = dict.fromkeys((PREFILL, DECODE), 0)
         # Engine processes this host saw exit, with their exit code (the launcher's watch).
-        self._exited: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._exited: queue.SimpleQueue[tuple[int, int | str]] = queue.SimpleQueue()
 
     # --- counts (any thread: they read counters only) ----------------------------------------
 
@@ -125,7 +127,7 @@ class Membership:
     def register(self, client_id: str, info: EngineInfo, now_s: float) -> bool:
         """An engine joins, speaking for itself; one that does not fit the topology is told
         to shut down (False)."""
-        problem = self.topology_problem(info)
+        problem = self.topology_problem(info) or self.kind_problem(info)
         if problem is not None:
             logger.error("engine %s does not fit the topology: %s", info, problem)
             self.server.send(client_id, Shutdown(problem))
@@ -142,6 +144,43 @@ class Membership:
         if info.role != expected_role:
             return f"engine {info.engine_id} must be {expected_role}"
         return None
+
+    def kind_problem(self, info: EngineInfo) -> str | None:
+        """Why the engine cannot serve beside the live ones, or None: its KV must be keyed as
+        the scheduler's store lookups are, and a vLLM server (``url``) is paired only with
+        DEs that are vLLM servers too (the front door forwards a request to its DE)."""
+        if (
+            info.kv_fingerprint
+            and self.kv_fingerprint
+            and info.kv_fingerprint != self.kv_fingerprint
+        ):
+            return (
+                f"engine {info.engine_id}'s KV is keyed {info.kv_fingerprint}, the scheduler's "
+                f"store lookups {self.kv_fingerprint}: start both with the same model, dtype, "
+                "block size and engine kind (e.g. 'dualpath serve --engine vllm --block-size N')"
+            )
+        others = [s.info for e, s in self.engines.items() if s.is_alive and e != info.engine_id]
+        decodes = [i for i in others if i.role == DECODE]
+        if info.role == DECODE and any(bool(i.url) != bool(info.url) for i in decodes):
+            return "a cluster's decode engines are all vLLM servers or all dualpath engines"
+        served_decodes = bool(info.url) if info.role == DECODE else None
+        if decodes:
+            served_decodes = bool(decodes[0].url)
+        served_prefills = [i for i in others if i.role == PREFILL and i.url]
+        if info.role == PREFILL and info.url:
+            served_prefills.append(info)
+        if served_prefills and served_decodes is False:
+            return "a vLLM server prefill engine needs decode engines that are vLLM servers"
+        return None
+
+    def engine_url(self, engine_id: int) -> str:
+        """The engine's OpenAI URL if it is a vLLM server, else ""."""
+        state = self.engines.get(engine_id)
+        return "" if state is None else state.info.url
+
+    def engine_urls(self) -> dict[int, str]:
+        """Live engines that are vLLM servers: id -> OpenAI URL."""
+        return {e: s.info.url for e, s in self.engines.items() if s.is_alive and s.info.url}
 
     def join(self, info: EngineInfo, client: Client) -> None:
         """``info`` (fitting the topology) joins through ``client``; one that joins again
@@ -173,16 +212,23 @@ class Membership:
         at the loop's next turn, without waiting for the heartbeat timeout."""
         self._exited.put((engine_id, exit_code))
 
+    def on_engine_unreachable(self, engine_id: int, why: str) -> None:
+        """A vLLM server engine's HTTP connection failed (any thread): due to be declared
+        dead at the loop's next turn."""
+        self._exited.put((engine_id, why))
+
     def exited_engines(self) -> list[tuple[int, str]]:
-        """Live engines whose process exited, with why: to declare dead now."""
+        """Live engines whose process exited or whose server is unreachable, with why: to
+        declare dead now."""
         due = []
         while True:
             try:
-                engine_id, exit_code = self._exited.get_nowait()
+                engine_id, cause = self._exited.get_nowait()
             except queue.Empty:
                 return due
             if self.is_alive(engine_id):
-                due.append((engine_id, f"its process exited with code {exit_code}"))
+                why = cause if isinstance(cause, str) else f"its process exited with code {cause}"
+                due.append((engine_id, why))
 
     def check_liveness(self, declare_dead: Callable[[int, str], None]) -> None:
         """``declare_dead(engine_id, why)`` for each live engine silent for

@@ -45,6 +45,9 @@ class RequestState:
     lost_at_s: float | None = None  # when its engine was lost, until a token comes again
     # Why the last token sent ends the request, per its PE (the DE sends the finish itself).
     finish_reason_pending: str | None = None
+    # Placed on a vLLM server DE: the front door forwards it and streams its tokens; a lost
+    # placement is handed back to the front door (``RequestEvent.is_engine_lost``).
+    is_forwarded: bool = False
 
     def go_on_from_output(self) -> None:
         """The next placement prefills the prompt and every token sent so far, and goes on
