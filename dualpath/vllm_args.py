@@ -161,3 +161,36 @@ def engine_kind_args(args: argparse.Namespace) -> dict[str, Any]:
         )
     check_vllm_args(vllm_args)
     return {"engine": args.engine, "vllm_args": vllm_args, "vllm_prefill_batching": batching}
+
+
+# --- a vLLM server the user starts (``dualpath vllm-config``, ``dualpath.cluster.served``) ---
+
+SERVED_CONFIG_KEY = "dualpath"  # kv_connector_extra_config[key]: the EngineProcessConfig
+SERVED_CONNECTOR = ("DualpathServedConnector", "dualpath.cluster.served")
+# The engine fields the connector takes from the configuration; vLLM decides the others.
+SERVED_ENGINE_FIELDS = ("block_size_tokens", "dtype", "engine")
+
+
+def served_kv_transfer_config(config: Any) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for a server that is the engine ``config`` (an
+    ``EngineProcessConfig``) describes: our connector by module path, the configuration in
+    ``kv_connector_extra_config``, without what vLLM decides (the model, the engine's context,
+    KV memory and threads)."""
+    import dataclasses
+
+    from dualpath.config import config_to_dict
+
+    data = config_to_dict(config)
+    del data["model_dir"]
+    data["engine"] = {
+        name: getattr(config.engine, name)
+        for name in SERVED_ENGINE_FIELDS
+        if name in {f.name for f in dataclasses.fields(config.engine)}
+    }
+    name, module = SERVED_CONNECTOR
+    return {
+        "kv_connector": name,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {SERVED_CONFIG_KEY: data},
+    }

@@ -36,6 +36,7 @@ from dualpath.cli.parser import Parser
 from dualpath.cli.plan import add_plan
 from dualpath.cli.serve import add_serve
 from dualpath.cli.simulate import add_simulate
+from dualpath.cli.vllm_config import add_vllm_config
 from dualpath.errors import DualPathError
 
 __all__ = [
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_demo,
         add_engine,
         add_serve,
+        add_vllm_config,
         add_bench,
         add_simulate,
         add_plan,

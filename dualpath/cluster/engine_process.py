@@ -83,7 +83,7 @@ def run_engine(config: EngineProcessConfig, token: str) -> int:
     ``EXIT_SCHEDULER_LOST`` when the scheduler was lost."""
     die_with_parent()
     signal.signal(signal.SIGTERM, _raise_stop)
-    process = _EngineProcess(config, token)
+    process = EngineProcess(config, token)
     exit_code = 1  # a crash, unless run() returns
     try:
         exit_code = process.run()
@@ -102,8 +102,12 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop(f"signal {signum}")
 
 
-class _EngineProcess:
-    def __init__(self, config: EngineProcessConfig, token: str) -> None:
+class EngineProcess:
+    def __init__(
+        self, config: EngineProcessConfig, token: str, *, served_engine: object = None
+    ) -> None:
+        """``served_engine``: the vLLM engine this runs beside, in a vLLM server the user
+        started (``dualpath.cluster.served``); None builds the engine here."""
         self.config = config
         engine_config = config.engine
         is_vllm = engine_config.engine == "vllm"
@@ -152,7 +156,8 @@ class _EngineProcess:
                 self.buffer,
                 self.transport,
                 mover=self._move,
-                wake=self.client.wake,
+                wake=self._wake,
+                engine=served_engine,
             )
         else:
             self.role = make_role(
@@ -162,7 +167,7 @@ class _EngineProcess:
                 self.buffer,
                 self.transport,
                 mover=self._move,
-                wake=self.client.wake,
+                wake=self._wake,
             )
         self.last_heard_s = time.monotonic()
         self.last_report_s = 0.0
@@ -171,6 +176,9 @@ class _EngineProcess:
         self.busy_s = 0.0  # wall time spent in prefill batches or decode steps
         # Messages that arrived mid-batch and wait for its end (``_between_layers``).
         self._deferred: list[object] = []
+
+    def _wake(self) -> None:
+        self.client.wake()  # the client of the moment (a served engine joins again anew)
 
     def _send(self, msg: object) -> None:
         """A control message to the scheduler: ``inference`` traffic on this engine's CNIC
@@ -212,30 +220,43 @@ class _EngineProcess:
                 msgpack.packb(self.buffer_descriptor.to_dict()),
                 self.buffer.num_slots,
                 self.role.num_kv_blocks,
+                url=config.url,
+                kv_fingerprint=self.identity.fingerprint,
             )
         )
         self.last_heard_s = time.monotonic()
         try:
             while True:
-                start_s = time.perf_counter()
-                is_busy = self.role.work(self._send, self._between_layers)
-                if is_busy:
-                    self.busy_s += time.perf_counter() - start_s
-                deferred, self._deferred = self._deferred, []
-                for msg in deferred:
-                    self._handle(msg)
-                for msg in self.client.poll(0.0 if is_busy else config.scheduler.fetch_interval_s):
-                    self._handle(msg)
-                now_s = time.monotonic()
-                if now_s - self.last_heard_s > config.cluster.heartbeat_timeout_s:
-                    raise _SchedulerLost(f"scheduler silent for {now_s - self.last_heard_s:.1f} s")
-                self._report_if_due(now_s)
+                is_busy = self._work()
+                idle_s = 0.0 if is_busy else config.scheduler.fetch_interval_s
+                self._take(self.client.poll(idle_s))
         except _Stop as stop:
             logger.info("engine %d stopping: %s", config.engine_id, stop)
             return 0
         except _SchedulerLost as lost:
             logger.error("engine %d lost the scheduler (%s): exiting", config.engine_id, lost)
             return EXIT_SCHEDULER_LOST
+
+    def _work(self) -> bool:
+        """One unit of the role's work, then the messages that waited for it; whether it was
+        busy (then the next poll does not wait)."""
+        start_s = time.perf_counter()
+        is_busy = self.role.work(self._send, self._between_layers)
+        if is_busy:
+            self.busy_s += time.perf_counter() - start_s
+        deferred, self._deferred = self._deferred, []
+        for msg in deferred:
+            self._handle(msg)
+        return is_busy
+
+    def _take(self, messages: list[object]) -> None:
+        """The scheduler's messages, its liveness, and this engine's report when due."""
+        for msg in messages:
+            self._handle(msg)
+        now_s = time.monotonic()
+        if now_s - self.last_heard_s > self.config.cluster.heartbeat_timeout_s:
+            raise _SchedulerLost(f"scheduler silent for {now_s - self.last_heard_s:.1f} s")
+        self._report_if_due(now_s)
 
     def _report_if_due(self, now_s: float) -> None:
         if now_s - self.last_report_s >= self.config.scheduler.fetch_interval_s:

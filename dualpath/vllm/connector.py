@@ -26,15 +26,18 @@ host under N and says up to three things::
     persist   each full block not in the store yet, once all its layers are computed
               (``wait_for_save``): the DE's prompt blocks and every block decode fills
 
-Per step the scheduler side hands the worker side one ``StepTransfer`` per request: its
-blocks, the token range to load, how far its KV reaches, the blocks to persist. A request
+Per step the scheduler side hands the worker side one ``StepPlan`` per request: its blocks,
+the token range to load, how far its KV reaches, the blocks to persist; the worker side makes
+it the courier's ``StepTransfer`` with the request's ``KVTransfer``. The scheduler side knows a
+transfer only as its ``PlanView`` (picklable), so the two sides may run in two processes, as
+vLLM's CPU build runs them (a vLLM server: ``dualpath.cluster.served``). A request
 without ``dualpath_request_id`` is served by vLLM alone.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,7 @@ from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore
 from dualpath.transfer.traffic import Mover, direct_move
 from dualpath.vllm.cache import layer_index
+from dualpath.vllm.checks import attention_backend, check_config
 from dualpath.vllm.layouts import VllmPages, choose_layout
 
 REQUEST_ID_PARAM = "dualpath_request_id"  # our request id in vLLM's kv_transfer_params
@@ -99,61 +103,116 @@ def unregister_host(key: str) -> None:
         _HOSTS.pop(key, None)
 
 
+@dataclass(frozen=True, slots=True)
+class PlanView:
+    """What the scheduler side knows of a request's transfer: enough to answer vLLM and to
+    plan steps, nothing that lives only in the engine's process (buffers, peers), so that the
+    two sides may run in two processes, as vLLM's CPU build runs them."""
+
+    request_id: int
+    load_first_block: int = 0  # its first block a load fills (vLLM's own cache holds before)
+    load_num_tokens: int = 0  # tokens a load brings in all; 0: nothing to load
+    persist_from_block: int | None = None  # see ``KVTransfer``
+    # The prompt the placement was made for (a vLLM server checks the request it got); None:
+    # not checked (the engine added the request itself).
+    prompt_token_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, transfer: KVTransfer, prompt_token_ids: tuple[int, ...] | None = None) -> PlanView:
+        load = transfer.load
+        return cls(
+            transfer.request_id,
+            0 if load is None else load.first_block,
+            0 if load is None else load.num_tokens,
+            transfer.persist_from_block,
+            prompt_token_ids,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One request's work in one step, scheduler side -> worker side (pickled by vLLM): the
+    worker makes it the courier's ``StepTransfer`` with the request's transfer."""
+
+    request_id: int
+    block_ids: tuple[int, ...]
+    load_first: int = 0
+    load_num: int = 0
+    num_reached: int = 0
+    persist: tuple[tuple[Any, int], ...] = ()
+
+
 @dataclass
 class DualpathStepMetadata(KVConnectorMetadata):
-    """One step's work, scheduler side -> worker side: a ``StepTransfer`` per request."""
+    """One step's work, scheduler side -> worker side: a ``StepPlan`` per request."""
 
-    steps: list[StepTransfer] = field(default_factory=list)
+    steps: list[StepPlan] = field(default_factory=list)
 
 
 @dataclass
 class _Tracked:
     """Scheduler side: a request with a transfer, from its allocation to its end."""
 
-    transfer: KVTransfer
+    view: PlanView
     request: Any  # vLLM's Request (its token ids grow as it decodes)
     num_external_tokens: int = 0  # tokens promised to load
     block_ids: list[int] = field(default_factory=list)
     is_load_pending: bool = False
+    is_load_taken: bool = False  # a request vLLM preempts later is recomputed, not loaded
+    persisted_keys: list = field(default_factory=list)
 
 
 class ConnectorScheduler:
-    """The scheduler side: how many tokens a request loads, and each step's work."""
+    """The scheduler side: how many tokens a request loads, and each step's work, from the
+    requests' ``PlanView``s (``view_of``: by our request id; the host's plans by default)."""
 
-    def __init__(self, host: ConnectorHost) -> None:
+    def __init__(
+        self,
+        host: ConnectorHost,
+        view_of: Callable[[int], PlanView | None] | None = None,
+    ) -> None:
         self.host = host
         self.block_size = host.layout.block_size_tokens
+        self.persists = host.store is not None
+        self._view_of = view_of or self._host_view
         self._tracked: dict[str, _Tracked] = {}  # vLLM request id -> state
 
-    def _transfer_of(self, request: Any) -> KVTransfer | None:
+    def _host_view(self, request_id: int) -> PlanView | None:
+        transfer = self.host.plans.get(request_id)
+        return None if transfer is None else PlanView.of(transfer)
+
+    def _view(self, request: Any) -> PlanView | None:
         params = request.kv_transfer_params or {}
         request_id = params.get(REQUEST_ID_PARAM)
-        return None if request_id is None else self.host.plans.get(request_id)
+        return None if request_id is None else self._view_of(request_id)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """The transfer's loadable tokens beyond vLLM's own prefix hit (no side effects: vLLM
         may ask again). At most ``num_tokens - 1`` in all: vLLM computes at least one token
         of every request (the one whose logits it samples from). If vLLM evicted blocks the
         plan counted on, the gap cannot be loaded: vLLM computes everything past its hit."""
-        transfer = self._transfer_of(request)
-        if transfer is None or transfer.load is None:
+        view = self._view(request)
+        return 0 if view is None else self._num_loadable(view, request, num_computed_tokens)
+
+    def _num_loadable(self, view: PlanView, request: Any, num_computed_tokens: int) -> int:
+        tracked = self._tracked.get(request.request_id)
+        if not view.load_num_tokens or (tracked is not None and tracked.is_load_taken):
             return 0
-        if num_computed_tokens < transfer.load.first_block * self.block_size:
+        if num_computed_tokens < view.load_first_block * self.block_size:
             return 0
-        loadable = min(transfer.load.num_tokens, request.num_tokens - 1)
+        loadable = min(view.load_num_tokens, request.num_tokens - 1)
         return max(0, loadable - num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        transfer = self._transfer_of(request)
-        if transfer is None:
+        view = self._view(request)
+        if view is None:
             return
-        self._tracked[request.request_id] = _Tracked(
-            transfer,
-            request,
-            num_external_tokens,
-            list(blocks.get_block_ids()[0]),
-            is_load_pending=num_external_tokens > 0,
-        )
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = self._tracked[request.request_id] = _Tracked(view, request)
+        tracked.num_external_tokens = num_external_tokens
+        tracked.block_ids = list(blocks.get_block_ids()[0])
+        tracked.is_load_pending = num_external_tokens > 0
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = DualpathStepMetadata()
@@ -181,16 +240,17 @@ class ConnectorScheduler:
             )
         return meta
 
-    def _step(self, tracked: _Tracked, num_computed: int, num_scheduled: int) -> StepTransfer:
+    def _step(self, tracked: _Tracked, num_computed: int, num_scheduled: int) -> StepPlan:
         """``num_computed``: tokens with KV before this step, loaded ones included."""
         load_first = load_num = 0
         if tracked.is_load_pending:
             tracked.is_load_pending = False
+            tracked.is_load_taken = True
             load_num = tracked.num_external_tokens
             load_first = num_computed - load_num
         num_reached = num_computed + num_scheduled
-        return StepTransfer(
-            tracked.transfer,
+        return StepPlan(
+            tracked.view.request_id,
             tuple(tracked.block_ids),
             load_first,
             load_num,
@@ -200,10 +260,10 @@ class ConnectorScheduler:
 
     def _blocks_to_persist(self, tracked: _Tracked, num_reached: int) -> tuple:
         """(key, block) of every block full after this step and not persisted yet."""
-        transfer = tracked.transfer
-        if transfer.persist_from_block is None or self.host.store is None:
+        persist_from_block = tracked.view.persist_from_block
+        if persist_from_block is None or not self.persists:
             return ()
-        keys = transfer.persisted_keys
+        keys = tracked.persisted_keys
         num_keyed = len(keys)
         extend_block_keys(
             keys,
@@ -212,7 +272,7 @@ class ConnectorScheduler:
             self.block_size,
             self.host.fingerprint,
         )
-        first = max(num_keyed, transfer.persist_from_block)
+        first = max(num_keyed, persist_from_block)
         return tuple((keys[i], tracked.block_ids[i]) for i in range(first, len(keys)))
 
     def request_finished(self, request: Any) -> None:
@@ -229,6 +289,8 @@ class ConnectorWorker:
         self.host = host
         self.courier: KVCourier | None = None
         self._meta: KVConnectorMetadata | None = None  # the step the courier is on
+        self._steps: list[StepTransfer] = []
+        self._lost_blocks: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str) -> None:
         """vLLM's pages, as the adapter of what the engine reports (``layouts.choose_layout``:
@@ -265,9 +327,39 @@ class ConnectorWorker:
         if meta is not self._meta:
             assert self.host.cache is not None
             self._meta = meta
-            steps = meta.steps if isinstance(meta, DualpathStepMetadata) else []
-            courier.begin_step(steps, self.host.cache)
+            self._steps = self._transfers(meta)
+            courier.begin_step(self._steps, self.host.cache)
         return courier
+
+    def _transfers(self, meta: KVConnectorMetadata | None) -> list[StepTransfer]:
+        """The step's plans with their requests' transfers. A request whose transfer is gone
+        (cancelled since vLLM scheduled it) is left out, its load reported failed."""
+        steps = []
+        for plan in meta.steps if isinstance(meta, DualpathStepMetadata) else []:
+            transfer = self.host.plans.get(plan.request_id)
+            if transfer is None:
+                if plan.load_num:
+                    self._lost_blocks.update(plan.block_ids)
+                continue
+            transfer.persisted_keys.extend(key for key, _ in plan.persist)
+            steps.append(
+                StepTransfer(
+                    transfer,
+                    plan.block_ids,
+                    plan.load_first,
+                    plan.load_num,
+                    plan.num_reached,
+                    plan.persist,
+                )
+            )
+        return steps
+
+    def pop_failed_blocks(self) -> set[int]:
+        """Blocks whose load failed: a pull from a DE, or a transfer gone before its step."""
+        failed, self._lost_blocks = self._lost_blocks, set()
+        if self.courier is not None:
+            failed |= self.courier.pop_failed_blocks()
+        return failed
 
     def save_layer(self, meta: KVConnectorMetadata | None, layer: int) -> None:
         self.begin(meta).save_layer(layer)
@@ -279,9 +371,10 @@ class ConnectorWorker:
         request vLLM preempts later is recomputed, not loaded again."""
         self.begin(meta).end_step()
         self._meta = None
-        for step in meta.steps if isinstance(meta, DualpathStepMetadata) else []:
+        for step in self._steps:
             if step.load_num:
                 step.transfer.load = None
+        self._steps = []
 
     def shutdown(self) -> None:
         if self.courier is not None:
@@ -295,19 +388,28 @@ class DualpathConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        host = self._find_host(extra, vllm_config, kv_cache_config)
+        check_config(vllm_config, host.layout)
+        self.host = host
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.scheduler = self._scheduler_side(host) if is_scheduler else None
+        self.worker = None if is_scheduler else ConnectorWorker(host)
+
+    def _find_host(self, extra: dict, vllm_config: Any, kv_cache_config: Any) -> ConnectorHost:
+        """The host the engine process registered under ``extra["engine_key"]``."""
         key = extra.get("engine_key")
         with _HOSTS_LOCK:
             host = _HOSTS.get(key)
         if host is None:
             raise ValueError(
                 f"no dualpath connector host is registered as engine_key={key!r}: the "
-                "connector serves an engine that dualpath builds"
+                "connector serves an engine that dualpath builds (a vLLM server takes the "
+                "configuration 'dualpath vllm-config' prints)"
             )
-        check_config(vllm_config, host.layout)
-        self.host = host
-        is_scheduler = role == KVConnectorRole.SCHEDULER
-        self.scheduler = ConnectorScheduler(host) if is_scheduler else None
-        self.worker = None if is_scheduler else ConnectorWorker(host)
+        return host
+
+    def _scheduler_side(self, host: ConnectorHost) -> ConnectorScheduler:
+        return ConnectorScheduler(host)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -319,7 +421,7 @@ class DualpathConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Loaded synchronously: the source is host memory (or a DE's buffer, pulled per
-        layer within the step)."""
+        layer within the step). None: not known yet (vLLM asks again at its next step)."""
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
 
@@ -366,40 +468,8 @@ class DualpathConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose pull from a DE failed this step (a copy from host memory cannot)."""
         assert self.worker is not None
-        courier = self.worker.courier
-        return set() if courier is None else courier.pop_failed_blocks()
+        return self.worker.pop_failed_blocks()
 
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
-
-
-def attention_backend(vllm_config: Any, layer_names: Iterable[str]) -> str:
-    """The attention backend vLLM chose for these layers (``get_name()``, e.g. ``CPU_ATTN``,
-    ``CPU_MLA``, ``FLASH_ATTN``); ``ValueError`` if they differ (a hybrid model)."""
-    context = vllm_config.compilation_config.static_forward_context
-    names = {context[name].get_attn_backend().get_name() for name in layer_names}
-    if len(names) != 1:
-        raise ValueError(f"vLLM's KV layers use several attention backends: {sorted(names)}")
-    return names.pop()
-
-
-def check_config(vllm_config: Any, layout: KVLayout) -> None:
-    """``ValueError`` naming the vLLM setting the connector cannot serve exactly."""
-    parallel = vllm_config.parallel_config
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        value = getattr(parallel, name, 1)
-        if value != 1:
-            raise ValueError(f"dualpath's vLLM engine runs one worker: {name}={value} is refused")
-    cache_config = vllm_config.cache_config
-    if cache_config.block_size != layout.block_size_tokens:
-        hint = "give --block-size to both"
-        if vllm_config.model_config.use_mla:  # vLLM sets the block size for its MLA backend
-            hint = f"pass --block-size {cache_config.block_size}, the size vLLM's MLA pages take"
-        raise ValueError(
-            f"vLLM block_size={cache_config.block_size} differs from the store's "
-            f"{layout.block_size_tokens}-token blocks: {hint}"
-        )
-    model_config = vllm_config.model_config
-    if getattr(model_config.hf_text_config, "sliding_window", None):
-        raise ValueError("sliding-window attention is refused: the store holds whole contexts")

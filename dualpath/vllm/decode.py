@@ -5,6 +5,7 @@ persisting every block the store lacks as it fills (``roles.py`` says how the si
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +70,12 @@ class VllmDecodeRole:
         )
         self.block_size = host.layout.block_size_tokens
         self.eos_token_ids = eos_token_ids
-        self._block_pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        self._block_pool = getattr(engine, "block_pool", None) or (
+            engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        )
+        # Held while the connector frees a loaded request's slots, for an engine that steps
+        # itself on another thread (a vLLM server's); none otherwise.
+        self.lock: Any = getattr(engine, "lock", None) or contextlib.nullcontext()
         self.num_kv_blocks = self._block_pool.num_gpu_blocks
         self.requests: dict[int, _DecodeRequest] = {}
         self._persisting = PersistingRequests(self._pending_writes)
@@ -136,7 +142,7 @@ class VllmDecodeRole:
                 request.request_id,
                 load=LoadSource(self.buffer, request.slots, len(prompt)),
                 persist_from_block=done.num_cached_tokens // self.block_size,
-                on_loaded=partial(self.store_reads.release, request),
+                on_loaded=partial(self._release_loaded, request),
             )
             self.host.plans[request.request_id] = request.plan
             num_before = assignment.num_output_tokens + 1  # output so far, the first token too
@@ -152,6 +158,10 @@ class VllmDecodeRole:
                 {"prompt_token_ids": [*prompt, done.first_token_id]},
                 with_plan(params, request.request_id),
             )
+
+    def _release_loaded(self, request: _DecodeRequest) -> None:
+        with self.lock:
+            self.store_reads.release(request)
 
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
         for request in self.requests.values():

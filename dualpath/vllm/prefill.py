@@ -68,7 +68,9 @@ class VllmPrefillRole:
     ) -> None:
         self.engine = engine
         self.batcher = batcher
-        self.prefix_cache = PrefixCacheProbe(engine)
+        # vLLM's own prefix cache, looked up and pinned on this thread; an engine that steps
+        # itself on another thread (a vLLM server's) brings its own probe.
+        self.prefix_cache = getattr(engine, "prefix_cache", None) or PrefixCacheProbe(engine)
         self.host = host
         self.buffer = buffer
         self.peers = peers
@@ -207,11 +209,14 @@ class VllmPrefillRole:
             between_layers()
             self._flush_outbox(send)
 
-        self.host.between_layers = between_layers_and_send
-        try:
+        if getattr(self.engine, "steps_itself", False):  # on its own thread: not ours to call
             outputs = self.engine.step()
-        finally:
-            self.host.between_layers = None
+        else:
+            self.host.between_layers = between_layers_and_send
+            try:
+                outputs = self.engine.step()
+            finally:
+                self.host.between_layers = None
         for output in outputs:
             if output.finished:
                 self._finish(int(output.request_id), output, send)

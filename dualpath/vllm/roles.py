@@ -48,6 +48,45 @@ from dualpath.vllm_args import check_engine_kind
 logger = logging.getLogger(__name__)
 
 
+def _role_beside(
+    engine: Any,
+    config: EngineProcessConfig,
+    identity: KVIdentity,
+    buffer: KVBuffer,
+    transport: Transport,
+    *,
+    mover: Mover,
+    wake: Callable[[], None],
+) -> VllmPrefillRole | VllmDecodeRole:
+    """A role beside a vLLM engine that steps itself: its host is the engine's."""
+    host = engine.host
+    num_io_threads = config.engine.num_io_threads
+    if config.role == DECODE:
+        return VllmDecodeRole(
+            engine,
+            host,
+            buffer,
+            wake=wake,
+            eos_token_ids=engine.eos_token_ids,
+            num_io_threads=num_io_threads,
+        )
+    max_blocks = -(-engine.max_model_len // identity.layout.block_size_tokens)
+    staging = TransportStaging(
+        transport, identity.layout, max_read_blocks=max_blocks, ring_blocks=max_blocks
+    )
+    return VllmPrefillRole(
+        engine,
+        host,
+        buffer,
+        DecodePeers(transport, staging, peer_timeout_s=config.transfer_timeout_s),
+        store=engine.store,
+        mover=mover,
+        wake=wake,
+        eos_token_ids=engine.eos_token_ids,
+        num_io_threads=num_io_threads,
+    )
+
+
 def make_vllm_role(
     config: EngineProcessConfig,
     model_config: Any,
@@ -57,12 +96,18 @@ def make_vllm_role(
     *,
     mover: Mover,
     wake: Callable[[], None],
+    engine: Any = None,
 ) -> VllmPrefillRole | VllmDecodeRole:
     """The engine ``config.role`` names, on a vLLM engine built in this process with our
     connector; the process is pinned to one core per thread (vLLM's CPU build ignores its own
-    binding variable in-process), engine ``e`` of a host on cores ``e * threads ...``."""
+    binding variable in-process), engine ``e`` of a host on cores ``e * threads ...``.
+
+    ``engine``: a vLLM engine that runs its own loop (a vLLM server's, ``cluster.served``),
+    seen through the same calls; its connector host is ``engine.host``. Nothing is built."""
     engine_config = config.engine
     check_engine_kind(config.cluster, engine_config, model_config)
+    if engine is not None:
+        return _role_beside(engine, config, identity, buffer, transport, mover=mover, wake=wake)
     store = (
         FileKVStore.from_config(config.store, identity.layout, identity.fingerprint)
         if config.store.is_enabled

@@ -1,0 +1,478 @@
+"""DualPath inside a vLLM server the user starts: our connector, configured by
+``dualpath vllm-config``, joins the scheduler as one engine of the cluster.
+
+    vllm serve MODEL --kv-transfer-config "$(dualpath vllm-config --role decode --engine-id 1
+        --node-id 1 --scheduler tcp://HOST:5557 --url http://THIS_HOST:8000)"
+
+vLLM builds the connector twice, as it does its own: the worker side, in the process that
+holds the pages (its per-layer hooks, ``ConnectorWorker``, unchanged), and the scheduler side,
+in vLLM's engine-core process (on vLLM's CPU build these are two processes). The worker's
+process also runs the engine our scheduler sees (``ServedEngine``): the ``EngineProcess`` of
+``dualpath engine`` (buffer, transport, store reads, reports, the scheduler's messages) with
+the vLLM role of ``--engine vllm`` (``dualpath.vllm.roles``), on a thread of its own beside
+vLLM's loop instead of stepping vLLM itself. What differs is how a request reaches vLLM:
+
+    --engine vllm       the role adds the request to the vLLM engine it steps
+    a vLLM server       the front door (``dualpath serve --external-engines``) sends the
+                        client's request to the servers with ``kv_transfer_params =
+                        {"dualpath_request_id": N}``; the scheduler side tells vLLM "not known
+                        yet" (``get_num_new_matched_tokens`` -> None: vLLM asks again each
+                        step) until the role has planned request N, exactly when the role would
+                        have added it: the PE once its reads on both sides are done, the DE once
+                        the PE's KV is in its buffer
+
+The two sides speak over a pair of local ZeroMQ sockets named after vLLM's engine id
+(``_Mailbox``): the engine sends each plan's ``PlanView`` (with the placed prompt, which the
+scheduler side checks the request against) and its cancels; the scheduler side sends each
+planned request's end (its tokens and finish reason: the PE's token makes its
+``PrefillDone``, the DE's end its ``TokenUpdate`` and persisting), a refused prompt, and the
+KV blocks its requests hold (a DE's reports). The tokens reach the client over vLLM's HTTP.
+
+The role's state is touched by two threads of the worker's process (ours, and vLLM's through
+the hooks: a DE frees a loaded request's slots), so both take ``ServedEngine.lock``.
+
+Not here: vLLM's prefix cache is not probed (the PE reads every hit block of its side; vLLM
+loads only what its own cache lacks), and a DE's free KV blocks are vLLM's blocks less those
+of the requests this connector tracks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import msgpack
+import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from dualpath.cluster.engine_process import EngineProcess
+from dualpath.cluster.engine_processes import TOKEN_ENV
+from dualpath.config import EngineProcessConfig, config_from_dict
+from dualpath.control.channel import ControlClient
+from dualpath.kv.file_store import FileKVStore
+from dualpath.model.identity import KVIdentity, checkpoint_kv_identity, vllm_device, vllm_page_order
+from dualpath.protocol import DECODE, RequestFailed
+from dualpath.transfer.traffic import direct_move
+from dualpath.vllm.connector import (
+    REQUEST_ID_PARAM,
+    ConnectorHost,
+    ConnectorScheduler,
+    DualpathConnector,
+    PlanView,
+)
+from dualpath.vllm_args import SERVED_CONFIG_KEY, SERVED_ENGINE_FIELDS
+
+logger = logging.getLogger(__name__)
+
+# How long vLLM's loop waits for a plan when its last step ran nothing, instead of spinning.
+_IDLE_WAIT_S = 0.005
+_REJOIN_MAX_S = 5.0  # between attempts to join a scheduler that is gone or not up yet
+
+
+class _Mailbox:
+    """One side's end of the two sockets between the engine and the scheduler side: it
+    receives on its own socket and sends to the other's (msgpack lists ``[kind, ...]``)."""
+
+    def __init__(self, vllm_engine_id: str, *, own: str, other: str) -> None:
+        self._context = zmq.Context.instance()
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.bind(_endpoint(vllm_engine_id, own))
+        self._outbox = self._context.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.LINGER, 0)
+        self._outbox.connect(_endpoint(vllm_engine_id, other))
+        self._send_lock = threading.Lock()
+
+    def send(self, *message: Any) -> None:
+        with self._send_lock:
+            self._outbox.send(msgpack.packb(message))
+
+    def receive(self, timeout_s: float) -> list[list[Any]]:
+        """What arrived, waiting at most ``timeout_s`` for the first (None: for ever)."""
+        timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
+        if not self._inbox.poll(timeout_ms):
+            return []
+        messages = []
+        while True:
+            try:
+                messages.append(msgpack.unpackb(self._inbox.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return messages
+
+
+def _endpoint(vllm_engine_id: str, side: str) -> str:
+    return f"ipc://{Path(tempfile.gettempdir()) / f'dualpath-{vllm_engine_id[:18]}-{side}'}"
+
+
+class _NoPrefixCacheProbe:
+    """vLLM's prefix cache is vLLM's loop's to touch: nothing is pinned from our thread."""
+
+    def pin(self, prompt: list[int], num_blocks: int) -> list:
+        return []
+
+    def unpin(self, pinned: list) -> None:
+        pass
+
+
+class _HeldBlocks:
+    """A DE's KV memory for its reports: vLLM's blocks less those the scheduler side says
+    its requests hold."""
+
+    def __init__(self) -> None:
+        self.num_gpu_blocks = 0
+        self.num_used = 0
+
+    def get_num_free_blocks(self) -> int:
+        return max(0, self.num_gpu_blocks - self.num_used)
+
+
+class ServedEngine:
+    """One per vLLM worker process: the engine our scheduler sees, and what the role calls a
+    vLLM engine (``add_request``, ``step``, ...) for a vLLM that steps itself."""
+
+    steps_itself = True
+    _instance: ServedEngine | None = None
+    _instance_lock = threading.Lock()
+
+    @classmethod
+    def of(
+        cls, config: EngineProcessConfig, identity: KVIdentity, page_order: str, vllm_config: Any
+    ) -> ServedEngine:
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls(config, identity, page_order, vllm_config)
+            return cls._instance
+
+    def __init__(
+        self, config: EngineProcessConfig, identity: KVIdentity, page_order: str, vllm_config: Any
+    ) -> None:
+        token = os.environ.get(TOKEN_ENV)
+        if not token:
+            raise ValueError(
+                f"set ${TOKEN_ENV} in the vLLM server's environment to the cluster token "
+                "'dualpath serve --external-engines' was started with"
+            )
+        self.config, self.token, self.identity = config, token, identity
+        engine = config.engine
+        self.max_model_len = engine.max_model_len
+        model_config = vllm_config.model_config
+        self.eos_token_ids = tuple(
+            t for t in [getattr(model_config.hf_config, "eos_token_id", None)] if isinstance(t, int)
+        )
+        self.store = (
+            FileKVStore.from_config(config.store, identity.layout, identity.fingerprint)
+            if config.store.is_enabled
+            else None
+        )
+        self.host = ConnectorHost(
+            identity.layout,
+            identity.fingerprint,
+            store=self.store if config.role == DECODE else None,  # a PE persists nothing
+            mover=self._move,
+            is_layerwise=config.cluster.settings.is_layerwise,
+            num_io_threads=engine.num_io_threads,
+            max_pending_write_bytes=engine.max_pending_write_bytes,
+            page_order=page_order,
+        )
+        self.mailbox = _Mailbox(
+            vllm_config.kv_transfer_config.engine_id, own="engine", other="scheduler"
+        )
+        self.lock = threading.RLock()  # the role's state: our thread and vLLM's hooks
+        self.prefix_cache = _NoPrefixCacheProbe()
+        self.block_pool = _HeldBlocks()
+        self.process: _ServedProcess | None = None
+        self._outputs: queue.SimpleQueue[Any] = queue.SimpleQueue()  # ended, for ``step``
+        self._refused: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+
+    # --- what the role calls the engine -----------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        """The role planned the request (``host.plans``): the scheduler side may let vLLM
+        schedule it once the request's prompt is the placed one."""
+        assert self.process is not None
+        rid = int(request_id)
+        placed = self.process.role.requests[rid].assignment.prompt_token_ids
+        view = PlanView.of(self.host.plans[rid])
+        self.mailbox.send(
+            "plan",
+            rid,
+            view.load_first_block,
+            view.load_num_tokens,
+            view.persist_from_block,
+            list(placed),
+        )
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Its HTTP request is the front door's to end (it closes it on a cancel)."""
+        for request_id in request_ids:
+            self.mailbox.send("drop", int(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return not self._outputs.empty()
+
+    def step(self) -> list[Any]:
+        """The planned requests vLLM ended since the last call, as a step's outputs."""
+        outputs = []
+        while not self._outputs.empty():
+            outputs.append(self._outputs.get_nowait())
+        return outputs
+
+    def take_refused(self) -> list[tuple[int, str]]:
+        refused = []
+        while not self._refused.empty():
+            refused.append(self._refused.get_nowait())
+        return refused
+
+    # --- the engine's threads ---------------------------------------------------------------
+
+    def _move(self, link: str, num_bytes: int, do_move: Any) -> Any:
+        """Through the engine's links once it is built (vLLM registers its pages before)."""
+        process = self.process
+        if process is None:
+            return direct_move(link, num_bytes, do_move)
+        return process._move(link, num_bytes, do_move)
+
+    def start(self, num_kv_blocks: int) -> None:
+        """Build the engine once vLLM registered its pages, and join the scheduler on a thread
+        of ours once this server answers (the front door forwards to it from then on)."""
+        if self.process is not None:
+            return
+        self.block_pool.num_gpu_blocks = num_kv_blocks
+        self.process = _ServedProcess(self.config, self.token, self)
+        threading.Thread(target=self._receive, name="dualpath-mailbox", daemon=True).start()
+        threading.Thread(target=self._serve, name="dualpath-engine", daemon=True).start()
+
+    def _receive(self) -> None:
+        """The scheduler side's news: requests ended or refused, blocks held."""
+        while True:
+            for kind, *fields in self.mailbox.receive(None):
+                if kind == "ended":
+                    request_id, token_ids, finish_reason = fields
+                    self._outputs.put(_ended(request_id, token_ids, finish_reason))
+                elif kind == "refused":
+                    self._refused.put((fields[0], fields[1]))
+                elif kind == "blocks":
+                    self.block_pool.num_used = fields[0]
+            assert self.process is not None
+            self.process.client.wake()
+
+    def _serve(self) -> None:
+        process = self.process
+        assert process is not None
+        _wait_until_serving(self.config.url)
+        wait_s = 1.0
+        while True:
+            try:
+                code = process.run()
+            except Exception:  # a bug: logged, and the engine joins afresh
+                logger.exception("the dualpath engine beside this vLLM server failed")
+                code = -1
+            with self.lock:
+                for request_id in list(process.role.requests):
+                    process.role.cancel(request_id)
+            logger.warning(
+                "engine %d left the scheduler (%s): joining again in %.0f s",
+                self.config.engine_id,
+                "told to stop" if code == 0 else f"code {code}",
+                wait_s,
+            )
+            time.sleep(wait_s)
+            wait_s = min(2 * wait_s, _REJOIN_MAX_S)
+            process.client.close()
+            process.client = ControlClient(
+                self.config.scheduler_endpoint, f"engine-{self.config.engine_id}", self.token
+            )
+
+
+def _ended(request_id: int, token_ids: list[int], finish_reason: str) -> Any:
+    """A request vLLM ended, as the role takes a step's output."""
+    completion = SimpleNamespace(token_ids=token_ids, logprobs=None, finish_reason=finish_reason)
+    return SimpleNamespace(request_id=str(request_id), finished=True, outputs=[completion])
+
+
+class _ServedProcess(EngineProcess):
+    """``dualpath engine``'s loop beside vLLM's: its turns hold the engine's lock, not its
+    waits for messages."""
+
+    def __init__(self, config: EngineProcessConfig, token: str, served: ServedEngine) -> None:
+        self.served = served
+        super().__init__(config, token, served_engine=served)
+
+    def _work(self) -> bool:
+        with self.served.lock:
+            for request_id, reason in self.served.take_refused():
+                logger.error("%s", reason)
+                self.role.cancel(request_id)
+                self._send(RequestFailed(request_id, reason))
+            return super()._work()
+
+    def _take(self, messages: list[object]) -> None:
+        with self.served.lock:
+            super()._take(messages)
+
+
+class ServedScheduler(ConnectorScheduler):
+    """The scheduler side for requests the front door forwarded: "not known yet" until the
+    engine planned one, then as for ``--engine vllm``."""
+
+    def __init__(self, host: ConnectorHost, persists: bool, vllm_engine_id: str) -> None:
+        self.views: dict[int, PlanView] = {}  # our request id -> its plan, from the engine
+        super().__init__(host, self.views.get)
+        self.persists = persists
+        self.mailbox = _Mailbox(vllm_engine_id, own="scheduler", other="engine")
+        self._admitted: dict[str, int] = {}  # vLLM's request id -> ours, once planned
+        self._was_idle = True  # vLLM's last step ran nothing
+        self._num_used_blocks = 0
+
+    def _take_mail(self, timeout_s: float = 0.0) -> None:
+        for kind, request_id, *fields in self.mailbox.receive(timeout_s):
+            if kind == "plan":
+                first, num_tokens, persist_from, prompt = fields
+                view = PlanView(request_id, first, num_tokens, persist_from, tuple(prompt))
+                self.views[request_id] = view
+            elif kind == "drop":
+                self.views.pop(request_id, None)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        request_id = (request.kv_transfer_params or {}).get(REQUEST_ID_PARAM)
+        if request_id is None:
+            return 0  # not ours: vLLM serves it alone
+        self._take_mail()
+        if request_id not in self.views and self._was_idle:
+            self._take_mail(_IDLE_WAIT_S)  # nothing else to run: wait a little, not spin
+        view = self.views.get(request_id)
+        if view is None:
+            return None
+        if view.prompt_token_ids != tuple(request.prompt_token_ids or ()):
+            del self.views[request_id]
+            self.mailbox.send(
+                "refused",
+                request_id,
+                f"request {request_id}'s prompt at this vLLM server "
+                f"({len(request.prompt_token_ids or ())} tokens) is not the one it was placed "
+                f"with ({len(view.prompt_token_ids or ())} tokens)",
+            )
+            return 0
+        self._admitted[request.request_id] = request_id
+        return self._num_loadable(view, request, num_computed_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        self._was_idle = scheduler_output.total_num_scheduled_tokens == 0
+        self._take_mail()
+        meta = super().build_connector_meta(scheduler_output)
+        num_used = sum(len(tracked.block_ids) for tracked in self._tracked.values())
+        if num_used != self._num_used_blocks:
+            self._num_used_blocks = num_used
+            self.mailbox.send("blocks", num_used)
+        return meta
+
+    def request_finished(self, request: Any) -> None:
+        super().request_finished(request)
+        request_id = self._admitted.pop(request.request_id, None)
+        if request_id is None:
+            return
+        self.views.pop(request_id, None)
+        reason = request.get_finished_reason()
+        if reason is not None and str(reason) != "abort":  # an abort is the front door's
+            self.mailbox.send("ended", request_id, list(request.output_token_ids), str(reason))
+
+
+class DualpathServedConnector(DualpathConnector):
+    """The connector a vLLM server takes from ``dualpath vllm-config``."""
+
+    def _find_host(self, extra: dict, vllm_config: Any, kv_cache_config: Any) -> ConnectorHost:
+        config = _served_config(extra, vllm_config)
+        engine_config = config.engine
+        model_config, identity = checkpoint_kv_identity(
+            config.model_dir,
+            engine_config.dtype,
+            engine_config.block_size_tokens,
+            "vllm",
+            vllm_device(),
+        )
+        page_order = vllm_page_order(model_config, vllm_device())
+        self._config = config
+        self._num_kv_blocks = getattr(kv_cache_config, "num_blocks", 0)
+        if self._role == KVConnectorRole.WORKER:
+            self.served = ServedEngine.of(config, identity, page_order, vllm_config)
+            return self.served.host
+        return ConnectorHost(identity.layout, identity.fingerprint)
+
+    def _scheduler_side(self, host: ConnectorHost) -> ConnectorScheduler:
+        config = self._config
+        persists = config.role == DECODE and config.store.is_enabled
+        return ServedScheduler(host, persists, self._vllm_config.kv_transfer_config.engine_id)
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)
+        num_blocks = self._num_kv_blocks or len(self.host.cache.pages[0])
+        self.served.start(num_blocks)
+
+
+def _served_config(extra: dict, vllm_config: Any) -> EngineProcessConfig:
+    """The engine's configuration from ``dualpath vllm-config``, with what vLLM decides
+    (the model, its context, its KV blocks) taken from vLLM; a store named by another block
+    size or dtype than vLLM's is refused, naming the vLLM flag to pass."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    data = extra.get(SERVED_CONFIG_KEY)
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"kv_connector_extra_config has no {SERVED_CONFIG_KEY!r} object: give vLLM the "
+            "configuration 'dualpath vllm-config' prints"
+        )
+    if "model_dir" in data:
+        raise ValueError("model_dir is refused: the model is vLLM's --model")
+    engine_data = data.get("engine", {})
+    others = (
+        sorted(set(engine_data) - set(SERVED_ENGINE_FIELDS))
+        if isinstance(engine_data, dict)
+        else []
+    )
+    if others:
+        raise ValueError(
+            f"engine field(s) {', '.join(others)} refused: vLLM decides them (its own flags)"
+        )
+    config = config_from_dict(EngineProcessConfig, {**data, "model_dir": "."})
+    if not config.url:
+        raise ValueError("the configuration names no --url: the front door forwards to it")
+    model_config = vllm_config.model_config
+    model_dir = Path(model_config.model)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(
+            f"vLLM serves {model_config.model!r}, not a checkpoint directory: dualpath keys "
+            "the store by the checkpoint's files (serve a local directory)"
+        )
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    engine = config.engine
+    if engine.dtype and engine.dtype != dtype:
+        raise ValueError(
+            f"vLLM runs {dtype}, the store is named for {engine.dtype}: pass --dtype "
+            f"{engine.dtype} to vLLM (or 'dualpath vllm-config --dtype {dtype}')"
+        )
+    engine = replace(
+        engine,
+        engine="vllm",
+        dtype=dtype,
+        max_model_len=model_config.max_model_len,
+    )
+    return replace(config, model_dir=model_dir, engine=engine)
+
+
+def _wait_until_serving(url: str, *, interval_s: float = 0.5) -> None:
+    """Wait until the vLLM server at ``url`` answers its /health (its engine is ready)."""
+    while True:
+        try:
+            if httpx.get(f"{url.rstrip('/')}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
