@@ -1,0 +1,279 @@
+"""DualPath inside vLLM servers, started on this host the way users deploy it: one vLLM OpenAI
+server per engine with ``--kv-transfer-config "$(dualpath vllm-config ...)"``, and
+``dualpath serve --external-engines`` in front (``dualpath.cluster.served``).
+
+    with ServedCluster(model_dir, root, nodes="1P2D", read_path="de") as cluster:
+        ... drive cluster.url (the front door) with HTTP clients ...
+        cluster.kill_engine(2)          # SIGKILL that vLLM server, every process of it
+        cluster.start_engine(2)         # the same server again, on the same store
+
+Engine ``e`` is bound to core ``e mod cores`` (``VLLM_CPU_OMP_THREADS_BIND``, which vLLM's
+server honours) and gets ``kv_cache_gib`` of KV memory. The benchmarks and the tests start it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dualpath.bench.server_process import ChildServer, ServerProcess, _free_port
+from dualpath.lifetime import die_with_parent
+
+TOKEN_ENV = "DUALPATH_CLUSTER_TOKEN"  # as dualpath.cluster.engine_processes names it
+SERVED_MODEL_NAME = "dualpath-served"
+
+
+@dataclass(frozen=True)
+class ServedShape:
+    """What the front door and every engine must agree on, and the vLLM servers' own args."""
+
+    nodes: str = "1P2D"
+    mode: str = "dualpath"
+    read_path: str | None = None
+    block_size: int = 64
+    dtype: str = "float32"
+    max_model_len: int = 4160
+    kv_cache_gib: int = 1
+    heartbeat_timeout_s: float = 120.0
+    snic_gbps: float = 0.0
+    serve_args: tuple[str, ...] = ()  # more `dualpath serve` flags
+    vllm_args: tuple[str, ...] = ()  # more vLLM server flags
+    engine_roles: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        num_prefill, num_decode = _parse_nodes(self.nodes)
+        roles = ("prefill",) * num_prefill + ("decode",) * num_decode
+        object.__setattr__(self, "engine_roles", roles)
+
+
+def _parse_nodes(nodes: str) -> tuple[int, int]:
+    upper = nodes.upper()
+    prefill, _, decode = upper.partition("P")
+    return int(prefill), int(decode.rstrip("D"))
+
+
+class VllmEngineServer(ChildServer):
+    """One vLLM OpenAI server that is engine ``engine_id`` of the cluster; in a process
+    group of its own, so that ``kill`` takes its engine-core and worker processes too."""
+
+    name = "vLLM server"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        shape: ServedShape,
+        engine_id: int,
+        *,
+        scheduler: str,
+        store_dir: Path,
+        token: str,
+        log_path: Path,
+    ) -> None:
+        num_cores = os.cpu_count() or 1
+        super().__init__(
+            log_path=log_path,
+            env={
+                TOKEN_ENV: token,
+                "VLLM_CPU_KVCACHE_SPACE": str(shape.kv_cache_gib),
+                "VLLM_CPU_OMP_THREADS_BIND": str(engine_id % num_cores),
+            },
+        )
+        self.model_dir, self.shape, self.engine_id = model_dir, shape, engine_id
+        self.scheduler, self.store_dir = scheduler, store_dir
+        self.name = f"vLLM server of engine {engine_id}"
+
+    def kv_transfer_config(self, port: int) -> str:
+        """``dualpath vllm-config``'s output for this engine."""
+        from dualpath.cli.vllm_config import add_vllm_config, vllm_engine_config
+        from dualpath.vllm_args import served_kv_transfer_config
+
+        shape = self.shape
+        parser = argparse.ArgumentParser()
+        add_vllm_config(parser.add_subparsers())
+        argv = [
+            "vllm-config", "--role", shape.engine_roles[self.engine_id],
+            "--engine-id", str(self.engine_id), "--node-id", str(self.engine_id),
+            "--scheduler", self.scheduler, "--url", f"http://127.0.0.1:{port}",
+            "--kv-store", str(self.store_dir), "--block-size", str(shape.block_size),
+            "--dtype", shape.dtype, "--mode", shape.mode,
+            "--heartbeat-timeout-s", str(shape.heartbeat_timeout_s),
+        ]  # fmt: skip
+        if shape.snic_gbps:
+            argv += ["--snic-gbps", str(shape.snic_gbps)]
+        config = served_kv_transfer_config(vllm_engine_config(parser.parse_args(argv)))
+        return json.dumps(config)
+
+    def argv(self, port: int) -> list[str]:
+        shape = self.shape
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL_NAME,
+            "--dtype", shape.dtype, "--block-size", str(shape.block_size),
+            "--max-model-len", str(shape.max_model_len), "--enforce-eager", "--seed", "0",
+            "--enable-prompt-tokens-details",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--kv-transfer-config", self.kv_transfer_config(port),
+            *shape.vllm_args,
+        ]  # fmt: skip
+
+    def launch(self) -> None:
+        self.port = self.port or _free_port()  # the same port when started again
+        argv = self.argv(self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})},
+                preexec_fn=_own_group,
+            )
+
+    def kill(self) -> None:
+        """SIGKILL every process of the server (a host that dies)."""
+        if self._process is not None and self._process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        process = self._process
+        if process is None:
+            return None
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever of it is left
+        return process.returncode
+
+
+def _own_group() -> None:
+    os.setsid()
+    die_with_parent()
+
+
+class ServedCluster:
+    """The front door and one vLLM server per engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        root: Path,
+        shape: ServedShape | None = None,
+        *,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        self.model_dir, self.root = Path(model_dir), Path(root)
+        self.shape = shape or ServedShape()
+        self.start_timeout_s = start_timeout_s
+        self.token = secrets.token_hex(16)
+        self.store_dir = self.root / "kv"
+        self.scheduler = f"tcp://127.0.0.1:{_free_port()}"
+        self.front: ServerProcess | None = None
+        self.engines: list[VllmEngineServer] = [
+            VllmEngineServer(
+                self.model_dir,
+                self.shape,
+                engine_id,
+                scheduler=self.scheduler,
+                store_dir=self.store_dir,
+                token=self.token,
+                log_path=self.root / "logs" / f"vllm-{engine_id}.log",
+            )
+            for engine_id in range(len(self.shape.engine_roles))
+        ]
+
+    @property
+    def url(self) -> str:
+        assert self.front is not None, "caller bug: the cluster has not been started"
+        return self.front.url
+
+    def front_door_args(self) -> list[str]:
+        shape = self.shape
+        args = [
+            "--external-engines", "--engine", "vllm", "--model", str(self.model_dir),
+            "--served-model-name", SERVED_MODEL_NAME, "--nodes", shape.nodes,
+            "--scheduler-endpoint", self.scheduler, "--kv-store", str(self.store_dir),
+            "--mode", shape.mode, "--block-size", str(shape.block_size), "--dtype", shape.dtype,
+            "--max-model-len", str(shape.max_model_len),
+            "--heartbeat-timeout-s", str(shape.heartbeat_timeout_s),
+        ]  # fmt: skip
+        if shape.read_path is not None:
+            args += ["--read-path", shape.read_path]
+        if shape.snic_gbps:
+            args += ["--snic-gbps", str(shape.snic_gbps)]
+        return args + list(shape.serve_args)
+
+    def start(self) -> ServedCluster:
+        """Start the front door and every vLLM server together; return once every engine
+        has joined and every server answers."""
+        self.start_front_door()
+        for engine in self.engines:
+            engine.launch()
+        for engine in self.engines:
+            engine.wait_ready(self.start_timeout_s)
+        self.wait_for_engines()
+        return self
+
+    def start_front_door(self) -> None:
+        self.front = ServerProcess(
+            self.front_door_args(),
+            log_path=self.root / "logs" / "serve.log",
+            env={TOKEN_ENV: self.token},
+        )
+        self.front.launch()
+
+    def stop_front_door(self) -> None:
+        if self.front is not None:
+            self.front.stop()
+
+    def wait_for_engines(self, timeout_s: float | None = None) -> None:
+        """Until the front door's /health says every engine is live."""
+        assert self.front is not None
+        self.front.wait_ready(timeout_s or self.start_timeout_s)
+
+    def kill_engine(self, engine_id: int) -> None:
+        self.engines[engine_id].kill()
+
+    def start_engine(self, engine_id: int) -> None:
+        """The engine's vLLM server again (same port, same store); returns once it answers
+        and has joined."""
+        engine = self.engines[engine_id]
+        engine.launch()
+        engine.wait_ready(self.start_timeout_s)
+        self.wait_for_engines()
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+        self.stop_front_door()
+
+    def pids(self) -> dict[str, int]:
+        """Process ids by label (for per-process CPU): the front door and each server."""
+        assert self.front is not None
+        pids = {"front door": self.front.pid}
+        pids.update({engine.name: engine.pid for engine in self.engines})
+        return pids
+
+    def __enter__(self) -> ServedCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
