@@ -194,3 +194,43 @@ def served_kv_transfer_config(config: Any) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {SERVED_CONFIG_KEY: data},
     }
+
+
+def served_engine_config(extra: dict, *, model: str, dtype: str, max_model_len: int) -> Any:
+    """The ``EngineProcessConfig`` of a vLLM server that runs ``model`` in ``dtype`` with a
+    context of ``max_model_len``, from its ``kv_connector_extra_config``: what vLLM decides
+    taken from vLLM; ``ValueError`` naming a field that is vLLM's to decide, or the vLLM flag
+    to pass where vLLM's dtype differs from the store's."""
+    import dataclasses
+    from pathlib import Path
+
+    from dualpath.config import EngineProcessConfig, config_from_dict
+
+    data = extra.get(SERVED_CONFIG_KEY)
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"kv_connector_extra_config has no {SERVED_CONFIG_KEY!r} object: give vLLM the "
+            "configuration 'dualpath vllm-config' prints"
+        )
+    if "model_dir" in data:
+        raise ValueError("model_dir is refused: the model is vLLM's --model")
+    engine_data = data.get("engine", {})
+    others = sorted(set(engine_data) - set(SERVED_ENGINE_FIELDS))
+    if others:
+        raise ValueError(f"engine field(s) {', '.join(others)} refused: vLLM's own flags decide")
+    config = config_from_dict(EngineProcessConfig, {**data, "model_dir": model})
+    if not config.url:
+        raise ValueError("the configuration names no url: the front door forwards requests there")
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(
+            f"vLLM serves {model!r}, not a checkpoint directory: dualpath keys the store by the "
+            "checkpoint's files (serve a local directory)"
+        )
+    engine = config.engine
+    if engine.dtype != dtype:
+        raise ValueError(
+            f"vLLM runs {dtype}, the store is named for {engine.dtype}: pass --dtype "
+            f"{engine.dtype} to vLLM (or 'dualpath vllm-config --dtype {dtype}')"
+        )
+    engine = dataclasses.replace(engine, engine="vllm", max_model_len=max_model_len)
+    return dataclasses.replace(config, engine=engine)

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from dualpath.cluster.engine_process import EngineProcess
 from dualpath.cluster.engine_processes import TOKEN_ENV
-from dualpath.config import EngineProcessConfig, config_from_dict
+from dualpath.config import EngineProcessConfig
 from dualpath.control.channel import ControlClient
 from dualpath.kv.file_store import FileKVStore
 from dualpath.model.identity import KVIdentity, checkpoint_kv_identity, vllm_device, vllm_page_order
@@ -68,7 +68,7 @@ from dualpath.vllm.connector import (
     DualpathConnector,
     PlanView,
 )
-from dualpath.vllm_args import SERVED_CONFIG_KEY, SERVED_ENGINE_FIELDS
+from dualpath.vllm_args import served_engine_config
 
 logger = logging.getLogger(__name__)
 
@@ -388,7 +388,13 @@ class DualpathServedConnector(DualpathConnector):
     """The connector a vLLM server takes from ``dualpath vllm-config``."""
 
     def _find_host(self, extra: dict, vllm_config: Any, kv_cache_config: Any) -> ConnectorHost:
-        config = _served_config(extra, vllm_config)
+        model_config = vllm_config.model_config
+        config = served_engine_config(
+            extra,
+            model=model_config.model,
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            max_model_len=model_config.max_model_len,
+        )
         engine_config = config.engine
         model_config, identity = checkpoint_kv_identity(
             config.model_dir,
@@ -414,57 +420,6 @@ class DualpathServedConnector(DualpathConnector):
         super().register_kv_caches(kv_caches)
         num_blocks = self._num_kv_blocks or len(self.host.cache.pages[0])
         self.served.start(num_blocks)
-
-
-def _served_config(extra: dict, vllm_config: Any) -> EngineProcessConfig:
-    """The engine's configuration from ``dualpath vllm-config``, with what vLLM decides
-    (the model, its context, its KV blocks) taken from vLLM; a store named by another block
-    size or dtype than vLLM's is refused, naming the vLLM flag to pass."""
-    from dataclasses import replace
-    from pathlib import Path
-
-    data = extra.get(SERVED_CONFIG_KEY)
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"kv_connector_extra_config has no {SERVED_CONFIG_KEY!r} object: give vLLM the "
-            "configuration 'dualpath vllm-config' prints"
-        )
-    if "model_dir" in data:
-        raise ValueError("model_dir is refused: the model is vLLM's --model")
-    engine_data = data.get("engine", {})
-    others = (
-        sorted(set(engine_data) - set(SERVED_ENGINE_FIELDS))
-        if isinstance(engine_data, dict)
-        else []
-    )
-    if others:
-        raise ValueError(
-            f"engine field(s) {', '.join(others)} refused: vLLM decides them (its own flags)"
-        )
-    config = config_from_dict(EngineProcessConfig, {**data, "model_dir": "."})
-    if not config.url:
-        raise ValueError("the configuration names no --url: the front door forwards to it")
-    model_config = vllm_config.model_config
-    model_dir = Path(model_config.model)
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(
-            f"vLLM serves {model_config.model!r}, not a checkpoint directory: dualpath keys "
-            "the store by the checkpoint's files (serve a local directory)"
-        )
-    dtype = str(model_config.dtype).removeprefix("torch.")
-    engine = config.engine
-    if engine.dtype and engine.dtype != dtype:
-        raise ValueError(
-            f"vLLM runs {dtype}, the store is named for {engine.dtype}: pass --dtype "
-            f"{engine.dtype} to vLLM (or 'dualpath vllm-config --dtype {dtype}')"
-        )
-    engine = replace(
-        engine,
-        engine="vllm",
-        dtype=dtype,
-        max_model_len=model_config.max_model_len,
-    )
-    return replace(config, model_dir=model_dir, engine=engine)
 
 
 def _wait_until_serving(url: str, *, interval_s: float = 0.5) -> None:

@@ -1,0 +1,79 @@
+"""``dualpath vllm-config``: the ``--kv-transfer-config`` of a vLLM server that is one engine of
+a cluster, and the engine configuration the server's connector makes of it (no vLLM here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dualpath.protocol import DECODE
+from dualpath.vllm_args import SERVED_CONNECTOR, served_engine_config
+from tests.test_cli import run_cli
+
+FLAGS = (
+    "vllm-config", "--role", "decode", "--engine-id", "2", "--node-id", "2",
+    "--scheduler", "tcp://10.0.0.1:5557", "--url", "http://10.0.0.3:8000/",
+)  # fmt: skip
+
+
+def _printed(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
+    code, out, err = run_cli(capsys, *FLAGS, *flags)
+    assert code == 0, err
+    assert out.count("\n") == 1  # one line: what `--kv-transfer-config "$(...)"` takes
+    return json.loads(out)
+
+
+def test_it_names_our_connector_and_carries_the_engine(capsys, tmp_path: Path) -> None:
+    printed = _printed(capsys, "--kv-store", str(tmp_path), "--snic-gbps", "2", "--mode", "basic")
+    assert (printed["kv_connector"], printed["kv_connector_module_path"]) == SERVED_CONNECTOR
+    assert printed["kv_role"] == "kv_both"
+    config = printed["kv_connector_extra_config"]["dualpath"]
+    assert "model_dir" not in config  # vLLM's --model
+    assert config["engine"] == {"block_size_tokens": 64, "dtype": "float32", "engine": "vllm"}
+    assert config["url"] == "http://10.0.0.3:8000"
+    assert config["store"]["root_dir"] == str(tmp_path)
+    assert config["cluster"]["traffic"]["snic_bandwidth_gbps"] == 2.0
+
+
+def test_the_connector_takes_the_model_and_context_from_vllm(capsys, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    extra = _printed(capsys)["kv_connector_extra_config"]
+    config = served_engine_config(extra, model=str(tmp_path), dtype="float32", max_model_len=4160)
+    assert (config.role, config.engine_id, config.node_id) == (DECODE, 2, 2)
+    assert config.model_dir == tmp_path
+    assert (config.engine.engine, config.engine.max_model_len) == ("vllm", 4160)
+    assert config.scheduler_endpoint == "tcp://10.0.0.1:5557"
+
+
+def test_a_vllm_dtype_other_than_the_stores_is_refused_naming_the_flag(capsys, tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    extra = _printed(capsys)["kv_connector_extra_config"]
+    with pytest.raises(ValueError, match="pass --dtype float32 to vLLM"):
+        served_engine_config(extra, model=str(tmp_path), dtype="bfloat16", max_model_len=4160)
+
+
+def test_what_vllm_decides_is_refused_by_name(capsys, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    extra = _printed(capsys)["kv_connector_extra_config"]
+    extra["dualpath"]["engine"]["num_threads"] = 4
+    with pytest.raises(ValueError, match="num_threads"):
+        served_engine_config(extra, model=str(tmp_path), dtype="float32", max_model_len=4160)
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        served_engine_config(
+            _printed(capsys)["kv_connector_extra_config"],
+            model="HuggingFaceTB/SmolLM2-135M",
+            dtype="float32",
+            max_model_len=4160,
+        )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--url", "10.0.0.3:8000"), ("--scheduler", "http://x:1")]
+)
+def test_a_bad_address_is_a_usage_error(capsys, flag: str, value: str) -> None:
+    flags = list(FLAGS)
+    flags[flags.index(flag) + 1] = value
+    code, _, err = run_cli(capsys, *flags)
+    assert code == 2 and "expected" in err, err

@@ -1,0 +1,249 @@
+"""DualPath inside vLLM servers the way users deploy it: three vLLM OpenAI servers (1 PE, 2 DEs,
+the embedded checkpoint, ``python -m vllm.entrypoints.openai.api_server`` with
+``--kv-transfer-config "$(dualpath vllm-config ...)"``) behind ``dualpath serve
+--external-engines --nodes 1P2D`` (``dualpath.bench.served_cluster``), one deployment for the
+module, its tests in order on what the earlier ones left in its store:
+
+- the France question answered through the front door;
+- token-id prompts of 300-4,000 tokens give plain vLLM's greedy tokens (its own ``LLM``, no
+  connector) cold and warm with ``--read-path pe``: every hit block read on the PE side
+  (``dualpath_read_path_bytes_total{side="prefill"}``), none on the DE side;
+- every server and the front door started again on the same store with ``--read-path de``:
+  the same tokens, every hit read on the DE side (pulled layer by layer by the PE), none on the
+  PE side;
+- a chat whose tool call vLLM's server makes comes back through the front door as the server
+  answers it directly: the servers run vLLM's ``hermes`` tool-call parser
+  (``--enable-auto-tool-choice --tool-call-parser hermes``) with the checkpoint's own chat
+  template; a named ``tool_choice`` makes vLLM constrain the output to a ``<tool_call>`` of that
+  tool, which its parser turns into ``tool_calls``;
+- a DE's server SIGKILLed (every process of it) while 4 streams decode: every stream ends with
+  plain vLLM's tokens and no error (the front door places the lost requests again with the
+  tokens already sent).
+
+A first difference from plain vLLM is accepted only at a near tie of its top two tokens
+(``near_ties``). The kill waits until the victim is seen holding requests; every wait is a
+hang guard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from dualpath.bench.served_cluster import SERVED_MODEL_NAME, ServedCluster, ServedShape
+from tests.faults.strike import read_metrics
+from tests.vllm.reference import PlainVllm, near_ties
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 64
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x K,V x heads x dims
+PROMPT_LENGTHS = (300, 1700, 4000)
+MAX_TOKENS = 8
+NUM_STREAMS = 4
+STREAM_TOKENS = 64  # long enough that the lost streams have tokens left to go on
+VICTIM_ID = 2  # 1P2D: engine 0 is the PE, 1 and 2 the DEs
+HANG_GUARD_S = 600
+READ_SERIES = "dualpath_read_path_bytes_total"
+TOOL_PARSER = "hermes"
+SHAPE = ServedShape(
+    nodes="1P2D",
+    read_path="pe",
+    vllm_args=("--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER),
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with ServedCluster(smollm2_model_dir, tmp_path_factory.mktemp("served"), SHAPE) as served:
+        yield served
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(100, 40_000, n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def references(plain_vllm: PlainVllm) -> list[dict]:
+    return plain_vllm.generate([(prompt, MAX_TOKENS) for prompt in _prompts()])
+
+
+def _full_blocks_bytes() -> int:
+    """The KV of every whole block of each prompt but its last token's: a warm hit."""
+    return sum((n - 1) // BLOCK * BLOCK for n in PROMPT_LENGTHS) * KV_BYTES_PER_TOKEN
+
+
+def _read_bytes(url: str) -> dict[str, float]:
+    sides = {"prefill": 0.0, "decode": 0.0}
+    for (name, labels), value in read_metrics(url).items():
+        if name == READ_SERIES:
+            sides[dict(labels)["side"]] += value
+    return sides
+
+
+def _replay(url: str, references: list[dict], label: str) -> int:
+    """Near ties met; every prompt's tokens checked against plain vLLM's."""
+    num_ties = 0
+    for prompt, reference in zip(_prompts(), references, strict=True):
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S)
+        assert answer.status_code == 200, answer.text
+        tokens = answer.json()["choices"][0]["token_ids"]
+        num_ties += near_ties(reference, tokens, f"{label} {len(prompt)}")
+    return num_ties
+
+
+def test_the_france_question_is_answered_through_the_front_door(cluster: ServedCluster) -> None:
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    answer = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
+    assert answer.status_code == 200, answer.text
+    assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+
+
+def test_prompts_give_plain_vllms_tokens_cold_then_warm_read_by_the_pe(
+    cluster: ServedCluster, references: list[dict]
+) -> None:
+    before = _read_bytes(cluster.url)
+    ties = _replay(cluster.url, references, "cold")
+    ties += _replay(cluster.url, references, "warm")
+    read = {side: _read_bytes(cluster.url)[side] - before[side] for side in before}
+    assert read == {"prefill": _full_blocks_bytes(), "decode": 0.0}, read
+    print(f"near ties: {ties} of {2 * len(PROMPT_LENGTHS)}")
+
+
+def test_after_every_server_restarts_hits_are_read_by_the_de(
+    cluster: ServedCluster, references: list[dict]
+) -> None:
+    cluster.stop()
+    cluster.shape = dataclasses.replace(SHAPE, read_path="de")
+    cluster.start()
+    before = _read_bytes(cluster.url)
+    ties = _replay(cluster.url, references, "restarted")
+    read = {side: _read_bytes(cluster.url)[side] - before[side] for side in before}
+    assert read == {"prefill": 0.0, "decode": _full_blocks_bytes()}, read
+    print(f"near ties: {ties} of {len(PROMPT_LENGTHS)}")
+
+
+def test_a_tool_call_comes_back_as_the_server_makes_it(cluster: ServedCluster) -> None:
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "messages": [{"role": "user", "content": "What is the weather in Paris today?"}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "The weather in a city",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}},
+                        "required": ["city"],
+                    },
+                },
+            }
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+    through = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
+    direct_url = cluster.engines[1].url  # a DE's server, asked directly (vLLM alone serves it)
+    direct = httpx.post(f"{direct_url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
+    assert through.status_code == direct.status_code == 200, (through.text, direct.text)
+    ours, theirs = through.json()["choices"][0], direct.json()["choices"][0]
+    calls = [_call(c) for c in ours["message"]["tool_calls"]]
+    assert calls and calls == [_call(c) for c in theirs["message"]["tool_calls"]]
+    assert calls[0]["name"] == "get_weather"
+    json.loads(calls[0]["arguments"])  # the model's arguments, as the parser found them
+    assert ours["finish_reason"] == theirs["finish_reason"]
+
+
+def _call(call: dict) -> dict:
+    """A tool call but its id (vLLM draws one per answer)."""
+    return {"type": call["type"], **call["function"]}
+
+
+def test_a_decode_server_killed_while_streams_decode(
+    cluster: ServedCluster, plain_vllm: PlainVllm
+) -> None:
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(100, 40_000, 200 + 100 * i).tolist() for i in range(NUM_STREAMS)]
+    references = plain_vllm.generate([(prompt, STREAM_TOKENS) for prompt in prompts])
+
+    num_sent = [0] * NUM_STREAMS
+
+    def stream(index: int, prompt: list[int]) -> tuple[list[int], str | None]:
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": STREAM_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        tokens: list[int] = []
+        finish = None
+        with httpx.stream(
+            "POST", f"{cluster.url}/v1/completions", json=body, timeout=HANG_GUARD_S
+        ) as answer:
+            assert answer.status_code == 200, answer.read()
+            for line in answer.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                assert "error" not in chunk, chunk
+                choice = chunk["choices"][0]
+                tokens += choice.get("token_ids") or []
+                num_sent[index] = len(tokens)
+                finish = choice.get("finish_reason") or finish
+        return tokens, finish
+
+    with ThreadPoolExecutor(NUM_STREAMS) as pool:
+        futures = [pool.submit(stream, i, prompt) for i, prompt in enumerate(prompts)]
+        _wait_until_decoding(cluster.url, VICTIM_ID, futures, num_sent)
+        cluster.kill_engine(VICTIM_ID)
+        results = [future.result(timeout=HANG_GUARD_S) for future in futures]
+    for (tokens, finish), reference, prompt in zip(results, references, prompts, strict=True):
+        near_ties(reference, tokens, f"stream of {len(prompt)}")
+        assert finish == "length"
+    samples = read_metrics(cluster.url)
+    replaced = samples.get(("dualpath_scheduler_replaced_requests_total", ()), 0.0)
+    print(f"streams placed again: {replaced}")
+
+
+def _wait_until_decoding(url: str, engine_id: int, futures: list, num_sent: list[int]) -> None:
+    """Until every stream has had a token and the engine holds requests (hang guard only)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
+        assert not any(f.done() for f in futures), "a stream ended before the strike"
+        if not all(num_sent):
+            time.sleep(0.01)
+            continue
+        for (name, labels), value in read_metrics(url).items():
+            is_victim = ("engine", str(engine_id)) in labels
+            if name == "dualpath_engine_requests" and is_victim and value > 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"engine {engine_id} never held a request")
