@@ -13,9 +13,7 @@ server honours) and gets ``kv_cache_gib`` of KV memory. The benchmarks and the t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import secrets
 import signal
@@ -91,15 +89,11 @@ class VllmEngineServer(ChildServer):
         self.name = f"vLLM server of engine {engine_id}"
 
     def kv_transfer_config(self, port: int) -> str:
-        """``dualpath vllm-config``'s output for this engine."""
-        from dualpath.cli.vllm_config import add_vllm_config, vllm_engine_config
-        from dualpath.vllm_args import served_kv_transfer_config
-
+        """What ``dualpath vllm-config`` prints for this engine (run as users run it)."""
         shape = self.shape
-        parser = argparse.ArgumentParser()
-        add_vllm_config(parser.add_subparsers())
         argv = [
-            "vllm-config", "--role", shape.engine_roles[self.engine_id],
+            sys.executable, "-m", "dualpath.cli", "vllm-config",
+            "--role", shape.engine_roles[self.engine_id],
             "--engine-id", str(self.engine_id), "--node-id", str(self.engine_id),
             "--scheduler", self.scheduler, "--url", f"http://127.0.0.1:{port}",
             "--kv-store", str(self.store_dir), "--block-size", str(shape.block_size),
@@ -108,8 +102,7 @@ class VllmEngineServer(ChildServer):
         ]  # fmt: skip
         if shape.snic_gbps:
             argv += ["--snic-gbps", str(shape.snic_gbps)]
-        config = served_kv_transfer_config(vllm_engine_config(parser.parse_args(argv)))
-        return json.dumps(config)
+        return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
 
     def argv(self, port: int) -> list[str]:
         shape = self.shape
