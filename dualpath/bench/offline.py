@@ -9,17 +9,9 @@ agents talk to it over its OpenAI-compatible API (``harness.run_mode``). Link ca
 cluster's SNICs on one host (SPEC §4), so every figure depends on the caps, which the JSON
 records.
 
-**Calibrated caps (``paper-ratio``, ``--rho``).** The paper's regime is a PE whose storage
-reads, not its compute, limit Basic. Before the timed runs, a calibration run of ``oracle``
-(uncapped) measures the PE: the hit-KV bytes it read over the PE's busy time give the rate a
-PE consumes hit KV at its prefill speed, and each node's SNIC cap is set to that rate / rho;
-the prompt tokens it got through per busy second set the scheduler's beta (5 s of work a PE
-may hold, ``--prefill-tokens-per-s``; the server's fixed default would let a PE hold a
-fraction of a second of this workload and idle while reads are in flight). Every mode,
-``oracle`` included, then runs with both.
-With 1P2D, Basic puts the whole demand on one SNIC (rho = 2: about 2x slower than Oracle)
-while DualPath spreads it over three (rho / 3 < 1: about Oracle's speed); the ideal speedup
-is max(1, rho) / max(1, rho / 3).
+**Calibrated caps (``paper-ratio``, ``--rho``).** Before the timed runs, an uncapped ``oracle``
+run measures the PE, and the SNIC caps and the scheduler's beta are set from it
+(``calibration.py``); every mode, ``oracle`` included, then runs with both.
 
 **The engines' KV memory (vLLM engines).** vLLM's prefix cache is a tier above the store: a
 PE with room for every agent's context holds the hits itself, the store serves none, and the
@@ -62,6 +54,8 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from dualpath.bench.arguments import add_workload_arguments, check_url_flags
+from dualpath.bench.calibration import calibrated_run, check_calibration_workload
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_against_url, run_mode, token_mismatches
 from dualpath.bench.presets import (
@@ -71,8 +65,10 @@ from dualpath.bench.presets import (
     engine_kv_cache_gb,
     shaped_workload,
 )
-from dualpath.bench.report import add_output_arguments, finish
+from dualpath.bench.report import finish
 from dualpath.bench.spec import (
+    BLOCK_SIZE_TOKENS,
+    KV_DTYPE,
     EngineSpec,
     RunSpec,
     engine_spec,
@@ -80,34 +76,13 @@ from dualpath.bench.spec import (
     output_spec,
     workload_spec,
 )
-from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import mark_validity, mode_problems
-from dualpath.config import MODES, READ_PATHS, EngineConfig
-from dualpath.errors import CalibrationError
-from dualpath.flags import positive_float, positive_int
+from dualpath.config import MODES
 from dualpath.model.identity import kv_facts, kv_layout
 from dualpath.model.registry import read_config
-from dualpath.options import (
-    add_attention_quota_argument,
-    add_clones_argument,
-    add_max_sessions_argument,
-    add_model_argument,
-    add_trace_argument,
-    add_trace_shape_arguments,
-    add_transport_argument,
-    add_workload_seed_argument,
-)
-from dualpath.units import GB, bytes_per_s_to_gbps
-from dualpath.vllm_args import (
-    add_engine_kind_arguments,
-    check_vllm_installed,
-)
-from dualpath.workload import Misfit, Workload, first_misfit, ideal_hit_ratio, workload_stats
-
-# The servers' KV block (serve --block-size's default): hits are whole blocks of it.
-BLOCK_SIZE_TOKENS = EngineConfig().block_size_tokens
-# The servers' KV dtype (serve --dtype's default): what a token's KV costs in an engine.
-KV_DTYPE = EngineConfig().dtype
+from dualpath.options import add_clones_argument
+from dualpath.vllm_args import check_vllm_installed
+from dualpath.workload import Misfit, Workload, first_misfit, workload_stats
 
 
 def load_workload(
@@ -375,102 +350,6 @@ def run_header(
     }
 
 
-def calibrated_run(
-    base: ModeRun, rho: float, workload: Workload, work_dir: Path, *, progress: bool
-) -> tuple[ModeRun, dict, list[str]]:
-    """``base`` (oracle, uncapped) run on ``workload``, and the SNIC caps and beta calibrated on
-    it (``calibrate``): the run with them, the report's calibration keys, and [] for problems;
-    or ``base`` unchanged, {} and why the calibration run is not a result."""
-    oracle = run_mode(base, workload, work_dir=work_dir, progress=progress)
-    problems = mode_problems("calibration (oracle, uncapped)", oracle)
-    if problems:
-        return base, {}, problems
-    calibration = calibrate(oracle, rho, base.model_dir, kv_cache_gb=base.kv_cache_gb)
-    calibrated = replace(
-        base,
-        snic_bandwidth_gbps=calibration["snic_caps_gbps"],
-        prefill_tokens_per_s=calibration["prompt_tokens_per_busy_s"],
-    )
-    return calibrated, calibration, []
-
-
-def check_calibration_workload(workload: Workload, what: str) -> None:
-    """``ValueError`` before any server starts when ``calibrate`` could not work on
-    ``workload``: the caps come from the hit KV the calibration run reads from the store, and
-    a workload whose turns never reuse a whole block of an earlier turn reads none. ``what``
-    names the flag that asked for calibration (``--preset paper-ratio``, ``--rho 2``)."""
-    if ideal_hit_ratio(workload, block_size_tokens=BLOCK_SIZE_TOKENS) > 0:
-        return
-    max_turns = max(session.num_turns for session in workload.sessions)
-    reason = (
-        f"every one of its {workload.num_sessions} sessions has a single turn"
-        if max_turns == 1
-        else f"none of its {workload.num_sessions} sessions' turns starts with a whole "
-        f"{BLOCK_SIZE_TOKENS}-token block of an earlier turn (a larger --length-scale makes "
-        "prompts longer)"
-    )
-    fixed = ", ".join(name for name, p in PRESETS.items() if p.snic_bandwidth_gbps is not None)
-    raise ValueError(
-        f"{what} calibrates the SNIC caps on the hit KV a prefill engine reads from the KV "
-        f"store, but this workload has no hits: {reason}; replay multi-turn sessions (a "
-        f"--trace whose turns extend earlier ones, or leave --trace out), or use a preset with "
-        f"fixed caps ({fixed}) without --rho"
-    )
-
-
-def calibrate(
-    oracle: dict, rho: float, model_dir: Path, *, kv_cache_gb: float | None = None
-) -> dict:
-    """SNIC caps from an uncapped run: cap = (hit-KV bytes a PE consumes per second of
-    prefill) / rho. ``CalibrationError`` naming what to change when the run cannot give them:
-    it read no hit KV from the store, or its prefill engine's own prefix cache held most of
-    the hits (``kv_cache_gb``: the engines' KV memory it ran with, None: serve's default)."""
-    layout = kv_layout(read_config(Path(model_dir) / "config.json"), KV_DTYPE, BLOCK_SIZE_TOKENS)
-    kv_bytes_per_token = layout.full_block_bytes / layout.block_size_tokens
-    busy_s = oracle["pe_busy_fraction"] * oracle["jct_s"]
-    hit_bytes = sum(oracle["path_bytes"].values())
-    held_bytes = oracle.get("engine_cached_bytes") or 0
-    if held_bytes > hit_bytes:
-        memory = "serve's default" if kv_cache_gb is None else f"{kv_cache_gb:g} GB"
-        raise CalibrationError(
-            f"in the calibration run the prefill engine's own prefix cache held "
-            f"{held_bytes / (held_bytes + hit_bytes):.0%} of the hit KV "
-            f"({held_bytes / GB:.3f} GB; {hit_bytes / GB:.3f} GB came from the store), so no "
-            "SNIC cap makes the store's reads the bottleneck (the regime rho describes): give "
-            f"the engines less KV memory than their {memory} (--kv-cache-gb) or replay more "
-            "agents' contexts than it holds"
-        )
-    if busy_s <= 0 or hit_bytes <= 0:
-        raise CalibrationError(
-            f"the calibration run read {hit_bytes} bytes of hit KV from the store in "
-            f"{busy_s:.3g} s of prefill: no SNIC cap can be computed from it; replay sessions "
-            "whose turns extend earlier ones (leave --trace out), or use a preset with fixed "
-            "caps without --rho"
-        )
-    demand_bytes_per_s = hit_bytes / busy_s
-    return {
-        "rho": rho,
-        "snic_caps_gbps": bytes_per_s_to_gbps(demand_bytes_per_s / rho),
-        "pe_hit_kv_demand_gbps": bytes_per_s_to_gbps(demand_bytes_per_s),
-        "prefill_tokens_per_s": (oracle["prompt_tokens"] - oracle["cached_tokens"]) / busy_s,
-        # Prompt tokens (cached + new) per PE-busy second: the unit of the scheduler's tok_e,
-        # so beta (5 s of it) lets a PE hold 5 s of this workload's work.
-        "prompt_tokens_per_busy_s": oracle["prompt_tokens"] / busy_s,
-        "kv_bytes_per_token": kv_bytes_per_token,
-        "ideal_speedup": ideal_speedup(rho),
-        "calibration_run": calibration_figures(oracle),
-    }
-
-
-def calibration_figures(oracle: dict) -> dict:
-    """What the caps were computed from (the JSON's ``calibration_run``)."""
-    keys = (
-        "jct_s", "pe_busy_fraction", "prompt_tokens", "cached_tokens", "path_bytes",
-        "engine_cached_bytes",
-    )  # fmt: skip
-    return {key: oracle.get(key) for key in keys}
-
-
 def finish_report(report: dict, modes: list[str]) -> dict:
     """Token mismatches against the first mode, the ratios between modes, and whether the run
     is a result at all (no ratio survives an invalid run)."""
@@ -501,68 +380,6 @@ def finish_report(report: dict, modes: list[str]) -> dict:
     return mark_validity(report, problems)
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by ``bench offline`` and ``bench online``."""
-    parser.add_argument(
-        "--preset", default="ci", choices=sorted(PRESETS), help="workload + cluster (default ci)"
-    )
-    parser.add_argument(
-        "--modes",
-        default=None,
-        help=f"comma-separated modes to compare, in order (of {', '.join(MODES)}; "
-        "default basic,dualpath,oracle)",
-    )
-    add_model_argument(parser, tiny=True)
-    add_workload_seed_argument(parser)
-    add_trace_argument(parser)
-    add_max_sessions_argument(parser, default=None, default_help="the preset's agents")
-    add_trace_shape_arguments(
-        parser,
-        defaults={"length_scale": None, "max_turns": None, "gen_scale": None},
-        default_help={
-            "length_scale": "the preset's",
-            "max_turns": "the preset's cap",
-            "gen_scale": "the preset's",
-        },
-        where="a trace's too: ",
-    )
-    parser.add_argument(
-        "--max-prompt-tokens",
-        type=positive_int,
-        default=None,
-        help="the servers' longest prompt (serve --max-prompt-tokens; default the model's "
-        "context minus one): the workload is checked against it before any server starts",
-    )
-    parser.add_argument(
-        "--url",
-        default=None,
-        help="run the agents against this OpenAI-compatible server instead of starting ours "
-        "(not with --modes; link figures are then null)",
-    )
-    parser.add_argument("--api-key", default=None, help="bearer key for --url")
-    parser.add_argument("--served-model-name", default=None, help="model id to request from --url")
-    add_transport_argument(parser)
-    parser.add_argument(
-        "--read-path",
-        choices=READ_PATHS,
-        default=None,
-        help="force one read path in every mode (default: each mode's own)",
-    )
-    add_engine_kind_arguments(parser, where="every server the benchmark starts")
-    parser.add_argument(
-        "--kv-cache-gb",
-        type=positive_float,
-        default=None,
-        help="each engine's device KV memory, GB (serve --kv-cache-gb). On vLLM engines it "
-        "also bounds the prefill engine's own prefix cache, a tier above the store: a regime "
-        "where storage supplies the hits needs it well below the agents' KV (default: on vLLM "
-        "engines, paper-ratio and agentic give a fifth of the agents' final contexts' KV, at "
-        "least one request of the model's context; otherwise serve's)",
-    )
-    add_attention_quota_argument(parser, default_help="serve's")
-    add_output_arguments(parser)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_clones_argument(parser, default=None, default_help="the preset's")
@@ -573,23 +390,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibrate SNIC caps to this hit-KV demand over one SNIC (e.g. 2), or a sweep "
         "0.5,1,2,3 (each value runs the modes; plotted against the ideal speedup)",
     )
-
-
-def check_url_flags(args: argparse.Namespace) -> None:
-    """``ValueError`` for flags that only speak to a ``--url`` server, given without it."""
-    given = [
-        flag
-        for flag, value in (
-            ("--api-key", args.api_key),
-            ("--served-model-name", args.served_model_name),
-        )
-        if value is not None
-    ]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)}: only for a server of your own (bench offline --url); the "
-            "servers the benchmark starts need neither"
-        )
 
 
 def _rho_values(text: str) -> list[float]:

@@ -54,14 +54,12 @@ from pathlib import Path
 import numpy as np
 
 from dualpath.bench.agents import TurnRecord
+from dualpath.bench.arguments import add_workload_arguments, check_url_flags
+from dualpath.bench.calibration import calibrated_run, check_calibration_workload
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_mode
 from dualpath.bench.offline import (
-    add_workload_arguments,
     base_run,
-    calibrated_run,
-    check_calibration_workload,
-    check_url_flags,
     load_workload,
     run_header,
     run_preset,

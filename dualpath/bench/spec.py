@@ -19,10 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.bench.presets import BenchPreset, WorkloadShape, workload_shape
+from dualpath.config import EngineConfig
 from dualpath.vllm_args import engine_kind_args
 
 SLO_BASES = ("oracle", "basic")  # whose unloaded latencies an online SLO multiplies
 DEFAULT_MIN_AGENTS = 48  # an online run has at least this many agents
+# The servers' KV block (serve --block-size's default): hits are whole blocks of it.
+BLOCK_SIZE_TOKENS = EngineConfig().block_size_tokens
+# The servers' KV dtype (serve --dtype's default): what a token's KV costs in an engine.
+KV_DTYPE = EngineConfig().dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,12 +47,13 @@ from dualpath.bench.harness import (
     run_mode,
     token_mismatches,
 )
-from dualpath.bench.offline import BLOCK_SIZE_TOKENS, load_workload, workload_report
+from dualpath.bench.offline import load_workload, workload_report
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.process_cpu import ProcessCpu
 from dualpath.bench.report import add_output_arguments, finish
 from dualpath.bench.server_process import ChildServer
 from dualpath.bench.spec import (
+    BLOCK_SIZE_TOKENS,
     EngineSpec,
     RunSpec,
     VsVllmSpec,

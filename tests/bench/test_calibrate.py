@@ -1,4 +1,4 @@
-"""SNIC caps from an uncapped calibration run (``offline.calibrate``): the rho formula, the run
+"""SNIC caps from an uncapped calibration run (``calibration.calibrate``): the rho formula, the run
 it came from recorded, and a refusal when the prefill engine's own prefix cache (vLLM's) held
 the hits, so that no cap could make storage reads the bottleneck."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.bench.offline import calibrate
+from dualpath.bench.calibration import calibrate
 from dualpath.errors import CalibrationError
 
 

@@ -1,0 +1,100 @@
+"""The flags ``bench offline`` and ``bench online`` share: the workload, the engines every server
+runs, and the outputs (``spec.py`` reads them into a ``RunSpec``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from dualpath.bench.presets import PRESETS
+from dualpath.bench.report import add_output_arguments
+from dualpath.config import MODES, READ_PATHS
+from dualpath.flags import positive_float, positive_int
+from dualpath.options import (
+    add_attention_quota_argument,
+    add_max_sessions_argument,
+    add_model_argument,
+    add_trace_argument,
+    add_trace_shape_arguments,
+    add_transport_argument,
+    add_workload_seed_argument,
+)
+from dualpath.vllm_args import add_engine_kind_arguments
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by ``bench offline`` and ``bench online``."""
+    parser.add_argument(
+        "--preset", default="ci", choices=sorted(PRESETS), help="workload + cluster (default ci)"
+    )
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated modes to compare, in order (of {', '.join(MODES)}; "
+        "default basic,dualpath,oracle)",
+    )
+    add_model_argument(parser, tiny=True)
+    add_workload_seed_argument(parser)
+    add_trace_argument(parser)
+    add_max_sessions_argument(parser, default=None, default_help="the preset's agents")
+    add_trace_shape_arguments(
+        parser,
+        defaults={"length_scale": None, "max_turns": None, "gen_scale": None},
+        default_help={
+            "length_scale": "the preset's",
+            "max_turns": "the preset's cap",
+            "gen_scale": "the preset's",
+        },
+        where="a trace's too: ",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=None,
+        help="the servers' longest prompt (serve --max-prompt-tokens; default the model's "
+        "context minus one): the workload is checked against it before any server starts",
+    )
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="run the agents against this OpenAI-compatible server instead of starting ours "
+        "(not with --modes; link figures are then null)",
+    )
+    parser.add_argument("--api-key", default=None, help="bearer key for --url")
+    parser.add_argument("--served-model-name", default=None, help="model id to request from --url")
+    add_transport_argument(parser)
+    parser.add_argument(
+        "--read-path",
+        choices=READ_PATHS,
+        default=None,
+        help="force one read path in every mode (default: each mode's own)",
+    )
+    add_engine_kind_arguments(parser, where="every server the benchmark starts")
+    parser.add_argument(
+        "--kv-cache-gb",
+        type=positive_float,
+        default=None,
+        help="each engine's device KV memory, GB (serve --kv-cache-gb). On vLLM engines it "
+        "also bounds the prefill engine's own prefix cache, a tier above the store: a regime "
+        "where storage supplies the hits needs it well below the agents' KV (default: on vLLM "
+        "engines, paper-ratio and agentic give a fifth of the agents' final contexts' KV, at "
+        "least one request of the model's context; otherwise serve's)",
+    )
+    add_attention_quota_argument(parser, default_help="serve's")
+    add_output_arguments(parser)
+
+
+def check_url_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` for flags that only speak to a ``--url`` server, given without it."""
+    given = [
+        flag
+        for flag, value in (
+            ("--api-key", args.api_key),
+            ("--served-model-name", args.served_model_name),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: only for a server of your own (bench offline --url); the "
+            "servers the benchmark starts need neither"
+        )
