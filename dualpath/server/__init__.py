@@ -12,6 +12,9 @@ uvicorn, one asyncio loop); every engine is its own process. Modules, outside in
     middleware.py   request ids, arrival times, HTTP metrics; the request-size limit
     routes.py       /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize
     generation.py   one API call's engine requests: events in, text deltas out
+    forwarding.py   the same routes when the engines are vLLM servers: requests forwarded to them
+    forwarded_*.py  one forwarded call: placements, the relayed stream, going on elsewhere
+    vllm_servers.py the HTTP client to vLLM server engines
     responses.py    OpenAI's response bodies and stream chunks
     tool_calls.py   Hermes/Qwen-style tool calls found in a chat output, streamed or whole
     protocol.py     request bodies (pydantic) and their mapping to ``SamplingParams``

@@ -23,10 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dualpath import __version__
 from dualpath.server.context import ServerState, ServingContext
 from dualpath.server.errors import install_error_handlers
+from dualpath.server.forwarding import build_forwarding_router
 from dualpath.server.metrics import link_totals
 from dualpath.server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from dualpath.server.openapi import install_openapi
 from dualpath.server.routes import build_router
+from dualpath.server.vllm_servers import VLLMServers
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +43,17 @@ def build_app(
 ) -> FastAPI:
     """``on_fatal`` is called (on the event loop) if the cluster cannot start; ``on_ready``
     once every engine has joined."""
+    servers = VLLMServers(context.cluster)  # forwarding mode's client, open in the lifespan
     app = FastAPI(
         title="dualpath",
         version=__version__,
-        lifespan=_lifespan(context, on_fatal, on_ready),
+        lifespan=_lifespan(context, servers, on_fatal, on_ready),
         docs_url=None,
         redoc_url=None,
     )
     install_error_handlers(app)
+    # First: in forwarding mode its routes take the generation paths (``forwarding.py``).
+    app.include_router(build_forwarding_router(context, servers))
     app.include_router(build_router(context))
     _add_operational_routes(app, context)
     install_openapi(
@@ -111,13 +116,14 @@ def _add_operational_routes(app: FastAPI, context: ServingContext) -> None:
 
 def _lifespan(
     context: ServingContext,
+    servers: VLLMServers,
     on_fatal: Callable[[], None],
     on_ready: Callable[[], None] | None,
 ) -> Callable[[FastAPI], AsyncIterator[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         context.loop = asyncio.get_running_loop()
-        async with anyio.create_task_group() as tasks:
+        async with servers, anyio.create_task_group() as tasks:
             tasks.start_soon(_start_cluster, context, on_fatal, on_ready)
             tasks.start_soon(_sample_links, context)
             try:

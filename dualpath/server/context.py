@@ -91,6 +91,7 @@ class ServingContext:
         self.generations: set[Abortable] = set()  # in flight, for shutdown
         self.num_waiting = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
+        self._has_served_engines = False  # see is_forwarding
 
     # --- the bounded waiting queue ------------------------------------------------------------
 
@@ -121,6 +122,16 @@ class ServingContext:
         if self.state == ServerState.STOPPING:
             return "the server is shutting down"
         return self.cluster.snapshot().unavailable_reason
+
+    @property
+    def is_forwarding(self) -> bool:
+        """Whether generation routes forward requests to vLLM server engines
+        (``forwarding.py``) instead of generating here: once an engine that is a vLLM server
+        has joined, for the server's life. Membership keeps a cluster's DEs all of one kind, so
+        a moment with none live is a 503 from placement, not a turn to our own path."""
+        if not self._has_served_engines and self.cluster.snapshot().engine_urls:
+            self._has_served_engines = True
+        return self._has_served_engines
 
     def stop_serving(self, reason: str) -> None:
         """Refuse new requests and end every request in flight (their engines free them)."""

@@ -41,7 +41,7 @@ _SEED_MODULUS = 1 << 63
 
 
 def build_router(context: ServingContext) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(_api_key_check(context.config.api_key))])
+    router = APIRouter(dependencies=[Depends(api_key_check(context.config.api_key))])
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -352,7 +352,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+def api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The dependency every API route sits behind: 401 unless ``api_key`` is None or sent."""
+
     async def check(request: Request) -> None:
         if api_key is None:
             return

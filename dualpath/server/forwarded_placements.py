@@ -1,0 +1,272 @@
+"""A forwarded call's placements (``forwarded_call.py``), one at a time: each submitted to the
+scheduler, its request sent to its DE (then its prompt to its PE), and everything about it read
+back as one sequence of items.
+
+    placements = Placements(cluster, servers, model=body.get("model"))
+    forward = await placements.place(prompt_token_ids, params)  # until one is forwarded
+    placements.send_to_decode(forward, "/v1/chat/completions", body)
+    item = await placements.from_decode()  # ANSWER, or OPENED, LINEs, END; None: lost
+    await placements.close(is_finished=True)
+
+Items come through one asyncio queue, read on the event loop: the scheduler's events
+(``loop.call_soon_threadsafe`` from its thread), the DE's answer and SSE lines (a pump task per
+placement), and the call's own (the client went away, the server stops). Items of an earlier
+placement are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from dualpath.errors import ClusterUnavailable
+from dualpath.protocol import Forward, RequestEvent
+from dualpath.server.errors import APIError
+from dualpath.server.vllm_servers import ServedCluster, UpstreamAnswer, VLLMServers
+from dualpath.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_PLACEMENTS = 3  # as many as the scheduler makes of a request it places itself
+
+
+class Kind(enum.Enum):
+    EVENT = "event"  # a RequestEvent of the placement
+    OPENED = "opened"  # its DE accepted a stream (200): LINEs follow
+    LINE = "line"  # one line of the DE's stream
+    END = "end"  # the DE's stream closed
+    ANSWER = "answer"  # the DE's whole answer (UpstreamAnswer): not a stream, or refused
+    BROKEN = "broken"  # the connection to the DE failed (httpx.TransportError)
+    FAILED = "failed"  # forwarding raised something else: a bug, the call fails
+    GONE = "gone"  # the client disconnected
+    ABORTED = "aborted"  # the server is stopping
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    placement: int  # which placement it is about; 0: the call's, whichever is current
+    kind: Kind
+    value: Any = None
+
+
+class ClientGone(Exception):
+    """The client disconnected: nobody reads what the call would answer."""
+
+
+class PlacingCluster(ServedCluster, Protocol):
+    """What placements need of the cluster (``LocalCluster``)."""
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        on_event: Callable[[RequestEvent], None],
+    ) -> int: ...
+
+    def cancel(self, request_id: int) -> None: ...
+
+
+class Placements:
+    """A forwarded call's placements; see the module docstring. Event-loop only, apart from
+    the submission's worker thread and the scheduler's callbacks."""
+
+    def __init__(self, cluster: PlacingCluster, servers: VLLMServers, *, model: Any) -> None:
+        self.cluster = cluster
+        self.servers = servers
+        self.model = model  # the client's, for the PE's request
+        self.num_placements = 0
+        self.num_cached_tokens = 0  # the first placement's store hits, at assignment
+        self.forward: Forward | None = None
+        self._prompt_token_ids: list[int] = []  # the placement's prompt
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []  # the placement's DE pump and PE prefill
+        # Serialises submissions (a worker thread) against close(): nothing is submitted
+        # after it, and it cancels what was submitted before.
+        self._lock = threading.Lock()
+        self._cluster_request_id: int | None = None
+        self._is_closed = False
+
+    async def place(self, prompt_token_ids: list[int], params: SamplingParams) -> Forward:
+        """Drop the current placement and make a new one until one gets its ``Forward``.
+        ``APIError`` when the scheduler refuses or fails it, or after ``MAX_PLACEMENTS``;
+        ``ClientGone``."""
+        while True:
+            await self._end_placement()
+            if self.num_placements == MAX_PLACEMENTS:
+                raise APIError(
+                    503,
+                    f"generation failed: its engines were lost {MAX_PLACEMENTS} times. Retry "
+                    "the request once /health reports the engines back.",
+                )
+            self.num_placements += 1
+            await self._submit(prompt_token_ids, params)
+            item = await self._next()
+            assert item.kind is Kind.EVENT, f"a placement starts with its event, not {item}"
+            event = item.value
+            if event.forward is not None:
+                self.forward = event.forward
+                self._prompt_token_ids = prompt_token_ids
+                if self.num_placements == 1:
+                    self.num_cached_tokens = event.num_cached_tokens
+                return event.forward
+            if not _is_lost(event):
+                raise APIError(500, f"placement ended before it was forwarded: {event}")
+
+    async def _submit(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        loop = asyncio.get_running_loop()
+        placement = self.num_placements
+
+        def on_event(event: RequestEvent) -> None:  # on the scheduler's loop thread
+            item = Item(placement, Kind.EVENT, event)
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: server gone
+                loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        def submit() -> None:  # a worker thread: submission looks the prompt up in the store
+            with self._lock:
+                if not self._is_closed:
+                    self._cluster_request_id = self.cluster.submit(
+                        prompt_token_ids, params, on_event=on_event
+                    )
+
+        try:
+            await asyncio.to_thread(submit)
+        except ClusterUnavailable as exc:
+            raise APIError(503, str(exc)) from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    async def _end_placement(self) -> None:
+        """The scheduler cancels the current placement; its HTTP requests are closed."""
+        with self._lock:
+            request_id, self._cluster_request_id = self._cluster_request_id, None
+        if request_id is not None:
+            self.cluster.cancel(request_id)
+        tasks, self._tasks = self._tasks, []
+        await _cancel_all(tasks)
+
+    def send_to_decode(self, forward: Forward, path: str, body: dict[str, Any]) -> None:
+        """POST ``body`` to the placement's DE at ``path``, then its prompt to its PE once the
+        DE has its request: when a stream's headers come (vLLM accepted it; a refused request
+        costs the PE nothing), or when a whole answer's body is written (that answer waits
+        for the PE's KV)."""
+        prompt_token_ids = self._prompt_token_ids
+
+        def prefill() -> None:
+            if forward.prefill_url:
+                request = self.servers.prefill(forward, self.model, prompt_token_ids)
+                self._tasks.append(asyncio.ensure_future(request))
+
+        pump = self._pump(self.num_placements, f"{forward.decode_url}{path}", body, prefill)
+        self._tasks.append(asyncio.ensure_future(pump))
+
+    async def _pump(
+        self, placement: int, url: str, body: dict[str, Any], prefill: Callable[[], None]
+    ) -> None:
+        """The DE's answer to ``body`` into the queue: ANSWER (its whole body: not a stream,
+        or refused), or OPENED, its lines and END; BROKEN when the connection fails."""
+
+        def put(kind: Kind, value: Any = None) -> None:
+            self._queue.put_nowait(Item(placement, kind, value))
+
+        is_stream = body.get("stream") is True
+        try:
+            async with self.servers.post(
+                url, body, on_body_sent=None if is_stream else prefill
+            ) as response:
+                if response.status_code != 200 or not is_stream:
+                    content = await response.aread()
+                    media_type = response.headers.get("content-type")
+                    put(Kind.ANSWER, UpstreamAnswer(response.status_code, content, media_type))
+                    return
+                prefill()
+                put(Kind.OPENED)
+                async for line in response.aiter_lines():
+                    put(Kind.LINE, line)
+            put(Kind.END)
+        except httpx.TransportError as exc:
+            put(Kind.BROKEN, exc)
+        except Exception as exc:
+            logger.exception("forwarding to %s failed", url)
+            put(Kind.FAILED, exc)
+
+    async def from_decode(self) -> Item | None:
+        """The placement's next item from its DE (ANSWER, OPENED, LINE, END), or None when
+        the placement is lost (a failed connection is reported to the scheduler).
+        ``APIError`` when it failed, ``ClientGone``."""
+        while True:
+            item = await self._next()
+            if item.kind is Kind.BROKEN:
+                self.report_unreachable(repr(item.value))
+                return None
+            if item.kind is Kind.FAILED:
+                raise APIError(500, f"forwarding to the decode engine failed: {item.value!r}")
+            if item.kind is not Kind.EVENT:
+                return item
+            if _is_lost(item.value):
+                return None
+
+    async def _next(self) -> Item:
+        """The next item of the current placement (or the call's)."""
+        while True:
+            item = await self._queue.get()
+            if item.kind is Kind.GONE:
+                raise ClientGone
+            if item.kind is Kind.ABORTED:
+                raise APIError(503, item.value)
+            if item.placement == self.num_placements:
+                return item
+
+    def report_unreachable(self, why: str) -> None:
+        """The placement's DE is unreachable: the scheduler declares it dead at once."""
+        forward = self.forward
+        assert forward is not None, "only a forwarded placement has a DE connection"
+        self.cluster.report_unreachable(
+            forward.decode_engine_id, f"its server at {forward.decode_url}: {why}"
+        )
+
+    def on_client_gone(self) -> None:
+        self._queue.put_nowait(Item(0, Kind.GONE))
+
+    def abort(self, reason: str) -> None:
+        """What waits for the placement raises ``APIError`` 503 with ``reason``."""
+        self._queue.put_nowait(Item(0, Kind.ABORTED, reason))
+
+    async def close(self, *, is_finished: bool) -> None:
+        """Cancel the placement unless ``is_finished`` (its DE ended it; the scheduler ends it
+        as the DE reports, its KV's persisting included: a cancel would race that), and close
+        its HTTP requests. Nothing is submitted after this. Idempotent."""
+        with self._lock:
+            self._is_closed = True
+            request_id, self._cluster_request_id = self._cluster_request_id, None
+        if request_id is not None and not is_finished:
+            self.cluster.cancel(request_id)
+        tasks, self._tasks = self._tasks, []
+        await _cancel_all(tasks)
+
+
+def _is_lost(event: RequestEvent) -> bool:
+    """Whether a placement's event says it was lost with an engine; ``APIError`` when it
+    failed otherwise. A finish is not news: the DE's HTTP answer is the truth."""
+    if event.error is None:
+        return False
+    if event.is_engine_lost:
+        return True
+    status = 503 if event.is_unavailable else 500
+    raise APIError(status, f"generation failed: {event.error}")
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    for result in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(result, Exception):
+            logger.error("a forwarding task failed: %r", result)
