@@ -402,13 +402,13 @@ def test_a_run_that_cannot_calibrate_is_one_error_line(
     exit 2, no traceback. NOTE: the calibration run's figures are canned (``run_mode``
     replaced): a real one starts a cluster of vLLM engines for minutes; the rest is the
     command as a user runs it."""
-    import dualpath.bench.offline as offline
+    import dualpath.bench.calibration as calibration
 
     held_the_hits = {
         "jct_s": 10.0, "pe_busy_fraction": 0.5, "prompt_tokens": 10_000, "cached_tokens": 8_000,
         "path_bytes": {"pe": 0, "de": 0}, "engine_cached_bytes": 16_384_000, "num_failed": 0,
     }  # fmt: skip
-    monkeypatch.setattr(offline, "run_mode", lambda *args, **kwargs: dict(held_the_hits))
+    monkeypatch.setattr(calibration, "run_mode", lambda *args, **kwargs: dict(held_the_hits))
     argv = "bench offline --preset paper-ratio --max-sessions 2 --modes basic,dualpath"
     with pytest.raises(SystemExit) as exit_info:
         main([*argv.split(), "--model", str(tiny_model_dir), "--kv-cache-gb", "0.5"])
