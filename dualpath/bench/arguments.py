@@ -4,6 +4,7 @@ runs, and the outputs (``spec.py`` reads them into a ``RunSpec``)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.report import add_output_arguments
@@ -70,6 +71,18 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_kind_arguments(parser, where="every server the benchmark starts")
     parser.add_argument(
+        "--vllm-servers",
+        action="store_true",
+        help="run every mode on DualPath inside vLLM servers, as users deploy it: one vLLM "
+        "OpenAI server per engine with --kv-transfer-config from `dualpath vllm-config`, and "
+        "`dualpath serve --external-engines` in front, instead of `dualpath serve --engine "
+        "vllm` (run from .venv-vllm). The front door and every server get the mode, the "
+        "cluster shape, the link caps (the engines enforce them) and --transport; the servers "
+        "get --kv-cache-gb as vLLM's --num-gpu-blocks-override and the model's context; the "
+        "front door gets --read-path and the scheduler's flags. Refused with --vllm-arg, "
+        "--vllm-prefill-batching quota and --url",
+    )
+    parser.add_argument(
         "--kv-cache-gb",
         type=positive_float,
         default=None,
@@ -81,6 +94,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_attention_quota_argument(parser, default_help="serve's")
     add_output_arguments(parser)
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="keep the servers' stores and logs here, a folder per mode (default: a "
+        "temporary folder, removed after the run)",
+    )
 
 
 def check_url_flags(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""One benchmark run of one mode: a fresh `dualpath serve`, agents over HTTP, its figures.
+"""One benchmark run of one mode: a fresh cluster, agents over HTTP, its figures.
 
     result = run_mode(ModeRun(mode="dualpath", ...), workload, work_dir=...)
 
@@ -7,6 +7,11 @@ the mode, the cluster shape and the emulated link caps, replays the workload thr
 OpenAI-compatible API (``agents.run_agents``), samples ``/metrics`` for the SNICs' bytes over
 time, and stops the server. ``oracle`` keeps its store on a memory file system (/dev/shm), so
 every hit is served from memory (all hit KV is written during the run, into memory).
+
+The cluster is ``dualpath serve`` with its engines below it, or, with ``engine``
+"vllm-servers", DualPath inside vLLM servers: a vLLM OpenAI server per engine and ``dualpath
+serve --external-engines`` in front (``served_run.py``). Either way the agents and the
+``/metrics`` sampler talk to one URL, and the result is judged alike.
 
 With ``url`` set, the agents run against that server instead (ours or any other
 OpenAI-compatible one): the link figures are then None.
@@ -21,13 +26,15 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
 from dualpath.bench.agents import TurnRecord, run_agents
 from dualpath.bench.process_cpu import ProcessCpu
+from dualpath.bench.served_run import start_served
 from dualpath.bench.server_process import MetricsSampler, ServerProcess, metric_sum, snic_totals
+from dualpath.bench.spec import VLLM_SERVERS
 from dualpath.bench.stats import LinkSample, snic_load_balance, summarize_turns
 from dualpath.config import mode_settings
 from dualpath.units import bytes_per_s_to_gbps, gbps_to_bytes_per_s
@@ -57,7 +64,9 @@ class ModeRun:
     prefill_tokens_per_s: float | None = None
     # The servers' longest prompt (serve --max-prompt-tokens); None: the context minus one.
     max_prompt_tokens: int | None = None
-    engine: str = "native"  # what runs the model in every engine (serve --engine)
+    # What runs the model in every engine (serve --engine), or "vllm-servers": vLLM servers
+    # with dualpath's connector behind a front door (``served_run.py``).
+    engine: str = "native"
     vllm_args: tuple[tuple[str, Any], ...] = ()  # with engine "vllm": serve --vllm-arg
     kv_cache_gb: float | None = None  # each engine's device KV memory (None: serve's default)
     vllm_prefill_batching: str = "vllm"  # with engine "vllm": serve --vllm-prefill-batching
@@ -66,6 +75,9 @@ class ModeRun:
 
 
 def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
+    """``dualpath serve``'s flags for ``run`` (not for "vllm-servers": ``served_run.py``)."""
+    if run.engine == VLLM_SERVERS:
+        raise RuntimeError("caller bug: the vLLM servers' deployment is served_run.py's")
     args = [
         "--model", str(run.model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
@@ -98,6 +110,46 @@ def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
     return args + list(run.extra_serve_args)
 
 
+class ModeServers(Protocol):
+    """A mode's started cluster, as ``run_mode`` drives it."""
+
+    served_model_name: str  # the model id the agents request
+
+    @property
+    def url(self) -> str: ...  # the agents' and the /metrics sampler's server
+
+    def process_cpu(self) -> ProcessCpu: ...  # its processes' cores, not started
+
+    def stop(self) -> dict: ...  # stop it; the result's exit-code keys
+
+
+@dataclass(frozen=True, slots=True)
+class ServeServers:
+    """``dualpath serve``, its engines below it."""
+
+    server: ServerProcess
+    served_model_name: str = SERVED_MODEL_NAME
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def process_cpu(self) -> ProcessCpu:
+        return ProcessCpu(self.server.pid)
+
+    def stop(self) -> dict:
+        return {"server_exit_code": self.server.stop()}
+
+
+def start_servers(run: ModeRun, store_dir: Path, log_dir: Path) -> ModeServers:
+    """``run``'s cluster, its store in ``store_dir`` and its logs in ``log_dir``; returns once
+    it serves."""
+    if run.engine == VLLM_SERVERS:
+        return start_served(run, store_dir, log_dir)
+    args = serve_args(run, store_dir, log_dir)
+    return ServeServers(ServerProcess(args, log_path=log_dir / "serve.log").start())
+
+
 def run_mode(
     run: ModeRun,
     workload: Workload,
@@ -119,17 +171,16 @@ def run_mode(
     store_dir = (memory_dir or work_dir) / f"kv-{name}"
     log_dir = work_dir / f"logs-{name}"
     try:
-        server = ServerProcess(
-            serve_args(run, store_dir, log_dir), log_path=log_dir / "serve.log"
-        ).start()
+        servers = start_servers(run, store_dir, log_dir)
         try:
-            cpu = ProcessCpu(server.pid).start()
-            with MetricsSampler(server.url, period_s=0.5) as sampler:
+            cpu = servers.process_cpu().start()
+            with MetricsSampler(servers.url, period_s=0.5) as sampler:
                 records, tokens = _replay(
-                    server.url,
+                    servers.url,
                     workload,
                     run.mode,
                     progress,
+                    model=servers.served_model_name,
                     stop_after_s=stop_after_s,
                     gap_scale=gap_scale,
                     max_gap_s=max_gap_s,
@@ -137,15 +188,17 @@ def run_mode(
             final = sampler.last
             process_cpu = cpu.stop()
         finally:
-            exit_code = server.stop()
+            exit_codes = servers.stop()
     finally:
         if memory_dir is not None:
             shutil.rmtree(memory_dir, ignore_errors=True)
     result = summarize_turns(records)
+    if result["num_failed"]:
+        logger.warning("%s: the servers' logs are in %s", run.mode, log_dir)
     result.update(link_figures(final, sampler.samples, result["jct_s"], run.snic_bandwidth_gbps))
     result["process_cpu"] = process_cpu
     result["store_in_memory"] = memory_dir is not None
-    result["server_exit_code"] = exit_code
+    result.update(exit_codes)
     result.update(completion(records, workload))
     result["tokens"] = tokens
     if keep_records:

@@ -3,11 +3,15 @@
     dualpath bench offline --preset ci --modes basic,dualpath,oracle --json results/offline.json
     dualpath bench offline --preset agentic --json results/agentic.json  # real sessions
     dualpath bench offline --preset paper-ratio --trace my_sessions.jsonl  # shaped as the preset
+    dualpath bench offline --vllm-servers --preset paper-ratio  # from .venv-vllm
 
 Each mode gets a fresh `dualpath serve` (fresh store) with the same workload and seed; the
 agents talk to it over its OpenAI-compatible API (``harness.run_mode``). Link caps emulate a
 cluster's SNICs on one host (SPEC §4), so every figure depends on the caps, which the JSON
-records.
+records. With ``--vllm-servers`` every mode's cluster is DualPath inside vLLM servers instead:
+one vLLM OpenAI server per engine, made one by ``dualpath vllm-config``, behind ``dualpath
+serve --external-engines`` (``served_run.py``: where each setting goes, what is refused); the
+JSON's ``engine`` is then ``"vllm-servers"``.
 
 **Calibrated caps (``paper-ratio``, ``--rho``).** Before the timed runs, an uncapped ``oracle``
 run measures the PE, and the SNIC caps and the scheduler's beta are set from it
@@ -36,7 +40,8 @@ KV neither side read: a vLLM PE still held it), ``snic_load_balance`` (SPEC
 §7), ``snic_read_load_balance`` (hit-KV reads alone), ``snic_load_balance_busy`` (over
 the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores each
 process kept busy: ``process_cpu.py``), ``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
-(turns whose tokens differ from the first mode's); top level ``valid``, ``problems``,
+(turns whose tokens differ from the first mode's), ``server_exit_code`` (and with
+``--vllm-servers``, ``vllm_server_exit_codes``); top level ``valid``, ``problems``,
 ``ratios``, ``rho``, ``snic_caps_gbps``, ``prefill_tokens_per_s``, ``prompt_tokens_per_busy_s``,
 ``kv_bytes_per_token``, ``kv_cache_gb`` with ``kv_cache_gb_source`` ("flag", "preset rule"
 or null: each engine's KV memory, ``engines_kv_cache_gb``), ``calibration_run`` (the uncapped
@@ -66,9 +71,11 @@ from dualpath.bench.presets import (
     shaped_workload,
 )
 from dualpath.bench.report import finish
+from dualpath.bench.served_run import check_served_engine
 from dualpath.bench.spec import (
     BLOCK_SIZE_TOKENS,
     KV_DTYPE,
+    VLLM_SERVERS,
     EngineSpec,
     RunSpec,
     engine_spec,
@@ -83,6 +90,9 @@ from dualpath.model.registry import read_config
 from dualpath.options import add_clones_argument
 from dualpath.vllm_args import check_vllm_installed
 from dualpath.workload import Misfit, Workload, first_misfit, workload_stats
+
+# The engine kinds that run vLLM (with a prefix cache above the store: engines_kv_cache_gb).
+VLLM_ENGINES = ("vllm", VLLM_SERVERS)
 
 
 def load_workload(
@@ -190,10 +200,12 @@ def oracle_run(preset: BenchPreset, model_dir: Path, engine: EngineSpec) -> Mode
     )
 
 
-def check_engine_modes(engine: str) -> None:
+def check_engine(engine: EngineSpec) -> None:
     """``ValueError`` before any server starts for an engine kind this Python cannot run (the
-    servers run it)."""
-    if engine == "vllm":
+    servers run it), or vLLM settings the vLLM servers cannot take (``--vllm-servers``)."""
+    if engine.engine == VLLM_SERVERS:
+        check_served_engine(dict(engine.vllm_args), engine.vllm_prefill_batching)
+    if engine.engine in VLLM_ENGINES:
         check_vllm_installed()
 
 
@@ -230,7 +242,7 @@ def engines_kv_cache_gb(
     presets' regime already, and less memory would only shrink the decode engines' batches."""
     if kv_cache_gb is not None:
         return kv_cache_gb, "flag"
-    if engine != "vllm" or preset.engine_kv_fraction is None:
+    if engine not in VLLM_ENGINES or preset.engine_kv_fraction is None:
         return None, None
     config = read_config(Path(model_dir) / "config.json")
     layout = kv_layout(config, KV_DTYPE, BLOCK_SIZE_TOKENS)
@@ -305,7 +317,7 @@ def run_preset(spec: RunSpec) -> BenchPreset:
     """``spec``'s preset, calibrated to ``spec.rho`` where given; ``ValueError`` for an
     unknown preset or mode, or an engine kind this Python cannot run."""
     preset = checked_preset(spec.workload.preset, list(spec.modes))
-    check_engine_modes(spec.engine.engine)
+    check_engine(spec.engine)
     if spec.rho is not None:
         preset = replace(preset, snic_bandwidth_gbps=None, rho=spec.rho)
     return preset
@@ -413,8 +425,10 @@ def main(args: argparse.Namespace) -> int:
     if args.url is not None:
         if args.modes is not None:
             raise ValueError("--url runs against one existing server: do not give --modes")
-        if args.engine != "native" or args.vllm_arg:
-            raise ValueError("--url runs against one existing server: do not give --engine")
+        if args.engine != "native" or args.vllm_arg or args.vllm_servers:
+            raise ValueError(
+                "--url runs against one existing server: do not give --engine or --vllm-servers"
+            )
         return finish(_run_url(args, model_dir), args, "offline")
     check_url_flags(args)
     spec = run_spec(args, model_dir)

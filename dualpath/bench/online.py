@@ -4,6 +4,9 @@
     dualpath bench online --preset paper-ratio --modes basic,dualpath --find-capacity
     dualpath bench online --preset agentic --modes basic,dualpath --find-capacity
 
+Every probe starts a fresh cluster (``harness.run_mode``): ``dualpath serve``, or with
+``--vllm-servers`` DualPath inside vLLM servers, as ``bench offline`` runs them.
+
 **SLO (SPEC §7, scaled to this machine).** By default TTFT <= 4 x and TPOT <= 4 x Oracle's
 *unloaded* p50 (one agent alone, measured once per invocation and recorded in the JSON);
 ``--slo-ttft-s`` / ``--slo-tpot-s`` fix them instead, and ``--slo-basis basic`` takes the

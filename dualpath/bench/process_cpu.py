@@ -6,12 +6,17 @@ share the same cores, so a mode can be bound by CPU rather than by the links it 
 process below it at the start and at the end of a run, and reports each one's mean cores
 busy over the run, labelled by what it is (``serve``, ``prefill-0``, ``decode-1``, ...), with
 the client's (this process) and the machine's core count beside them.
+
+Processes that are not one tree (a served deployment's front door and its vLLM servers) are
+measured together by name: ``ProcessCpu({"front door": pid, "vLLM server of engine 0": pid})``
+labels each root by its name and each process below it ``<name>/<its process name>``.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 import psutil
 
@@ -35,6 +40,15 @@ def _after(argv: list[str], flag: str) -> str:
     return argv[index] if index < len(argv) else "?"
 
 
+def _process_name(process: psutil.Process) -> str:
+    """The name the process gave itself (Linux keeps 15 characters: vLLM's engine core is
+    ``VLLM::EngineCor``), or its pid."""
+    try:
+        return process.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return f"pid-{process.pid}"
+
+
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of one process (all its threads, not its children)."""
     times = psutil.Process(pid).cpu_times()
@@ -51,24 +65,37 @@ def _cpu_s(process: psutil.Process) -> float | None:
 
 
 class ProcessCpu:
-    """Cores busy per process of the tree under ``pid`` between ``start`` and ``stop``."""
+    """Cores busy per process of the trees under ``roots`` between ``start`` and ``stop``:
+    one server's pid (each process labelled by ``process_label``), or name -> pid of several
+    trees (module docstring)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, roots: int | Mapping[str, int]) -> None:
+        # root pid -> its name (None: every process of its tree labelled by process_label)
+        self._root_to_name: dict[int, str | None] = (
+            {roots: None} if isinstance(roots, int) else {pid: name for name, pid in roots.items()}
+        )
         self._start_cpu_s: dict[int, float] = {}  # pid -> CPU seconds at start
         self._start_wall_s = 0.0
         self._start_client_s = 0.0
 
-    def _tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+    def _tree(self) -> list[tuple[psutil.Process, str]]:
+        """Every process under the roots that is still there, with its label."""
+        labelled = []
+        for pid, name in self._root_to_name.items():
+            try:
+                root = psutil.Process(pid)
+                below = root.children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            if name is None:
+                labelled += [(p, process_label(p)) for p in (root, *below)]
+            else:
+                labelled += [(root, name), *((p, f"{name}/{_process_name(p)}") for p in below)]
+        return labelled
 
     def start(self) -> ProcessCpu:
         self._start_cpu_s = {}
-        for process in self._tree():
+        for process, _ in self._tree():
             cpu_s = _cpu_s(process)
             if cpu_s is not None:
                 self._start_cpu_s[process.pid] = cpu_s
@@ -82,11 +109,10 @@ class ProcessCpu:
         zero; one that ended during it is left out (its time cannot be read any more)."""
         wall_s = max(time.monotonic() - self._start_wall_s, 1e-9)
         cores: dict[str, float] = {}
-        for process in self._tree():
+        for process, label in self._tree():
             cpu_s = _cpu_s(process)
             if cpu_s is None:
                 continue
-            label = process_label(process)
             start_s = self._start_cpu_s.get(process.pid, 0.0)
             cores[label] = cores.get(label, 0.0) + (cpu_s - start_s) / wall_s
         client = (time.process_time() - self._start_client_s) / wall_s

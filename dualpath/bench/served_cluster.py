@@ -8,7 +8,8 @@ server per engine with ``--kv-transfer-config "$(dualpath vllm-config ...)"``, a
         cluster.start_engine(2)         # the same server again, on the same store
 
 Engine ``e`` is bound to core ``e mod cores`` (``VLLM_CPU_OMP_THREADS_BIND``, which vLLM's
-server honours) and gets ``kv_cache_gib`` of KV memory. The benchmarks and the tests start it.
+server honours) and gets ``kv_cache_gib`` of KV memory (``num_gpu_blocks`` of it, when given:
+vLLM's ``--num-gpu-blocks-override``). The benchmarks (``served_run.py``) and the tests start it.
 """
 
 from __future__ import annotations
@@ -39,9 +40,14 @@ class ServedShape:
     block_size: int = 64
     dtype: str = "float32"
     max_model_len: int = 4160
-    kv_cache_gib: int = 1
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: the memory vLLM's CPU build sets aside
+    # vLLM's --num-gpu-blocks-override: exactly this many KV blocks of that memory (None: all
+    # it holds); what ``serve --engine vllm`` gives its engines for --kv-cache-gb.
+    num_gpu_blocks: int | None = None
     heartbeat_timeout_s: float = 120.0
-    snic_gbps: float = 0.0
+    snic_gbps: float = 0.0  # every node's SNIC cap (0: none), enforced by the engines
+    cnic_gbps: float = 0.0
+    transport: str = "nixl"  # PE<->DE KV transport (vllm-config and serve --transport)
     serve_args: tuple[str, ...] = ()  # more `dualpath serve` flags
     vllm_args: tuple[str, ...] = ()  # more vLLM server flags
     engine_roles: tuple[str, ...] = field(init=False, default=())
@@ -88,8 +94,8 @@ class VllmEngineServer(ChildServer):
         self.scheduler, self.store_dir = scheduler, store_dir
         self.name = f"vLLM server of engine {engine_id}"
 
-    def kv_transfer_config(self, port: int) -> str:
-        """What ``dualpath vllm-config`` prints for this engine (run as users run it)."""
+    def vllm_config_argv(self, port: int) -> list[str]:
+        """The ``dualpath vllm-config`` command for this engine."""
         shape = self.shape
         argv = [
             sys.executable, "-m", "dualpath.cli", "vllm-config",
@@ -102,20 +108,37 @@ class VllmEngineServer(ChildServer):
         ]  # fmt: skip
         if shape.snic_gbps:
             argv += ["--snic-gbps", str(shape.snic_gbps)]
-        return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
+        if shape.cnic_gbps:
+            argv += ["--cnic-gbps", str(shape.cnic_gbps)]
+        return argv + ["--transport", shape.transport]
+
+    def kv_transfer_config(self, port: int) -> str:
+        """What ``dualpath vllm-config`` prints for this engine (run as users run it)."""
+        done = subprocess.run(self.vllm_config_argv(port), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"dualpath vllm-config for engine {self.engine_id} exited with "
+                f"{done.returncode}: {done.stderr.strip()[-2000:]}"
+            )
+        return done.stdout.strip()
 
     def argv(self, port: int) -> list[str]:
+        return [*self.server_argv(port), "--kv-transfer-config", self.kv_transfer_config(port)]
+
+    def server_argv(self, port: int) -> list[str]:
+        """The vLLM server's command but its ``--kv-transfer-config``."""
         shape = self.shape
-        return [
+        argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL_NAME,
             "--dtype", shape.dtype, "--block-size", str(shape.block_size),
             "--max-model-len", str(shape.max_model_len), "--enforce-eager", "--seed", "0",
             "--enable-prompt-tokens-details",
             "--host", "127.0.0.1", "--port", str(port),
-            "--kv-transfer-config", self.kv_transfer_config(port),
-            *shape.vllm_args,
         ]  # fmt: skip
+        if shape.num_gpu_blocks is not None:
+            argv += ["--num-gpu-blocks-override", str(shape.num_gpu_blocks)]
+        return argv + list(shape.vllm_args)
 
     def launch(self) -> None:
         self.port = self.port or _free_port()  # the same port when started again
@@ -168,12 +191,17 @@ class ServedCluster:
         shape: ServedShape | None = None,
         *,
         start_timeout_s: float = 600.0,
+        store_dir: Path | None = None,
+        log_dir: Path | None = None,
     ) -> None:
+        """The store in ``store_dir`` and the servers' logs in ``log_dir`` (default: ``kv``
+        and ``logs`` under ``root``)."""
         self.model_dir, self.root = Path(model_dir), Path(root)
         self.shape = shape or ServedShape()
         self.start_timeout_s = start_timeout_s
         self.token = secrets.token_hex(16)
-        self.store_dir = self.root / "kv"
+        self.store_dir = Path(store_dir) if store_dir is not None else self.root / "kv"
+        self.log_dir = Path(log_dir) if log_dir is not None else self.root / "logs"
         self.scheduler = f"tcp://127.0.0.1:{_free_port()}"
         self.front: ServerProcess | None = None
         self.engines: list[VllmEngineServer] = [
@@ -184,7 +212,7 @@ class ServedCluster:
                 scheduler=self.scheduler,
                 store_dir=self.store_dir,
                 token=self.token,
-                log_path=self.root / "logs" / f"vllm-{engine_id}.log",
+                log_path=self.log_dir / f"vllm-{engine_id}.log",
             )
             for engine_id in range(len(self.shape.engine_roles))
         ]
@@ -208,7 +236,9 @@ class ServedCluster:
             args += ["--read-path", shape.read_path]
         if shape.snic_gbps:
             args += ["--snic-gbps", str(shape.snic_gbps)]
-        return args + list(shape.serve_args)
+        if shape.cnic_gbps:
+            args += ["--cnic-gbps", str(shape.cnic_gbps)]
+        return args + ["--transport", shape.transport, *shape.serve_args]
 
     def start(self) -> ServedCluster:
         """Start the front door and every vLLM server together; return once every engine
@@ -224,14 +254,13 @@ class ServedCluster:
     def start_front_door(self) -> None:
         self.front = ServerProcess(
             self.front_door_args(),
-            log_path=self.root / "logs" / "serve.log",
+            log_path=self.log_dir / "serve.log",
             env={TOKEN_ENV: self.token},
         )
         self.front.launch()
 
-    def stop_front_door(self) -> None:
-        if self.front is not None:
-            self.front.stop()
+    def stop_front_door(self) -> int | None:
+        return None if self.front is None else self.front.stop()
 
     def wait_for_engines(self, timeout_s: float | None = None) -> None:
         """Until the front door's /health says every engine is live."""
@@ -249,10 +278,10 @@ class ServedCluster:
         engine.wait_ready(self.start_timeout_s)
         self.wait_for_engines()
 
-    def stop(self) -> None:
-        for engine in self.engines:
-            engine.stop()
-        self.stop_front_door()
+    def stop(self) -> dict[str, int | None]:
+        """Stop every server; their exit codes by ``pids()``'s labels (None: never started)."""
+        exit_codes = {engine.name: engine.stop() for engine in self.engines}
+        return {"front door": self.stop_front_door(), **exit_codes}
 
     def pids(self) -> dict[str, int]:
         """Process ids by label (for per-process CPU): the front door and each server."""

@@ -28,6 +28,8 @@ DEFAULT_MIN_AGENTS = 48  # an online run has at least this many agents
 BLOCK_SIZE_TOKENS = EngineConfig().block_size_tokens
 # The servers' KV dtype (serve --dtype's default): what a token's KV costs in an engine.
 KV_DTYPE = EngineConfig().dtype
+# EngineSpec.engine of DualPath inside vLLM servers (``--vllm-servers``: ``served_run.py``).
+VLLM_SERVERS = "vllm-servers"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +37,9 @@ class EngineSpec:
     """What runs the model in every server a benchmark starts, and how its KV moves (serve's
     flags of the same names; None: serve's default)."""
 
-    engine: str = "native"  # serve --engine: "native" (ours) or "vllm"
+    # serve --engine: "native" (ours) or "vllm"; or VLLM_SERVERS: a vLLM server per engine,
+    # `dualpath serve --external-engines` in front (its vLLM settings: served_run.py's checks)
+    engine: str = "native"
     vllm_args: tuple[tuple[str, Any], ...] = ()  # with engine "vllm": serve --vllm-arg, in order
     # Each engine's device KV memory, GB. None: on vLLM engines the preset's rule
     # (``offline.engines_kv_cache_gb``), else serve's default.
@@ -169,10 +173,14 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """``bench offline``'s and ``bench online``'s engine flags (``ValueError`` for vLLM
-    settings without ``--engine vllm``: ``vllm_args.engine_kind_args``)."""
-    kind = engine_kind_args(args)
+    settings without ``--engine vllm`` or ``--vllm-servers``: ``vllm_args.engine_kind_args``)."""
+    is_served = getattr(args, "vllm_servers", False)
+    # The vLLM servers are vLLM engines: their vLLM flags are read as --engine vllm's.
+    kind = engine_kind_args(
+        argparse.Namespace(**{**vars(args), "engine": "vllm"}) if is_served else args
+    )
     return EngineSpec(
-        engine=kind["engine"],
+        engine=VLLM_SERVERS if is_served else kind["engine"],
         vllm_args=tuple(kind["vllm_args"].items()),
         kv_cache_gb=args.kv_cache_gb,
         vllm_prefill_batching=kind["vllm_prefill_batching"],
@@ -184,4 +192,6 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
 
 
 def output_spec(args: argparse.Namespace) -> OutputSpec:
-    return OutputSpec(json_path=args.json, out_dir=args.out_dir)
+    return OutputSpec(
+        json_path=args.json, out_dir=args.out_dir, work_dir=getattr(args, "work_dir", None)
+    )
