@@ -115,6 +115,7 @@ class ForwardedCall:
             item = await self.placements.from_decode()
             if item is not None:
                 return self._answered(item)
+            self.context.metrics.forwarded_replacements.inc()
 
     async def _open_stream(self) -> Response:
         """Place the call until a DE accepts its stream (the SSE response relays it from then
@@ -122,8 +123,9 @@ class ForwardedCall:
         while True:
             self._send_body(await self.placements.place(self.prompt_token_ids, self.params))
             item = await self.placements.from_decode()
-            if item is None:
-                continue  # lost: placed again
+            if item is None:  # lost: placed again
+                self.context.metrics.forwarded_replacements.inc()
+                continue
             if item.kind is not Kind.OPENED:
                 return self._answered(item)
             break
@@ -192,6 +194,7 @@ class ForwardedCall:
         stream = self._stream
         if stream.finish_reason is not None:  # only the end of the stream was lost
             return stream.end()
+        self.context.metrics.forwarded_replacements.inc()
         if not stream.has_chunk:  # the client has nothing yet: the same request again
             self._send_body(await self.placements.place(self.prompt_token_ids, self.params))
             return []

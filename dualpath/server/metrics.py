@@ -97,6 +97,12 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        self.forwarded_replacements = Counter(
+            "dualpath_forwarded_replacements",
+            "Requests forwarded to vLLM servers that the server placed again after their "
+            "engine was lost (a stream goes on from the tokens already sent).",
+            registry=r,
+        )
         self.ttft = with_vllm_names(
             Histogram(
                 "dualpath_time_to_first_token_seconds",
