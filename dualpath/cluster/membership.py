@@ -226,7 +226,8 @@ class Membership:
                 engine_id, cause = self._exited.get_nowait()
             except queue.Empty:
                 return due
-            if self.is_alive(engine_id):
+            if self.is_alive(engine_id) and all(engine_id != e for e, _ in due):
+                # (once: several streams find a lost server unreachable at once)
                 why = cause if isinstance(cause, str) else f"its process exited with code {cause}"
                 due.append((engine_id, why))
 

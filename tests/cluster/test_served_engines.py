@@ -112,7 +112,8 @@ def test_a_placement_on_vllm_servers_is_forwarded_and_only_its_end_is_an_event(s
 def test_a_lost_placement_goes_back_to_the_front_door(served) -> None:
     coordinator, engines = served
     client_id, forward = _place(coordinator, engines)
-    coordinator.on_engine_unreachable(forward.decode_engine_id, "connection refused")
+    for _ in range(3):  # each of its streams finds it unreachable
+        coordinator.on_engine_unreachable(forward.decode_engine_id, "connection refused")
     settle(coordinator, engines)
     (lost,) = coordinator.drain_events()
     assert (lost.request_id, lost.finish_reason, lost.is_engine_lost) == (client_id, "error", True)
