@@ -82,6 +82,7 @@ logger = logging.getLogger(__name__)
 # from the engine (a plan, a cancel) ends the wait at once; a request that is not ours, or
 # vLLM's own abort, may wait this long while all of ours wait.
 _IDLE_WAIT_S = 5.0
+_ADMISSION_WAIT_S = 0.01  # the same, while a planned request has yet to reach vLLM's scheduler
 _REJOIN_MAX_S = 5.0  # between attempts to join a scheduler that is gone or not up yet
 
 
@@ -339,6 +340,7 @@ class ServedScheduler(ConnectorScheduler):
         self.persists = persists
         self.mailbox = _Mailbox(vllm_engine_id, own="scheduler", other="engine")
         self._admitted: dict[str, int] = {}  # vLLM's request id -> ours, once planned
+        self._admitted_ids: set[int] = set()  # ours, of the planned requests vLLM holds
         self._was_idle = True  # vLLM's last step ran nothing
         self._has_waited = False  # in this schedule
         self._num_used_blocks = 0
@@ -351,6 +353,7 @@ class ServedScheduler(ConnectorScheduler):
                 self.views[request_id] = view
             elif kind == "drop":
                 self.views.pop(request_id, None)
+                self._admitted_ids.discard(request_id)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         request_id = (request.kv_transfer_params or {}).get(REQUEST_ID_PARAM)
@@ -359,7 +362,10 @@ class ServedScheduler(ConnectorScheduler):
         self._take_mail()
         if request_id not in self.views and self._was_idle and not self._has_waited:
             self._has_waited = True  # once per schedule, however many requests wait
-            self._take_mail(_IDLE_WAIT_S)  # nothing else to run: wait, do not spin
+            # A plan whose request vLLM has not taken in yet: the request is in vLLM's input
+            # queue, which only a step ends the wait for. Else wait for the engine's news.
+            is_admission_due = any(rid not in self._admitted_ids for rid in self.views)
+            self._take_mail(_ADMISSION_WAIT_S if is_admission_due else _IDLE_WAIT_S)
         view = self.views.get(request_id)
         if view is None:
             return None
@@ -374,6 +380,7 @@ class ServedScheduler(ConnectorScheduler):
             )
             return 0
         self._admitted[request.request_id] = request_id
+        self._admitted_ids.add(request_id)
         return self._num_loadable(view, request, num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
@@ -393,6 +400,7 @@ class ServedScheduler(ConnectorScheduler):
         if request_id is None:
             return
         self.views.pop(request_id, None)
+        self._admitted_ids.discard(request_id)
         reason = request.get_finished_reason()
         if reason is not None and str(reason) != "abort":  # an abort is the front door's
             self.mailbox.send("ended", request_id, list(request.output_token_ids), str(reason))
