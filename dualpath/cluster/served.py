@@ -68,6 +68,7 @@ from dualpath.vllm.connector import (
     ConnectorHost,
     ConnectorScheduler,
     DualpathConnector,
+    DualpathStepMetadata,
     PlanView,
 )
 from dualpath.vllm_args import served_engine_config
@@ -235,6 +236,13 @@ class ServedEngine:
         while not self._outputs.empty():
             outputs.append(self._outputs.get_nowait())
         return outputs
+
+    def add_busy_s(self, seconds: float) -> None:
+        """Time vLLM's worker spent on a step with our requests."""
+        process = self.process
+        if process is not None:
+            with self.lock:
+                process.busy_s += seconds
 
     def take_refused(self) -> list[tuple[int, str]]:
         refused = []
@@ -437,6 +445,22 @@ class DualpathServedConnector(DualpathConnector):
         config = self._config
         persists = config.role == DECODE and config.store.is_enabled
         return ServedScheduler(host, persists, self._vllm_config.kv_transfer_config.engine_id)
+
+    # vLLM's forward time is the engine's busy time (its reports' busy_us: the benchmarks'
+    # calibration and PE utilisation); our own loop only waits beside it.
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._meta()
+        has_work = isinstance(meta, DualpathStepMetadata) and bool(meta.steps)
+        self._step_start_s = time.perf_counter() if has_work else None
+        super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        start_s = getattr(self, "_step_start_s", None)
+        if start_s is not None:
+            self._step_start_s = None
+            self.served.add_busy_s(time.perf_counter() - start_s)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)
