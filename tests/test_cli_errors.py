@@ -112,6 +112,15 @@ CASES = {
     "engine/model-not-a-checkpoint": Case(
         f"{ENGINE} --no-kv-store --model {{empty_dir}}", "is this a checkpoint directory?"
     ),
+    # --- vllm-config
+    "vllm-config/bad-url": Case(
+        "vllm-config --role decode --engine-id 1 --node-id 1 --scheduler tcp://h:5 --url h:8000",
+        "expected http://HOST:PORT",
+    ),
+    "vllm-config/no-role": Case(
+        "vllm-config --engine-id 1 --node-id 1 --scheduler tcp://h:5 --url http://h:8000",
+        "the following arguments are required: --role",
+    ),
     # --- serve
     "serve/config-missing": Case("serve --config {missing}.yaml", "cannot be read"),
     "serve/config-not-yaml": Case("serve --config {bad_yaml}", "not valid YAML at line 2"),
@@ -248,6 +257,7 @@ HELP_COMMANDS = [
     "demo",
     "engine",
     "serve",
+    "vllm-config",
     "bench",
     "bench store",
     "bench scheduler",

@@ -158,6 +158,7 @@ def _non_default_configs() -> dict[type, dict]:
         report_keepalive_s=0.5,
         peer_timeout_s=12.0,
         store_flush_timeout_s=3.0,
+        url="http://10.0.0.3:8000",
     )
     return {
         TrafficConfig: traffic,
