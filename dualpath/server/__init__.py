@@ -21,7 +21,8 @@ uvicorn, one asyncio loop); every engine is its own process. Modules, outside in
     chat.py         chat messages -> prompt text through the checkpoint's template
     detokenizer.py  incremental text with stop strings and stop tokens handled
     context.py      ``ServingContext``: what the routes share; the bounded waiting queue
-    metrics.py      Prometheus metrics, one registry per app
+    metrics.py      Prometheus metrics, one registry per app: the request series
+    cluster_metrics.py  the cluster's series, read from the scheduler's snapshot on a scrape
     vllm_metrics.py the request series under vLLM's names too (vLLM dashboards)
     errors.py       OpenAI's error shape and the one place statuses are chosen
     config.py       ``ServerConfig``; args.py: the ``serve`` flags and ``--config FILE``

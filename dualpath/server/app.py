@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dualpath import __version__
+from dualpath.server.cluster_metrics import link_totals
 from dualpath.server.context import ServerState, ServingContext
 from dualpath.server.errors import install_error_handlers
 from dualpath.server.forwarding import build_forwarding_router
-from dualpath.server.metrics import link_totals
 from dualpath.server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from dualpath.server.openapi import install_openapi
 from dualpath.server.routes import build_router

@@ -23,8 +23,9 @@ from dualpath.model.generation_config import (
 )
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.server.chat import ChatRenderer
+from dualpath.server.cluster_metrics import link_capacity_lookup
 from dualpath.server.config import ServerConfig
-from dualpath.server.metrics import ServerMetrics, link_capacity_lookup
+from dualpath.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

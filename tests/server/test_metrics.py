@@ -8,13 +8,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dualpath.cluster.coordinator import ClusterSnapshot
 from dualpath.kv.store import StoreStats
-from dualpath.server.metrics import (
-    GenerationTimes,
-    LinkRateTracker,
-    ServerMetrics,
-    link_capacity_lookup,
-    link_totals,
-)
+from dualpath.server.cluster_metrics import LinkRateTracker, link_capacity_lookup, link_totals
+from dualpath.server.metrics import GenerationTimes, ServerMetrics
 from dualpath.server.vllm_metrics import VLLM_SERIES, request_tokens_buckets
 
 
