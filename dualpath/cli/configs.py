@@ -139,6 +139,17 @@ def _read_engine_config(source: str):  # -> EngineProcessConfig
 
 
 def _engine_config_from_flags(args: argparse.Namespace):
+    return engine_process_from_flags(
+        args,
+        model_dir=resolve_model_dir(args.model),
+        engine=engine_config(args, args.dtype or "float32"),
+    )
+
+
+def engine_process_from_flags(args: argparse.Namespace, *, model_dir: Path, engine, url: str = ""):
+    """An ``EngineProcessConfig`` from the flags ``dualpath engine`` and ``dualpath
+    vllm-config`` share (identity, scheduler, store, mode, links, buffer, heartbeat), with
+    ``model_dir`` and ``engine`` (an ``EngineConfig``) as the command decides them."""
     from dualpath.config import (
         ClusterConfig,
         EngineProcessConfig,
@@ -147,17 +158,22 @@ def _engine_config_from_flags(args: argparse.Namespace):
     )
 
     buffer_bytes = None if args.buffer_gb is None else gb_to_bytes(args.buffer_gb)
+    quota = (
+        {}
+        if getattr(args, "attention_quota_s", None) is None
+        else {"attention_quota_s": args.attention_quota_s}
+    )
     return EngineProcessConfig(
         role=args.role,
         engine_id=args.engine_id,
         node_id=args.node_id,
         scheduler_endpoint=args.scheduler,
-        model_dir=resolve_model_dir(args.model),
+        model_dir=model_dir,
         store=store_config(
             None if args.no_kv_store else (args.kv_store or default_kv_store_dir()),
             args.kv_store_capacity_gb,
         ),
-        engine=engine_config(args, args.dtype or "float32"),
+        engine=engine,
         cluster=ClusterConfig(
             mode=args.mode,
             traffic=TrafficConfig(
@@ -168,11 +184,10 @@ def _engine_config_from_flags(args: argparse.Namespace):
             heartbeat_timeout_s=args.heartbeat_timeout_s,
         ),
         scheduler=SchedulerConfig(
-            block_size_tokens=args.block_size,
-            attention_quota_s=args.attention_quota_s,
-            min_prefill_chunk_tokens=args.block_size,
+            block_size_tokens=args.block_size, min_prefill_chunk_tokens=args.block_size, **quota
         ),
         transport=args.transport,
+        url=url,
     )
 
 

@@ -92,42 +92,13 @@ def vllm_engine_config(args: argparse.Namespace):  # -> EngineProcessConfig
     connector when the server starts)."""
     from pathlib import Path
 
-    from dualpath.cli.configs import store_config
-    from dualpath.config import (
-        ClusterConfig,
-        EngineConfig,
-        EngineProcessConfig,
-        SchedulerConfig,
-        TrafficConfig,
-    )
-    from dualpath.home import default_kv_store_dir
-    from dualpath.units import gb_to_bytes
+    from dualpath.cli.configs import engine_process_from_flags
+    from dualpath.config import EngineConfig
 
-    buffer_bytes = None if args.buffer_gb is None else gb_to_bytes(args.buffer_gb)
-    return EngineProcessConfig(
-        role=args.role,
-        engine_id=args.engine_id,
-        node_id=args.node_id,
-        scheduler_endpoint=args.scheduler,
+    return engine_process_from_flags(
+        args,
         model_dir=Path("."),  # vLLM's --model, set by the connector
-        store=store_config(
-            None if args.no_kv_store else (args.kv_store or default_kv_store_dir()),
-            args.kv_store_capacity_gb,
-        ),
         engine=EngineConfig(block_size_tokens=args.block_size, dtype=args.dtype, engine="vllm"),
-        cluster=ClusterConfig(
-            mode=args.mode,
-            traffic=TrafficConfig(
-                snic_bandwidth_gbps=args.snic_gbps, cnic_bandwidth_gbps=args.cnic_gbps
-            ),
-            prefill_buffer_bytes=buffer_bytes,
-            decode_buffer_bytes=buffer_bytes,
-            heartbeat_timeout_s=args.heartbeat_timeout_s,
-        ),
-        scheduler=SchedulerConfig(
-            block_size_tokens=args.block_size, min_prefill_chunk_tokens=args.block_size
-        ),
-        transport=args.transport,
         url=args.url,
     )
 
