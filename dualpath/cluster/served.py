@@ -59,7 +59,6 @@ from dualpath.cluster.engine_process import EngineProcess
 from dualpath.cluster.engine_processes import TOKEN_ENV
 from dualpath.config import EngineProcessConfig
 from dualpath.control.channel import ControlClient
-from dualpath.kv.file_store import FileKVStore
 from dualpath.model.identity import KVIdentity, checkpoint_kv_identity, vllm_device, vllm_page_order
 from dualpath.protocol import DECODE, RequestFailed
 from dualpath.transfer.traffic import direct_move
@@ -71,6 +70,7 @@ from dualpath.vllm.connector import (
     DualpathStepMetadata,
     PlanView,
 )
+from dualpath.vllm.roles import connector_host
 from dualpath.vllm_args import served_engine_config
 
 logger = logging.getLogger(__name__)
@@ -173,27 +173,12 @@ class ServedEngine:
         # Every thread's stack to the server's log on SIGUSR2: this process runs vLLM's
         # worker and our engine side by side.
         faulthandler.register(signal.SIGUSR2, all_threads=True)
-        engine = config.engine
-        self.max_model_len = engine.max_model_len
+        self.max_model_len = config.engine.max_model_len
         model_config = vllm_config.model_config
         self.eos_token_ids = tuple(
             t for t in [getattr(model_config.hf_config, "eos_token_id", None)] if isinstance(t, int)
         )
-        self.store = (
-            FileKVStore.from_config(config.store, identity.layout, identity.fingerprint)
-            if config.store.is_enabled
-            else None
-        )
-        self.host = ConnectorHost(
-            identity.layout,
-            identity.fingerprint,
-            store=self.store if config.role == DECODE else None,  # a PE persists nothing
-            mover=self._move,
-            is_layerwise=config.cluster.settings.is_layerwise,
-            num_io_threads=engine.num_io_threads,
-            max_pending_write_bytes=engine.max_pending_write_bytes,
-            page_order=page_order,
-        )
+        self.host, self.store = connector_host(config, identity, page_order, self._move)
         self.mailbox = _Mailbox(
             vllm_config.kv_transfer_config.engine_id, own="engine", other="scheduler"
         )

@@ -35,8 +35,10 @@ from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.remote_buffer import TransportStaging
 from dualpath.engine.role import MAX_PROFILED_CONTEXT_TOKENS, DecodePeers, prefill_batcher
 from dualpath.kv.file_store import FileKVStore
+from dualpath.kv.store import KVStore
 from dualpath.model.identity import KVIdentity, vllm_device, vllm_page_order
 from dualpath.protocol import DECODE
+from dualpath.scheduler.batching import PrefillBatcher
 from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import Transport
 from dualpath.vllm.connector import ConnectorHost, register_host
@@ -48,18 +50,47 @@ from dualpath.vllm_args import check_engine_kind
 logger = logging.getLogger(__name__)
 
 
-def _role_beside(
+def connector_host(
+    config: EngineProcessConfig, identity: KVIdentity, page_order: str, mover: Mover
+) -> tuple[ConnectorHost, FileKVStore | None]:
+    """The connector's host for the engine ``config`` describes, and the engine's store (a PE
+    reads it; only a DE's host persists into it)."""
+    engine_config = config.engine
+    store = (
+        FileKVStore.from_config(config.store, identity.layout, identity.fingerprint)
+        if config.store.is_enabled
+        else None
+    )
+    host = ConnectorHost(
+        identity.layout,
+        identity.fingerprint,
+        store=store if config.role == DECODE else None,  # a PE persists nothing (SPEC §2)
+        mover=mover,
+        is_layerwise=config.cluster.settings.is_layerwise,
+        num_io_threads=engine_config.num_io_threads,
+        max_pending_write_bytes=engine_config.max_pending_write_bytes,
+        page_order=page_order,
+    )
+    return host, store
+
+
+def vllm_role(
     engine: Any,
+    host: ConnectorHost,
     config: EngineProcessConfig,
     identity: KVIdentity,
     buffer: KVBuffer,
     transport: Transport,
     *,
+    store: KVStore | None,
+    max_context_tokens: int,
+    eos_token_ids: tuple[int, ...],
     mover: Mover,
     wake: Callable[[], None],
+    batcher: PrefillBatcher | None = None,
 ) -> VllmPrefillRole | VllmDecodeRole:
-    """A role beside a vLLM engine that steps itself: its host is the engine's."""
-    host = engine.host
+    """The role ``config.role`` names over a vLLM engine and its connector's host; a PE's
+    staging ring holds ``max_context_tokens`` of blocks."""
     num_io_threads = config.engine.num_io_threads
     if config.role == DECODE:
         return VllmDecodeRole(
@@ -67,10 +98,10 @@ def _role_beside(
             host,
             buffer,
             wake=wake,
-            eos_token_ids=engine.eos_token_ids,
+            eos_token_ids=eos_token_ids,
             num_io_threads=num_io_threads,
         )
-    max_blocks = -(-engine.max_model_len // identity.layout.block_size_tokens)
+    max_blocks = -(-max_context_tokens // identity.layout.block_size_tokens)
     staging = TransportStaging(
         transport, identity.layout, max_read_blocks=max_blocks, ring_blocks=max_blocks
     )
@@ -79,11 +110,12 @@ def _role_beside(
         host,
         buffer,
         DecodePeers(transport, staging, peer_timeout_s=config.transfer_timeout_s),
-        store=engine.store,
+        store=store,
         mover=mover,
         wake=wake,
-        eos_token_ids=engine.eos_token_ids,
+        eos_token_ids=eos_token_ids,
         num_io_threads=num_io_threads,
+        batcher=batcher,
     )
 
 
@@ -107,21 +139,21 @@ def make_vllm_role(
     engine_config = config.engine
     check_engine_kind(config.cluster, engine_config, model_config)
     if engine is not None:
-        return _role_beside(engine, config, identity, buffer, transport, mover=mover, wake=wake)
-    store = (
-        FileKVStore.from_config(config.store, identity.layout, identity.fingerprint)
-        if config.store.is_enabled
-        else None
-    )
-    host = ConnectorHost(
-        identity.layout,
-        identity.fingerprint,
-        store=store if config.role == DECODE else None,  # a PE persists nothing (SPEC §2)
-        mover=mover,
-        is_layerwise=config.cluster.settings.is_layerwise,
-        num_io_threads=engine_config.num_io_threads,
-        max_pending_write_bytes=engine_config.max_pending_write_bytes,
-        page_order=vllm_page_order(model_config, vllm_device()),
+        return vllm_role(
+            engine,
+            engine.host,
+            config,
+            identity,
+            buffer,
+            transport,
+            store=engine.store,
+            max_context_tokens=engine.max_model_len,
+            eos_token_ids=engine.eos_token_ids,
+            mover=mover,
+            wake=wake,
+        )
+    host, store = connector_host(
+        config, identity, vllm_page_order(model_config, vllm_device()), mover
     )
     key = f"engine-{config.engine_id}"
     register_host(key, host)
@@ -145,17 +177,8 @@ def make_vllm_role(
         )
     )
     eos_token_ids = tuple(model_config.eos_token_ids)
-    if config.role == DECODE:
-        return VllmDecodeRole(
-            engine,
-            host,
-            buffer,
-            wake=wake,
-            eos_token_ids=eos_token_ids,
-            num_io_threads=engine_config.num_io_threads,
-        )
     batcher = None
-    if engine_config.vllm_prefill_batching == "quota":
+    if config.role != DECODE and engine_config.vllm_prefill_batching == "quota":
         max_model_len = engine_config.max_model_len or model_config.max_position_embeddings
         predictor = profile_vllm_layer_time(
             engine,
@@ -171,19 +194,17 @@ def make_vllm_role(
             predictor.predict_s([(0, 1024)]),
             predictor.predict_s([(1024, 1024)]),
         )
-    max_blocks = -(-model_config.max_position_embeddings // engine_config.block_size_tokens)
-    staging = TransportStaging(
-        transport, identity.layout, max_read_blocks=max_blocks, ring_blocks=max_blocks
-    )
-    return VllmPrefillRole(
+    return vllm_role(
         engine,
         host,
+        config,
+        identity,
         buffer,
-        DecodePeers(transport, staging, peer_timeout_s=config.transfer_timeout_s),
+        transport,
         store=store,
+        max_context_tokens=model_config.max_position_embeddings,
+        eos_token_ids=eos_token_ids,
         mover=mover,
         wake=wake,
-        eos_token_ids=eos_token_ids,
-        num_io_threads=engine_config.num_io_threads,
         batcher=batcher,
     )
