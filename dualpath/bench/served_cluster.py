@@ -140,18 +140,13 @@ class VllmEngineServer(ChildServer):
             argv += ["--num-gpu-blocks-override", str(shape.num_gpu_blocks)]
         return argv + list(shape.vllm_args)
 
-    def launch(self) -> None:
-        self.port = self.port or _free_port()  # the same port when started again
-        argv = self.argv(self.port)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(self.env or {})},
-                preexec_fn=_own_group,
-            )
+    keeps_port = True
+
+    @staticmethod
+    def preexec() -> None:
+        """A process group of its own (``kill`` takes all of it), gone with the caller."""
+        os.setsid()
+        die_with_parent()
 
     def kill(self) -> None:
         """SIGKILL every process of the server (a host that dies)."""
@@ -174,11 +169,6 @@ class VllmEngineServer(ChildServer):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # whatever of it is left
         return process.returncode
-
-
-def _own_group() -> None:
-    os.setsid()
-    die_with_parent()
 
 
 class ServedCluster:

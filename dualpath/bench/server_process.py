@@ -35,6 +35,8 @@ class ChildServer:
     ``start`` returns once ``GET /health`` answers 200."""
 
     name = "server"
+    # Started again on the port it had (its address is in others' configuration).
+    keeps_port = False
 
     def __init__(self, *, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
@@ -63,7 +65,7 @@ class ChildServer:
     def launch(self) -> None:
         """Start the process (on a free port) without waiting for it: several servers that
         start slowly can then start together."""
-        self.port = _free_port()
+        self.port = self.port if self.keeps_port and self.port else _free_port()
         argv = self.argv(self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -72,8 +74,13 @@ class ChildServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(self.env or {})},
-                preexec_fn=die_with_parent,  # a killed benchmark leaves no server running
+                preexec_fn=self.preexec,
             )
+
+    @staticmethod
+    def preexec() -> None:
+        """In the child before it runs: a killed benchmark leaves no server running."""
+        die_with_parent()
 
     def wait_ready(self, timeout_s: float = 180.0) -> ChildServer:
         """Wait until ``GET /health`` answers 200; stop it and raise if it exits or times out."""
