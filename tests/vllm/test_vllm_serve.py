@@ -50,7 +50,7 @@ PROMPT_LENGTHS = (300, 1700, 4000)
 MAX_TOKENS = 8
 NUM_STREAMS = 4
 STREAM_TOKENS = 256  # every stream still decoding when the last one starts, and after the strike
-VICTIM_ID = 2  # 1P2D: engine 0 is the PE, 1 and 2 the DEs
+DECODE_IDS = (1, 2)  # 1P2D: engine 0 is the PE; the victim is the DE holding the most streams
 HANG_GUARD_S = 600
 READ_SERIES = "dualpath_read_path_bytes_total"
 TOOL_PARSER = "hermes"
@@ -222,8 +222,8 @@ def test_a_decode_server_killed_while_streams_decode(
 
     with ThreadPoolExecutor(NUM_STREAMS) as pool:
         futures = [pool.submit(stream, i, prompt) for i, prompt in enumerate(prompts)]
-        _wait_until_decoding(cluster.url, VICTIM_ID, futures, num_sent)
-        cluster.kill_engine(VICTIM_ID)
+        victim = _wait_until_decoding(cluster.url, futures, num_sent)
+        cluster.kill_engine(victim)
         results = [future.result(timeout=HANG_GUARD_S) for future in futures]
     for (tokens, finish), reference, prompt in zip(results, references, prompts, strict=True):
         near_ties(reference, tokens, f"stream of {len(prompt)}")
@@ -234,17 +234,22 @@ def test_a_decode_server_killed_while_streams_decode(
     print(f"streams placed again: {replaced:.0f}")
 
 
-def _wait_until_decoding(url: str, engine_id: int, futures: list, num_sent: list[int]) -> None:
-    """Until every stream has had a token and the engine holds requests (hang guard only)."""
+def _wait_until_decoding(url: str, futures: list, num_sent: list[int]) -> int:
+    """Until every stream has had a token; then the DE that holds the most requests (the
+    scheduler may have placed every stream on one of them). Hang guard only."""
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
         assert not any(f.done() for f in futures), "a stream ended before the strike"
         if not all(num_sent):
             time.sleep(0.01)
             continue
+        held = dict.fromkeys(DECODE_IDS, 0.0)
         for (name, labels), value in read_metrics(url).items():
-            is_victim = ("engine", str(engine_id)) in labels
-            if name == "dualpath_engine_requests" and is_victim and value > 0:
-                return
+            engine = dict(labels).get("engine")
+            if name == "dualpath_engine_requests" and engine in {str(e) for e in DECODE_IDS}:
+                held[int(engine)] = value
+        victim = max(held, key=held.__getitem__)
+        if held[victim] > 0:
+            return victim
         time.sleep(0.05)
-    raise TimeoutError(f"engine {engine_id} never held a request")
+    raise TimeoutError("no decode engine was seen holding a request")
