@@ -33,7 +33,7 @@ from dualpath.control.codec import encode
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.capacity import role_buffer_bytes
 from dualpath.errors import TransferTimeout
-from dualpath.lifetime import die_with_parent
+from dualpath.lifetime import die_with_parent, ignore_stop_signals
 from dualpath.model.identity import checkpoint_kv_identity, kv_identity, vllm_device
 from dualpath.model.loader import load_model
 from dualpath.protocol import (
@@ -88,6 +88,7 @@ def run_engine(config: EngineProcessConfig, token: str) -> int:
     try:
         exit_code = process.run()
     finally:
+        ignore_stop_signals()  # stopping already: a SIGTERM now must not break the close
         num_abandoned = process.close()
         if num_abandoned:
             # Their writer threads are stuck in the store, and the interpreter would wait for

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dualpath.config import EngineProcessConfig, config_to_dict
+from dualpath.lifetime import ignore_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -281,5 +282,9 @@ def run_supervised(config: EngineProcessConfig, token: str) -> int:
     while not processes.wait(timeout_s=0.2):
         if is_stopping.is_set():
             processes.terminate(timeout_s=config.store_flush_timeout_s + 5)
+            ignore_stop_signals()
             return 0
+    # Stopping on its own (told to stop, or given up): a SIGTERM from here on, e.g. from
+    # whoever stops the host's engines, must not turn the exit code into -15.
+    ignore_stop_signals()
     return exit_codes[-1] if exit_codes else 1
