@@ -23,7 +23,7 @@ from dualpath.bench.harness import ModeRun, run_mode
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.spec import BLOCK_SIZE_TOKENS, KV_DTYPE
 from dualpath.bench.stats import ideal_speedup
-from dualpath.bench.validity import mode_problems
+from dualpath.bench.validity import mode_problems, store_hit_tokens
 from dualpath.errors import CalibrationError
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
@@ -108,7 +108,7 @@ def calibrate(
         "rho": rho,
         "snic_caps_gbps": bytes_per_s_to_gbps(demand_bytes_per_s / rho),
         "pe_hit_kv_demand_gbps": bytes_per_s_to_gbps(demand_bytes_per_s),
-        "prefill_tokens_per_s": (oracle["prompt_tokens"] - oracle["cached_tokens"]) / busy_s,
+        "prefill_tokens_per_s": (oracle["prompt_tokens"] - store_hit_tokens(oracle)) / busy_s,
         # Prompt tokens (cached + new) per PE-busy second: the unit of the scheduler's tok_e,
         # so beta (5 s of it) lets a PE hold 5 s of this workload's work.
         "prompt_tokens_per_busy_s": oracle["prompt_tokens"] / busy_s,

@@ -286,6 +286,7 @@ def link_figures(
             "snic_bytes": None,
             "path_bytes": None,
             "engine_cached_bytes": None,
+            "store_hit_tokens": None,
             "snic_load_balance": None,
             "snic_load_balance_busy": None,
             "snic_read_load_balance": None,
@@ -306,6 +307,10 @@ def link_figures(
         },
         # Hit KV no side read: the PE's engine (vLLM) still held it in its prefix cache.
         "engine_cached_bytes": int(metric_sum(scraped, "dualpath_engine_cached_bytes_total")),
+        # Prompt tokens the server placed as store hits. The answers' cached_tokens say the
+        # same for our engines; a vLLM server's answer counts its own (the KV its connector
+        # loaded, the PE's prefill included, and its prefix cache's).
+        "store_hit_tokens": int(metric_sum(scraped, "dualpath_cached_prompt_tokens_total")),
         "snic_load_balance": snic_load_balance(samples),
         # The same over the windows in which the SNICs carried at least half their cap on
         # average: where storage bandwidth binds, the regime the read-side choice is for.

@@ -28,7 +28,8 @@ def mode_problems(
     ``kv_bytes_per_token``, the hit KV the two sides read (``path_bytes``, when the servers
     report it) must be exactly the cached tokens' KV: each hit block read once, by one side,
     unless the prefill engine still held it in its own prefix cache (``engine_cached_bytes``,
-    vLLM engines)."""
+    vLLM engines). The cached tokens are the server's count of store hits
+    (``store_hit_tokens``) where it reports one, else the answers' ``cached_tokens``."""
     problems = []
     num_failed = result.get("num_failed", 0)
     if num_failed:
@@ -49,12 +50,13 @@ def mode_problems(
     if kv_bytes_per_token is not None and path_bytes is not None:
         read_bytes = sum(path_bytes.values())
         held_bytes = result.get("engine_cached_bytes") or 0
-        expected_bytes = result["cached_tokens"] * kv_bytes_per_token
+        hit_tokens = store_hit_tokens(result)
+        expected_bytes = hit_tokens * kv_bytes_per_token
         if read_bytes + held_bytes != expected_bytes:
             held = f" (and {held_bytes} B the engine held)" if held_bytes else ""
             problems.append(
                 f"{label}: the sides read {read_bytes} B of hit KV{held}, but "
-                f"{result['cached_tokens']} cached tokens hold {expected_bytes} B "
+                f"{hit_tokens} cached tokens hold {expected_bytes} B "
                 f"({kv_bytes_per_token} B per token)"
             )
     if result.get("token_mismatches"):
@@ -63,6 +65,13 @@ def mode_problems(
             f"{reference or 'the first mode'}"
         )
     return problems
+
+
+def store_hit_tokens(result: dict) -> int:
+    """The prompt tokens a mode's server placed as store hits: its own count where it reports
+    one, else the answers' ``cached_tokens`` (the same for our engines)."""
+    hit_tokens = result.get("store_hit_tokens")
+    return result["cached_tokens"] if hit_tokens is None else hit_tokens
 
 
 def mark_validity(report: dict, problems: list[str]) -> dict:

@@ -152,3 +152,25 @@ def test_hit_kv_a_vllm_engine_held_counts_beside_what_the_sides_read() -> None:
         "basic: the sides read 163840 B of hit KV (and 81920 B the engine held), but 128 "
         "cached tokens hold 163840 B (1280 B per token)"
     ]
+
+
+def test_hit_kv_is_checked_against_the_servers_count_of_store_hits_where_it_gives_one() -> None:
+    # A front door before vLLM servers: each answer's cached_tokens is the server's own count
+    # (the KV its connector loaded, the PE's prefill included), not the store's hits.
+    same = {"s0/0": "a"}
+    model = {"kv_bytes_per_token": 1280}
+
+    def result(store_hit_tokens: int) -> dict:
+        return {
+            **_result(2.0, same),
+            "cached_tokens": 200,
+            "store_hit_tokens": store_hit_tokens,
+            "path_bytes": {"pe": 81920, "de": 81920},
+        }
+
+    assert finish_report({"model": model, "modes": {"basic": result(128)}}, ["basic"])["valid"]
+    wrong = finish_report({"model": model, "modes": {"basic": result(64)}}, ["basic"])
+    assert wrong["problems"] == [
+        "basic: the sides read 163840 B of hit KV, but 64 cached tokens hold 81920 B "
+        "(1280 B per token)"
+    ]
