@@ -29,7 +29,11 @@ planned request's end (its tokens and finish reason: the PE's token makes its
 KV blocks its requests hold (a DE's reports). The tokens reach the client over vLLM's HTTP.
 
 The role's state is touched by two threads of the worker's process (ours, and vLLM's through
-the hooks: a DE frees a loaded request's slots), so both take ``ServedEngine.lock``.
+the hooks: a DE frees a loaded request's slots), so both take ``ServedEngine.lock``. Our
+threads run on the cores the server was given, not on the one core vLLM's CPU worker pins
+itself to (``VLLM_CPU_OMP_THREADS_BIND``, inherited by every thread it starts): pinned there,
+a PE's engine thread waited for that core as long as a DE sharing it decoded (25 s where its
+messages took milliseconds), and the DEs' prompts waited with it.
 
 Not here: vLLM's prefix cache is not probed (the PE reads every hit block of its side; vLLM
 loads only what its own cache lacks), and a DE's free KV blocks are vLLM's blocks less those
@@ -38,6 +42,7 @@ of the requests this connector tracks.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -46,6 +51,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -179,9 +185,8 @@ class ServedEngine:
             t for t in [getattr(model_config.hf_config, "eos_token_id", None)] if isinstance(t, int)
         )
         self.host, self.store = connector_host(config, identity, page_order, self._move)
-        self.mailbox = _Mailbox(
-            vllm_config.kv_transfer_config.engine_id, own="engine", other="scheduler"
-        )
+        self._vllm_engine_id = vllm_config.kv_transfer_config.engine_id
+        self.mailbox: _Mailbox | None = None  # from ``start``
         self.lock = threading.RLock()  # the role's state: our thread and vLLM's hooks
         self.prefix_cache = _NoPrefixCacheProbe()
         self.block_pool = _HeldBlocks()
@@ -250,9 +255,11 @@ class ServedEngine:
         if self.process is not None:
             return
         self.block_pool.num_gpu_blocks = num_kv_blocks
-        self.process = _ServedProcess(self.config, self.token, self)
-        threading.Thread(target=self._receive, name="dualpath-mailbox", daemon=True).start()
-        threading.Thread(target=self._serve, name="dualpath-engine", daemon=True).start()
+        with _off_vllms_core():
+            self.mailbox = _Mailbox(self._vllm_engine_id, own="engine", other="scheduler")
+            self.process = _ServedProcess(self.config, self.token, self)
+            threading.Thread(target=self._receive, name="dualpath-mailbox", daemon=True).start()
+            threading.Thread(target=self._serve, name="dualpath-engine", daemon=True).start()
 
     def _receive(self) -> None:
         """The scheduler side's news: requests ended or refused, blocks held."""
@@ -403,6 +410,7 @@ class DualpathServedConnector(DualpathConnector):
     """The connector a vLLM server takes from ``dualpath vllm-config``."""
 
     def _find_host(self, extra: dict, vllm_config: Any, kv_cache_config: Any) -> ConnectorHost:
+        _log_as_vllm()
         model_config = vllm_config.model_config
         config = served_engine_config(
             extra,
@@ -432,13 +440,16 @@ class DualpathServedConnector(DualpathConnector):
         return ServedScheduler(host, persists, self._vllm_config.kv_transfer_config.engine_id)
 
     # vLLM's forward time is the engine's busy time (its reports' busy_us: the benchmarks'
-    # calibration and PE utilisation); our own loop only waits beside it.
+    # calibration and PE utilisation); our own loop only waits beside it. A step's metadata is
+    # bound before its forward and its saves are waited for after it (vLLM calls
+    # start_load_kv after the forward too, when the step loads nothing synchronously).
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._meta()
-        has_work = isinstance(meta, DualpathStepMetadata) and bool(meta.steps)
-        self._step_start_s = time.perf_counter() if has_work else None
-        super().start_load_kv(forward_context, **kwargs)
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._role == KVConnectorRole.WORKER:
+            meta = connector_metadata
+            has_work = isinstance(meta, DualpathStepMetadata) and bool(meta.steps)
+            self._step_start_s = time.perf_counter() if has_work else None
 
     def wait_for_save(self) -> None:
         super().wait_for_save()
@@ -451,6 +462,39 @@ class DualpathServedConnector(DualpathConnector):
         super().register_kv_caches(kv_caches)
         num_blocks = self._num_kv_blocks or len(self.host.cache.pages[0])
         self.served.start(num_blocks)
+
+
+@contextlib.contextmanager
+def _off_vllms_core() -> Iterator[None]:
+    """While the engine's threads start (they, and the transport's and store's threads they
+    start, inherit the starting thread's cores): the cores of the server's engine core
+    process, not the one vLLM's CPU worker pins its compute thread to
+    (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    pinned = os.sched_getaffinity(0)
+    try:
+        cores = os.sched_getaffinity(os.getppid())
+    except OSError:
+        cores = pinned
+    if cores == pinned:
+        yield
+        return
+    os.sched_setaffinity(0, cores)  # this thread only
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+def _log_as_vllm() -> None:
+    """Our log lines in the server's log as vLLM's are: its handlers, its level
+    (``VLLM_LOGGING_LEVEL``); else Python's default prints our warnings and drops the rest."""
+    ours, vllms = logging.getLogger("dualpath"), logging.getLogger("vllm")
+    if ours.handlers or not vllms.handlers:
+        return
+    for handler in vllms.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllms.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _wait_until_serving(url: str, *, interval_s: float = 0.5) -> None:
