@@ -139,14 +139,19 @@ class ServerProcess(ChildServer):
         log_path: Path,
         env: dict[str, str] | None = None,
         api_key: str | None = None,
+        log_level: str | None = None,
     ) -> None:
+        """``log_level``: the CLI's ``--log-level`` (None: its default)."""
         super().__init__(log_path=log_path, env=env)
         self.serve_args = list(serve_args)
         self.api_key = api_key
+        self.log_level = log_level
 
     def argv(self, port: int) -> list[str]:
-        argv = [sys.executable, "-m", "dualpath.cli", "serve", "--host", "127.0.0.1"]
-        argv += ["--port", str(port), *self.serve_args]
+        argv = [sys.executable, "-m", "dualpath.cli"]
+        if self.log_level is not None:
+            argv += ["--log-level", self.log_level]
+        argv += ["serve", "--host", "127.0.0.1", "--port", str(port), *self.serve_args]
         if self.api_key:
             argv += ["--api-key", self.api_key]
         return argv

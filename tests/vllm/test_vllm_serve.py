@@ -239,7 +239,14 @@ def _wait_until_decoding(url: str, futures: list, num_sent: list[int]) -> int:
     scheduler may have placed every stream on one of them). Hang guard only."""
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
-        assert not any(f.done() for f in futures), "a stream ended before the strike"
+        ended = [(i, f) for i, f in enumerate(futures) if f.done()]
+        if ended:
+            index, future = ended[0]
+            outcome = future.exception() or f"{len(future.result()[0])} tokens"
+            raise AssertionError(
+                f"stream {index} ended before the strike ({outcome!r}); tokens sent to each "
+                f"stream: {num_sent}"
+            )
         if not all(num_sent):
             time.sleep(0.01)
             continue
