@@ -129,7 +129,13 @@ def test_prompts_give_plain_vllms_tokens_cold_then_warm_read_by_the_pe(
     ties += _replay(cluster.url, references, "warm")
     read = {side: _read_bytes(cluster.url)[side] - before[side] for side in before}
     assert read == {"prefill": _full_blocks_bytes(), "decode": 0.0}, read
-    print(f"near ties: {ties} of {2 * len(PROMPT_LENGTHS)}")
+    # Each engine's busy time is its vLLM's forwards (the benchmarks calibrate on the PE's).
+    busy = {"prefill": 0.0, "decode": 0.0}
+    for (name, labels), value in read_metrics(cluster.url).items():
+        if name == "dualpath_engine_busy_seconds_total":
+            busy[dict(labels)["role"]] += value
+    assert busy["prefill"] > 0 and busy["decode"] > 0, busy
+    print(f"near ties: {ties} of {2 * len(PROMPT_LENGTHS)}; busy {busy}")
 
 
 def test_after_every_server_restarts_hits_are_read_by_the_de(
