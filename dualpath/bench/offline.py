@@ -37,7 +37,8 @@ JSON (``modes.<mode>``): ``jct_s``, ``agent_jct_s`` (each agent's own JCT, perce
 ``tokens_per_s``, ``ttft_s``/``ttst_s``/``tpot_s`` percentiles, ``hit_ratio``, ``snic_bytes``
 (per SNIC), ``path_bytes.{pe,de}`` (hit KV read by each side), ``engine_cached_bytes`` (hit
 KV neither side read: a vLLM PE still held it), ``store_hit_tokens`` (prompt tokens the
-server placed as store hits: what the hit-KV rule checks the reads against), ``snic_load_balance`` (SPEC
+server placed as store hits: what the hit-KV rule checks the reads against),
+``forwarded_replacements`` (``--vllm-servers``: requests placed again), ``snic_load_balance`` (SPEC
 §7), ``snic_read_load_balance`` (hit-KV reads alone), ``snic_load_balance_busy`` (over
 the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores each
 process kept busy: ``process_cpu.py``), ``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
