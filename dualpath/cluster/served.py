@@ -6,7 +6,8 @@
 
 vLLM builds the connector twice, as it does its own: the worker side, in the process that
 holds the pages (its per-layer hooks, ``ConnectorWorker``, unchanged), and the scheduler side,
-in vLLM's engine-core process (on vLLM's CPU build these are two processes). The worker's
+in vLLM's engine-core process (``served_scheduler.ServedScheduler``; on vLLM's CPU build these
+are two processes). The worker's
 process also runs the engine our scheduler sees (``ServedEngine``): the ``EngineProcess`` of
 ``dualpath engine`` (buffer, transport, store reads, reports, the scheduler's messages) with
 the vLLM role of ``--engine vllm`` (``dualpath.vllm.roles``), on a thread of its own beside
@@ -22,7 +23,7 @@ vLLM's loop instead of stepping vLLM itself. What differs is how a request reach
                         the PE's KV is in its buffer
 
 The two sides speak over a pair of local ZeroMQ sockets named after vLLM's engine id
-(``_Mailbox``): the engine sends each plan's ``PlanView`` (with the placed prompt, which the
+(``served_mailbox.Mailbox``): the engine sends each plan's ``PlanView`` (with the placed prompt, which the
 scheduler side checks the request against) and its cancels; the scheduler side sends each
 planned request's end (its tokens and finish reason: the PE's token makes its
 ``PrefillDone``, the DE's end its ``TokenUpdate`` and persisting), a refused prompt, and the
@@ -48,28 +49,25 @@ import logging
 import os
 import queue
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
-import msgpack
-import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from dualpath.cluster.engine_process import EngineProcess
 from dualpath.cluster.engine_processes import TOKEN_ENV
+from dualpath.cluster.served_mailbox import Mailbox
+from dualpath.cluster.served_scheduler import ServedScheduler
 from dualpath.config import EngineProcessConfig
 from dualpath.control.channel import ControlClient
 from dualpath.model.identity import KVIdentity, checkpoint_kv_identity, vllm_device, vllm_page_order
 from dualpath.protocol import DECODE, RequestFailed
 from dualpath.transfer.traffic import direct_move
 from dualpath.vllm.connector import (
-    REQUEST_ID_PARAM,
     ConnectorHost,
     ConnectorScheduler,
     DualpathConnector,
@@ -81,50 +79,7 @@ from dualpath.vllm_args import served_engine_config
 
 logger = logging.getLogger(__name__)
 
-# How long vLLM's loop waits for a plan, once per schedule, when its last step ran nothing,
-# instead of running empty steps: a DE waits for its PE's whole prefill, and vLLM's worker
-# busy-polls for a second after every step it is sent (its shared-memory queue), so empty
-# steps keep a core busy that the engine may share with that PE (measured: a DE's worker at
-# 85-95% of a core with 50 ms between empty steps, its PE on the same core starved). Any news
-# from the engine (a plan, a cancel) ends the wait at once; a request that is not ours, or
-# vLLM's own abort, may wait this long while all of ours wait.
-_IDLE_WAIT_S = 5.0
-_ADMISSION_WAIT_S = 0.01  # the same, while a planned request has yet to reach vLLM's scheduler
 _REJOIN_MAX_S = 5.0  # between attempts to join a scheduler that is gone or not up yet
-
-
-class _Mailbox:
-    """One side's end of the two sockets between the engine and the scheduler side: it
-    receives on its own socket and sends to the other's (msgpack lists ``[kind, ...]``)."""
-
-    def __init__(self, vllm_engine_id: str, *, own: str, other: str) -> None:
-        self._context = zmq.Context.instance()
-        self._inbox = self._context.socket(zmq.PULL)
-        self._inbox.bind(_endpoint(vllm_engine_id, own))
-        self._outbox = self._context.socket(zmq.PUSH)
-        self._outbox.setsockopt(zmq.LINGER, 0)
-        self._outbox.connect(_endpoint(vllm_engine_id, other))
-        self._send_lock = threading.Lock()
-
-    def send(self, *message: Any) -> None:
-        with self._send_lock:
-            self._outbox.send(msgpack.packb(message))
-
-    def receive(self, timeout_s: float) -> list[list[Any]]:
-        """What arrived, waiting at most ``timeout_s`` for the first (None: for ever)."""
-        timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
-        if not self._inbox.poll(timeout_ms):
-            return []
-        messages = []
-        while True:
-            try:
-                messages.append(msgpack.unpackb(self._inbox.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                return messages
-
-
-def _endpoint(vllm_engine_id: str, side: str) -> str:
-    return f"ipc://{Path(tempfile.gettempdir()) / f'dualpath-{vllm_engine_id[:18]}-{side}'}"
 
 
 class _NoPrefixCacheProbe:
@@ -186,7 +141,7 @@ class ServedEngine:
         )
         self.host, self.store = connector_host(config, identity, page_order, self._move)
         self._vllm_engine_id = vllm_config.kv_transfer_config.engine_id
-        self.mailbox: _Mailbox | None = None  # from ``start``
+        self.mailbox: Mailbox | None = None  # from ``start``
         self.lock = threading.RLock()  # the role's state: our thread and vLLM's hooks
         self.prefix_cache = _NoPrefixCacheProbe()
         self.block_pool = _HeldBlocks()
@@ -256,7 +211,7 @@ class ServedEngine:
             return
         self.block_pool.num_gpu_blocks = num_kv_blocks
         with _off_vllms_core():
-            self.mailbox = _Mailbox(self._vllm_engine_id, own="engine", other="scheduler")
+            self.mailbox = Mailbox(self._vllm_engine_id, own="engine", other="scheduler")
             self.process = _ServedProcess(self.config, self.token, self)
             threading.Thread(target=self._receive, name="dualpath-mailbox", daemon=True).start()
             threading.Thread(target=self._serve, name="dualpath-engine", daemon=True).start()
@@ -328,82 +283,6 @@ class _ServedProcess(EngineProcess):
     def _take(self, messages: list[object]) -> None:
         with self.served.lock:
             super()._take(messages)
-
-
-class ServedScheduler(ConnectorScheduler):
-    """The scheduler side for requests the front door forwarded: "not known yet" until the
-    engine planned one, then as for ``--engine vllm``."""
-
-    def __init__(self, host: ConnectorHost, persists: bool, vllm_engine_id: str) -> None:
-        self.views: dict[int, PlanView] = {}  # our request id -> its plan, from the engine
-        super().__init__(host, self.views.get)
-        self.persists = persists
-        self.mailbox = _Mailbox(vllm_engine_id, own="scheduler", other="engine")
-        self._admitted: dict[str, int] = {}  # vLLM's request id -> ours, once planned
-        self._admitted_ids: set[int] = set()  # ours, of the planned requests vLLM holds
-        self._was_idle = True  # vLLM's last step ran nothing
-        self._has_waited = False  # in this schedule
-        self._num_used_blocks = 0
-
-    def _take_mail(self, timeout_s: float = 0.0) -> None:
-        for kind, request_id, *fields in self.mailbox.receive(timeout_s):
-            if kind == "plan":
-                first, num_tokens, persist_from, prompt = fields
-                view = PlanView(request_id, first, num_tokens, persist_from, tuple(prompt))
-                self.views[request_id] = view
-            elif kind == "drop":
-                self.views.pop(request_id, None)
-                self._admitted_ids.discard(request_id)
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
-        request_id = (request.kv_transfer_params or {}).get(REQUEST_ID_PARAM)
-        if request_id is None:
-            return 0  # not ours: vLLM serves it alone
-        self._take_mail()
-        if request_id not in self.views and self._was_idle and not self._has_waited:
-            self._has_waited = True  # once per schedule, however many requests wait
-            # A plan whose request vLLM has not taken in yet: the request is in vLLM's input
-            # queue, which only a step ends the wait for. Else wait for the engine's news.
-            is_admission_due = any(rid not in self._admitted_ids for rid in self.views)
-            self._take_mail(_ADMISSION_WAIT_S if is_admission_due else _IDLE_WAIT_S)
-        view = self.views.get(request_id)
-        if view is None:
-            return None
-        if view.prompt_token_ids != tuple(request.prompt_token_ids or ()):
-            del self.views[request_id]
-            self.mailbox.send(
-                "refused",
-                request_id,
-                f"request {request_id}'s prompt at this vLLM server "
-                f"({len(request.prompt_token_ids or ())} tokens) is not the one it was placed "
-                f"with ({len(view.prompt_token_ids or ())} tokens)",
-            )
-            return 0
-        self._admitted[request.request_id] = request_id
-        self._admitted_ids.add(request_id)
-        return self._num_loadable(view, request, num_computed_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        self._was_idle = scheduler_output.total_num_scheduled_tokens == 0
-        self._has_waited = False
-        self._take_mail()
-        meta = super().build_connector_meta(scheduler_output)
-        num_used = sum(len(tracked.block_ids) for tracked in self._tracked.values())
-        if num_used != self._num_used_blocks:
-            self._num_used_blocks = num_used
-            self.mailbox.send("blocks", num_used)
-        return meta
-
-    def request_finished(self, request: Any) -> None:
-        super().request_finished(request)
-        request_id = self._admitted.pop(request.request_id, None)
-        if request_id is None:
-            return
-        self.views.pop(request_id, None)
-        self._admitted_ids.discard(request_id)
-        reason = request.get_finished_reason()
-        if reason is not None and str(reason) != "abort":  # an abort is the front door's
-            self.mailbox.send("ended", request_id, list(request.output_token_ids), str(reason))
 
 
 class DualpathServedConnector(DualpathConnector):
