@@ -141,23 +141,17 @@ class ClusterCollector(Collector):
             "The longest time from an engine's loss to a re-placed request's next token.",
             snapshot.replacement_delay_s_max,
         )
-        restarts = CounterMetricFamily(
+        yield _per_engine_counter(
             "dualpath_engine_restarts",
             "Times an engine this server started was started again after it died.",
-            labels=["engine"],
+            snapshot.engine_restarts,
         )
-        for engine_id, count in sorted(snapshot.engine_restarts.items()):
-            restarts.add_metric([str(engine_id)], count)
-        yield restarts
-        deaths = CounterMetricFamily(
+        yield _per_engine_counter(
             "dualpath_engine_deaths",
             "Times an engine was declared dead: its process exited, it went silent, or it "
             "joined again as a new process before either was noticed.",
-            labels=["engine"],
+            snapshot.engine_deaths,
         )
-        for engine_id, count in sorted(snapshot.engine_deaths.items()):
-            deaths.add_metric([str(engine_id)], count)
-        yield deaths
         held = GaugeMetricFamily(
             "dualpath_engine_requests",
             "Requests in flight that each engine's loss would place again: a decode engine's "
@@ -296,6 +290,14 @@ class ClusterCollector(Collector):
             yield CounterMetricFamily(
                 f"dualpath_store_{name}", help_text, value=own + engine_totals[name]
             )
+
+
+def _per_engine_counter(name: str, help_text: str, counts: dict[int, int]) -> CounterMetricFamily:
+    """A counter with one sample per engine id, in id order."""
+    family = CounterMetricFamily(name, help_text, labels=["engine"])
+    for engine_id, count in sorted(counts.items()):
+        family.add_metric([str(engine_id)], count)
+    return family
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
