@@ -118,10 +118,19 @@ def _serve_server_config(s: argparse.Namespace, model_dir: Path):  # -> ServerCo
         max_waiting_requests=s.max_waiting_requests,
         max_request_bytes=s.max_request_bytes,
         max_prompt_tokens=s.max_prompt_tokens,
-        engine_start_timeout_s=s.engine_start_timeout_s,
+        engine_start_timeout_s=_engine_start_timeout_s(s),
         shutdown_timeout_s=s.shutdown_timeout_s,
         generation_config=s.generation_config,
     )
+
+
+def _engine_start_timeout_s(s: argparse.Namespace) -> float | None:
+    """The flag's, else 300 s for engines this server starts (they should join within a
+    minute), and no deadline for external ones: their servers start when their owners
+    start them, and may load a checkpoint for many minutes."""
+    if s.engine_start_timeout_s is not None:
+        return s.engine_start_timeout_s
+    return None if s.external_engines else 300.0
 
 
 def _serve_cluster_config(s: argparse.Namespace):  # -> ClusterConfig

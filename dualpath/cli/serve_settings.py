@@ -169,8 +169,10 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--engine-start-timeout-s",
         type=positive_float,
-        default=300.0,
-        help="how long start-up waits for every engine to join (default 300)",
+        default=None,
+        help="how long start-up waits for every engine to join, then exits (default: 300 for "
+        "the engines this server starts; with --external-engines no deadline: the server "
+        "answers 503, /health naming the roles still missing, until they have joined)",
     )
     # NOTE: longer than the runtime's 5 s: a PE reports between the layers of a batch,
     # but one layer of a full 8K-token batch on a CPU takes a good part of a second, and

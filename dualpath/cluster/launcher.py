@@ -21,6 +21,7 @@ threads, so nothing outside it touches the coordinator's state or its control so
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -196,11 +197,12 @@ class LocalCluster:
 
     # --- lifecycle --------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+    def start(self, timeout_s: float | None = 120.0) -> LocalCluster:
         """Start the loop and the engines; return once every engine has joined.
 
-        ``TimeoutError`` after ``timeout_s``, ``RuntimeError`` if an engine exits first or
-        ``close`` is called meanwhile (from another thread); the cluster is closed then.
+        ``TimeoutError`` after ``timeout_s`` (None: no deadline), ``RuntimeError`` if an
+        engine exits first or ``close`` is called meanwhile (from another thread); the
+        cluster is closed then.
         """
         with self._spawn_lock:
             if self._closing.is_set():
@@ -212,7 +214,7 @@ class LocalCluster:
                         role = self.engine_id_to_role[engine_id]
                         config = self.engine_process_config(role, engine_id, node.node_id)
                         self.processes.spawn(config)
-        deadline = time.monotonic() + timeout_s
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
         while not self._snapshot.is_ready:
             if self._closing.is_set():
                 raise RuntimeError("cluster closed during start-up")

@@ -43,7 +43,8 @@ def build_app(
 ) -> FastAPI:
     """``on_fatal`` is called (on the event loop) if the cluster cannot start; ``on_ready``
     once every engine has joined."""
-    servers = VLLMServers(context.cluster)  # forwarding mode's client, open in the lifespan
+    # Forwarding mode's client, open in the lifespan.
+    servers = VLLMServers(context.cluster, served_model_name=context.model.name)
     app = FastAPI(
         title="dualpath",
         version=__version__,
@@ -103,6 +104,9 @@ def _add_operational_routes(app: FastAPI, context: ServingContext) -> None:
         }
         if reason is not None:
             body["reason"] = reason
+        missing = context.missing_engines()
+        if missing:  # by role: what a router started before its engines still waits for
+            body["missing_engines_by_role"] = missing
         return JSONResponse(body, status_code=200 if reason is None else 503)
 
     @app.get("/metrics")
@@ -143,7 +147,7 @@ async def _start_cluster(
     on_fatal: Callable[[], None],
     on_ready: Callable[[], None] | None,
 ) -> None:
-    timeout_s = context.config.engine_start_timeout_s
+    timeout_s = context.config.engine_start_timeout_s  # None: as long as it takes
     try:
         await anyio.to_thread.run_sync(lambda: context.cluster.start(timeout_s))
     except (RuntimeError, TimeoutError) as exc:

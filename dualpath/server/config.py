@@ -25,8 +25,9 @@ class ServerConfig:
     max_prompt_tokens: int | None = None
     # n (choices per prompt) x prompts per request.
     max_num_generations_per_request: int = 64
-    # How long start-up may wait for every engine to join.
-    engine_start_timeout_s: float = 300.0
+    # How long start-up may wait for every engine to join; None: as long as it takes (a
+    # router in front of servers others start, which may load a checkpoint for many minutes).
+    engine_start_timeout_s: float | None = 300.0
     # On SIGINT/SIGTERM, open connections get this long to finish after their requests are
     # cancelled, before uvicorn closes them.
     shutdown_timeout_s: float = 10.0
@@ -57,6 +58,10 @@ class ServerConfig:
                 f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, "
                 f"got {self.generation_config!r}"
             )
-        for name in ("engine_start_timeout_s", "shutdown_timeout_s", "metrics_window_s"):
+        if self.engine_start_timeout_s is not None and not self.engine_start_timeout_s > 0:
+            raise ValueError(
+                f"engine_start_timeout_s must be > 0 or None, got {self.engine_start_timeout_s}"
+            )
+        for name in ("shutdown_timeout_s", "metrics_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

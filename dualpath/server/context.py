@@ -25,9 +25,14 @@ from dualpath.model.tokenizer import Tokenizer
 from dualpath.server.chat import ChatRenderer
 from dualpath.server.cluster_metrics import link_capacity_lookup
 from dualpath.server.config import ServerConfig
+from dualpath.server.errors import unavailable
 from dualpath.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+# What a 503 of a server that cannot serve yet tells clients to wait (Retry-After): engines
+# join, or are declared dead and come back, on the scale of seconds.
+RETRY_AFTER_S = 5
 
 
 class ServerState(enum.Enum):
@@ -117,12 +122,32 @@ class ServingContext:
     def unavailable_reason(self) -> str | None:
         """Why generation routes answer 503 now, or None when they serve."""
         if self.state == ServerState.STARTING:
-            return "the server is starting: engines are joining the scheduler"
+            missing = ", ".join(
+                f"{n} {role} engine{'s' if n > 1 else ''}"
+                for role, n in self.missing_engines().items()
+            )
+            return f"the server is starting: waiting for {missing or 'the engines'} to join"
         if self.state == ServerState.FAILED:
             return "the cluster failed to start"
         if self.state == ServerState.STOPPING:
             return "the server is shutting down"
         return self.cluster.snapshot().unavailable_reason
+
+    def missing_engines(self) -> dict[str, int]:
+        """Engines of the topology not live now, by role ("prefill", "decode"); roles with
+        none missing are left out."""
+        expected: dict[str, int] = {}
+        for role in self.cluster.engine_id_to_role.values():
+            expected[role] = expected.get(role, 0) + 1
+        live = self.cluster.snapshot().num_live_engines_by_role
+        missing = {role: n - live.get(role, 0) for role, n in expected.items()}
+        return {role: n for role, n in missing.items() if n > 0}
+
+    def check_serving(self) -> None:
+        """``APIError`` 503 with ``Retry-After`` while generation routes cannot serve."""
+        reason = self.unavailable_reason
+        if reason is not None:
+            raise unavailable(reason, RETRY_AFTER_S)
 
     @property
     def is_forwarding(self) -> bool:

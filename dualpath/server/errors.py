@@ -37,13 +37,26 @@ class APIError(Exception):
     """An error the client should see: status, message and (optionally) the bad parameter."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. a 503's Retry-After
+
+
+def unavailable(reason: str, retry_after_s: int) -> APIError:
+    """A 503 for a server that cannot serve now but will (engines joining or lost): clients
+    and load balancers read ``Retry-After`` (RFC 9110 §10.2.3) and come back."""
+    return APIError(503, reason, headers={"Retry-After": str(retry_after_s)})
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -73,7 +86,7 @@ class ErrorJSONResponse(JSONResponse):
 
 def error_response(error: APIError) -> JSONResponse:
     body = error_body(error.status, error.message, param=error.param, code=error.code)
-    return ErrorJSONResponse(body, status_code=error.status)
+    return ErrorJSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -30,7 +30,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 
 from dualpath.server.context import ServingContext
-from dualpath.server.errors import APIError, bad_request
+from dualpath.server.errors import bad_request
 from dualpath.server.forwarded_call import ForwardedCall
 from dualpath.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, api_key_check
 from dualpath.server.vllm_servers import UpstreamAnswer, VLLMServers, is_token_ids
@@ -46,11 +46,13 @@ def build_forwarding_router(context: ServingContext, servers: VLLMServers) -> AP
         route_class=_route_class_while_forwarding(context),
     )
 
-    @router.post("/v1/completions", include_in_schema=False)
+    serving = [Depends(context.check_serving)]
+
+    @router.post("/v1/completions", include_in_schema=False, dependencies=serving)
     async def forward_completion(request: Request) -> Response:
         return await _forward(context, servers, request, is_chat=False)
 
-    @router.post("/v1/chat/completions", include_in_schema=False)
+    @router.post("/v1/chat/completions", include_in_schema=False, dependencies=serving)
     async def forward_chat_completion(request: Request) -> Response:
         return await _forward(context, servers, request, is_chat=True)
 
@@ -72,9 +74,6 @@ def _route_class_while_forwarding(context: ServingContext) -> type[APIRoute]:
 async def _forward(
     context: ServingContext, servers: VLLMServers, request: Request, *, is_chat: bool
 ) -> Response:
-    reason = context.unavailable_reason
-    if reason is not None:
-        raise APIError(503, reason)
     body = await _json_object(request)
     check_forwardable(body, is_chat=is_chat)
     try:

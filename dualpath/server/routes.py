@@ -59,13 +59,16 @@ def build_router(context: ServingContext) -> APIRouter:
             ],
         }
 
-    @router.post("/v1/completions")
+    # Checked before the body is read: while engines join, any request is a 503 to retry.
+    serving = [Depends(context.check_serving)]
+
+    @router.post("/v1/completions", dependencies=serving)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         _check_model(context, body.model)
         prompts = [_completion_prompt(context, p) for p in _prompt_list(body.prompt)]
         return await _generate(context, request, body, prompts, is_chat=False)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", dependencies=serving)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(context, body.model)
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
@@ -173,9 +176,7 @@ async def _generate(
 ) -> Response:
     body.check_supported()
     params = _params_per_choice(context, body, prompts, is_chat=is_chat)
-    reason = context.unavailable_reason
-    if reason is not None:
-        raise APIError(503, reason)
+    context.check_serving()  # again: engines may have been lost while the prompt was read
     request_id = request.state.request_id
     generation = Generation(
         context, prompts, params, arrival_s=request.state.arrival_s, request_id=request_id
