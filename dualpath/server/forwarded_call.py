@@ -164,7 +164,7 @@ class ForwardedCall:
                 item = await self.placements.from_decode()
                 if item is None or item.kind is Kind.END:
                     if item is not None:
-                        self.placements.report_unreachable("its stream ended before [DONE]")
+                        await self.placements.on_broken("its stream ended before [DONE]")
                     events = await self._go_on()
                 elif item.kind is Kind.LINE:
                     events = stream.relay(item.value)

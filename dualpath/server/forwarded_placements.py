@@ -165,11 +165,16 @@ class Placements:
                 request = self.servers.prefill(forward, self.model, prompt_token_ids)
                 self._tasks.append(asyncio.ensure_future(request))
 
-        pump = self._pump(self.num_placements, f"{forward.decode_url}{path}", body, prefill)
+        pump = self._pump(self.num_placements, forward.decode_url, path, body, prefill)
         self._tasks.append(asyncio.ensure_future(pump))
 
     async def _pump(
-        self, placement: int, url: str, body: dict[str, Any], prefill: Callable[[], None]
+        self,
+        placement: int,
+        decode_url: str,
+        path: str,
+        body: dict[str, Any],
+        prefill: Callable[[], None],
     ) -> None:
         """The DE's answer to ``body`` into the queue: ANSWER (its whole body: not a stream,
         or refused), or OPENED, its lines and END; BROKEN when the connection fails."""
@@ -178,7 +183,10 @@ class Placements:
             self._queue.put_nowait(Item(placement, kind, value))
 
         is_stream = body.get("stream") is True
+        url = f"{decode_url}{path}"
         try:
+            if "model" in body:  # the router's name for the model may not be the server's
+                body = dict(body, model=await self.servers.model_for(decode_url, body["model"]))
             async with self.servers.post(
                 url, body, on_body_sent=None if is_stream else prefill
             ) as response:
@@ -200,12 +208,12 @@ class Placements:
 
     async def from_decode(self) -> Item | None:
         """The placement's next item from its DE (ANSWER, OPENED, LINE, END), or None when
-        the placement is lost (a failed connection is reported to the scheduler).
-        ``APIError`` when it failed, ``ClientGone``."""
+        the placement is lost (a failed connection: ``on_broken``). ``APIError`` when it
+        failed, ``ClientGone``."""
         while True:
             item = await self._next()
             if item.kind is Kind.BROKEN:
-                self.report_unreachable(repr(item.value))
+                await self.on_broken(repr(item.value))
                 return None
             if item.kind is Kind.FAILED:
                 raise APIError(500, f"forwarding to the decode engine failed: {item.value!r}")
@@ -225,13 +233,14 @@ class Placements:
             if item.placement == self.num_placements:
                 return item
 
-    def report_unreachable(self, why: str) -> None:
-        """The placement's DE is unreachable: the scheduler declares it dead at once."""
+    async def on_broken(self, why: str) -> None:
+        """The connection to the placement's DE broke: the placement is lost (the caller
+        places the call again, the scheduler cancels this one). The DE is declared dead only
+        if its server does not answer /health either: a cut stream of a live server (a
+        proxy, a load balancer, a reset) costs one placement, not the engine."""
         forward = self.forward
         assert forward is not None, "only a forwarded placement has a DE connection"
-        self.cluster.report_unreachable(
-            forward.decode_engine_id, f"its server at {forward.decode_url}: {why}"
-        )
+        await self.servers.on_broken(forward.decode_engine_id, forward.decode_url, why)
 
     def on_client_gone(self) -> None:
         self._queue.put_nowait(Item(0, Kind.GONE))

@@ -1,13 +1,20 @@
 """The front door's HTTP client to vLLM server engines (``forwarding.py`` uses it): their
 /tokenize, the PE's one-token prefill, and the POST whose answer is relayed.
 
-    async with VLLMServers(cluster) as servers:       # the app's lifespan
+    async with VLLMServers(cluster, served_model_name=name) as servers:  # the lifespan
         prompt_token_ids = await servers.prompt_token_ids(body, is_chat=True)
         async with servers.post(f"{decode_url}/v1/chat/completions", body) as response: ...
 
 One ``httpx.AsyncClient`` (one connection pool) serves every forwarded request. A connection
-that fails is ``httpx.TransportError``; the caller reports the engine unreachable to the
-scheduler (``LocalCluster.report_unreachable``), which declares it dead at once.
+that fails is ``httpx.TransportError``. That alone is no death (a proxy or a load balancer may
+cut one stream of a live server): the caller asks the server's /health (``is_alive``) and
+reports the engine unreachable to the scheduler (``LocalCluster.report_unreachable``, which
+declares it dead at once) only when that fails too.
+
+The servers answer to their own model names (``--served-model-name``, by default the
+checkpoint's path), the router to its own (``dualpath serve --served-model-name``, by default
+the checkpoint directory's name, as /v1/models lists it): a request naming the router's
+model goes to a server under the server's name (``model_for``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ logger = logging.getLogger(__name__)
 # to the scheduler, the request placed elsewhere). Reads have no timeout: a stream lasts as long
 # as its generation, and a prefill may queue behind others.
 CONNECT_TIMEOUT_S = 5.0
+# A live server answers GET /health this fast (its API process's event loop does, whatever
+# its engine computes); no answer in time reads as unreachable.
+HEALTH_TIMEOUT_S = 10.0
 # What vLLM's /tokenize takes of a chat body, to render the prompt exactly as the DE will.
 _CHAT_TOKENIZE_FIELDS = (
     "messages",
@@ -67,9 +77,12 @@ class UpstreamAnswer(Exception):
 class VLLMServers:
     """The connection pool to the cluster's vLLM servers, open for the app's life."""
 
-    def __init__(self, cluster: ServedCluster) -> None:
+    def __init__(self, cluster: ServedCluster, *, served_model_name: str) -> None:
         self.cluster = cluster
+        self.served_model_name = served_model_name  # the router's, as /v1/models lists it
         self._client: httpx.AsyncClient | None = None
+        # Each server's model names (its /v1/models' ids), asked once per URL.
+        self._url_to_model_ids: dict[str, tuple[str, ...]] = {}
 
     async def __aenter__(self) -> VLLMServers:
         self._client = httpx.AsyncClient(
@@ -100,8 +113,7 @@ class VLLMServers:
         """POST ``body`` as JSON; yields the response once its headers came, its body unread,
         and closes it on exit. ``on_body_sent`` runs once the body's last byte is written to
         the connection. ``httpx.TransportError`` when the connection fails."""
-        if self._client is None:  # a route ran outside the app's lifespan: a caller bug
-            raise RuntimeError("VLLMServers is used outside its `async with`")
+        client = self._open_client()
         data = json.dumps(body).encode()
 
         async def content() -> AsyncIterator[bytes]:
@@ -109,17 +121,59 @@ class VLLMServers:
             if on_body_sent is not None:  # the transport asks for more once it wrote `data`
                 on_body_sent()
 
-        request = self._client.build_request(
+        request = client.build_request(
             "POST",
             url,
             content=content(),
             headers={"content-type": "application/json", "content-length": str(len(data))},
         )
-        response = await self._client.send(request, stream=True)
+        response = await client.send(request, stream=True)
         try:
             yield response
         finally:
             await response.aclose()
+
+    async def is_alive(self, url: str) -> bool:
+        """Whether the server at ``url`` answers ``GET /health`` with 200 (vLLM's server does
+        while its engine lives) within ``HEALTH_TIMEOUT_S``."""
+        client = self._open_client()
+        try:
+            response = await client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            logger.warning("GET %s/health failed: %r", url, exc)
+            return False
+        return response.status_code == 200
+
+    async def model_for(self, url: str, model: Any) -> Any:
+        """The model name to send the server at ``url`` for the client's ``model``: the
+        server's own (its first /v1/models id) when the client named the router's model and
+        the server does not answer to that name; else the client's, unchanged (vLLM judges
+        it)."""
+        if model != self.served_model_name:
+            return model
+        model_ids = self._url_to_model_ids.get(url)
+        if model_ids is None:
+            model_ids = await self._model_ids(url)
+        if not model_ids or model in model_ids:
+            return model
+        return model_ids[0]
+
+    async def _model_ids(self, url: str) -> tuple[str, ...]:
+        """The server's model ids, kept once read; () when it does not answer (the request
+        that follows meets the same failure and handles it)."""
+        try:
+            response = await self._open_client().get(f"{url}/v1/models")
+            model_ids = tuple(str(m["id"]) for m in response.json()["data"])
+        except (httpx.HTTPError, ValueError, LookupError, TypeError) as exc:
+            logger.warning("GET %s/v1/models failed: %r", url, exc)
+            return ()
+        self._url_to_model_ids[url] = model_ids
+        return model_ids
+
+    def _open_client(self) -> httpx.AsyncClient:
+        if self._client is None:  # a route ran outside the app's lifespan: a caller bug
+            raise RuntimeError("VLLMServers is used outside its `async with`")
+        return self._client
 
     async def prompt_token_ids(self, body: dict[str, Any], *, is_chat: bool) -> list[int]:
         """The prompt's token ids as the vLLM servers see it: a completion's token ids as
@@ -131,11 +185,12 @@ class VLLMServers:
             return list(prompt)
         request = _tokenize_request(body, prompt, is_chat=is_chat)
         for engine_id, url in sorted(self.cluster.snapshot().engine_urls.items()):
+            request["model"] = await self.model_for(url, body.get("model"))
             try:
                 async with self.post(f"{url}/tokenize", request) as response:
                     content = await response.aread()
             except httpx.TransportError as exc:
-                self.cluster.report_unreachable(engine_id, f"POST {url}/tokenize: {exc!r}")
+                await self.on_broken(engine_id, url, f"POST {url}/tokenize: {exc!r}")
                 continue
             if response.status_code != 200:
                 raise UpstreamAnswer(
@@ -144,13 +199,24 @@ class VLLMServers:
             return list(json.loads(content)["tokens"])
         raise APIError(503, "no vLLM server engine is reachable to tokenize the prompt")
 
+    async def on_broken(self, engine_id: int, url: str, why: str) -> bool:
+        """A connection to engine ``engine_id``'s server at ``url`` failed: whether the server
+        still lives (its /health answers). If not, the scheduler is told it is unreachable and
+        declares it dead; if it does, nothing is declared (the caller places its request
+        again)."""
+        if await self.is_alive(url):
+            logger.warning("engine %d: %s; its server answers /health: not lost", engine_id, why)
+            return True
+        self.cluster.report_unreachable(engine_id, f"its server at {url}: {why}")
+        return False
+
     async def prefill(self, forward: Forward, model: Any, prompt_token_ids: list[int]) -> None:
         """Have the placement's PE (a vLLM server) prefill the prompt; its one-token answer is
         dropped. A failure is only logged: the scheduler hears of it from the connectors and
         fails the placement through its events."""
         url = f"{forward.prefill_url}/v1/completions"
         body = {
-            "model": model,
+            "model": await self.model_for(forward.prefill_url, model),
             "prompt": prompt_token_ids,
             "max_tokens": 1,
             "temperature": 0,

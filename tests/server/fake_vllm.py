@@ -31,7 +31,8 @@ from dualpath.cluster.coordinator import ClusterSnapshot
 from dualpath.protocol import DECODE, PREFILL, Forward, RequestEvent
 from dualpath.types import SamplingParams
 
-MODEL = "tiny"
+MODEL = "tiny"  # the front door's served model name
+SERVER_MODEL = "/checkpoints/tiny"  # what the servers answer to (vLLM's default: the path)
 MAX_MODEL_LEN = 256
 VOCAB_SIZE = 512
 CREATED = 1_700_000_000
@@ -99,6 +100,7 @@ class FakeVLLM:
         self.reset()
 
     def reset(self) -> None:
+        self.is_healthy = True  # GET /health answers 200 (else 503: its engine is dead)
         self.drop_after: int | None = None  # the next stream's connection drops after k events
         self.hold_after: int | None = None  # the next stream stops after k events, open
         self.closed = threading.Event()  # a held stream was closed by the other side
@@ -107,10 +109,20 @@ class FakeVLLM:
     def _build_app(self) -> FastAPI:
         app = FastAPI()
 
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            return JSONResponse({}, status_code=200 if self.is_healthy else 503)
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [{"id": SERVER_MODEL}]})
+
         @app.post("/tokenize")
         async def tokenize(request: Request) -> JSONResponse:
             body = await request.json()
             self.journal.record(self.name, "/tokenize", body)
+            if body.get("model") not in (None, SERVER_MODEL):
+                return _model_not_found(body["model"])
             ids = chat_token_ids(body) if "messages" in body else text_token_ids(body["prompt"])
             return JSONResponse({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids})
 
@@ -128,6 +140,8 @@ class FakeVLLM:
         body = await request.json()
         self.journal.record(self.name, request.url.path, body)
         request_id = (body.get("kv_transfer_params") or {}).get("dualpath_request_id")
+        if body.get("model") not in (None, SERVER_MODEL):
+            return _model_not_found(body["model"])
         if self.role == PREFILL:
             self.journal.prefilled(request_id).set()
         if (body.get("temperature") or 0) < 0:
@@ -244,6 +258,13 @@ def _usage(prompt: list[int], output: list[int]) -> dict[str, int]:
 
 def _vllm_error(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+
+
+def _model_not_found(model: str) -> JSONResponse:
+    """vLLM 0.32's answer to a model it does not serve."""
+    message = f"The model `{model}` does not exist."
+    error = {"message": message, "type": "NotFoundError", "param": "model", "code": 404}
+    return JSONResponse({"error": error}, status_code=404)
 
 
 class FakeCluster:

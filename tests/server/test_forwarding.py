@@ -22,6 +22,7 @@ from tests.server.fake_vllm import (
     CREATED,
     HANG_GUARD_S,
     MODEL,
+    SERVER_MODEL,
     VOCAB_SIZE,
     FakeCluster,
     FakeVLLM,
@@ -147,12 +148,13 @@ def test_a_stream_goes_to_its_decode_server_first_and_comes_back_as_it_was_sent(
     kv_transfer_params = {"dualpath_request_id": request_id}
     [(_, decode_body)] = fleet.journal.of("de1")
     assert decode_body == body | {
+        "model": SERVER_MODEL,  # the router's name for it is the server's
         "kv_transfer_params": kv_transfer_params,
         "return_token_ids": True,
     }
     [_, (_, prefill_body)] = fleet.journal.of("pe")
     assert prefill_body == {
-        "model": MODEL,
+        "model": SERVER_MODEL,
         "prompt": prompt,
         "max_tokens": 1,
         "temperature": 0,
@@ -180,14 +182,17 @@ def test_a_whole_answer_comes_back_as_is_from_a_prompt_that_vllm_tokenized(fleet
     assert prompt == chat_token_ids(body) and params.max_tokens == 4
     [(_, tokenize_body)] = [(p, b) for p, b in fleet.journal.of("pe") if p == "/tokenize"]
     assert tokenize_body == {
-        "model": MODEL,
+        "model": SERVER_MODEL,
         "messages": body["messages"],
         "tools": tools,
         "chat_template_kwargs": {"enable_thinking": False},
         "add_generation_prompt": True,
     }
     [(_, decode_body)] = fleet.journal.of("de1")
-    assert decode_body == body | {"kv_transfer_params": {"dualpath_request_id": request_id}}
+    assert decode_body == body | {
+        "model": SERVER_MODEL,
+        "kv_transfer_params": {"dualpath_request_id": request_id},
+    }
     answer = response.json()
     assert answer["id"] == f"chatcmpl-{request_id}" and answer["created"] == CREATED
     text = "".join(token_text(t) for t in output(prompt, 4))
@@ -249,6 +254,7 @@ def test_a_stream_whose_decode_server_drops_goes_on_elsewhere_undisturbed(
         stream=True, max_tokens=8, temperature=0.5, seed=3, stream_options={"include_usage": True}
     )
     fleet.decodes[0].drop_after = 4  # events; the connection breaks without [DONE]
+    fleet.decodes[0].is_healthy = False  # and its /health fails: the server died
     events = stream_events(fleet, path, body)
 
     cluster = fleet.cluster
@@ -263,7 +269,7 @@ def test_a_stream_whose_decode_server_drops_goes_on_elsewhere_undisturbed(
     assert going_on_body == {
         "temperature": 0.5,
         "seed": 3,
-        "model": MODEL,
+        "model": SERVER_MODEL,
         "prompt": going_on_prompt,
         "max_tokens": 8 - len(sent),
         "stream": True,
@@ -277,6 +283,23 @@ def test_a_stream_whose_decode_server_drops_goes_on_elsewhere_undisturbed(
     assert len({c["id"] for c in chunks(events)}) == 1
     assert [without_id(c) for c in chunks(events)] == [without_id(c) for c in chunks(undisturbed)]
     assert chunks(events)[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_a_stream_cut_from_a_live_decode_server_goes_on_without_declaring_it_dead(fleet: Fleet):
+    path, body = completion_request(stream=True, max_tokens=8, temperature=0)
+    fleet.decodes[0].drop_after = 4  # the connection breaks; the server's /health answers 200
+    events = stream_events(fleet, path, body)
+
+    cluster = fleet.cluster
+    assert cluster.unreachable == []  # alive: not reported, so not declared dead
+    (first_id, prompt, _), (second_id, going_on_prompt, params) = cluster.submitted
+    sent = sent_token_ids(fleet.decodes[0].sent[0])
+    assert going_on_prompt == prompt + sent and params.max_tokens == 8 - len(sent)
+    assert cluster.cancelled == [first_id]  # the lost placement is the scheduler's to end
+    going_on = [b for p, b in fleet.journal.of("de1") if p == "/v1/completions"][-1]
+    assert going_on["kv_transfer_params"] == {"dualpath_request_id": second_id}
+    undisturbed = stream_events(fleet, path, body)
+    assert [without_id(c) for c in chunks(events)] == [without_id(c) for c in chunks(undisturbed)]
 
 
 def test_a_placement_lost_mid_stream_goes_on_and_its_stream_is_closed(fleet: Fleet):
@@ -332,7 +355,7 @@ def test_a_stream_lost_after_its_finish_ends_as_it_would_have(fleet: Fleet):
     fleet.decodes[0].drop_after = 4  # the role and every token: only the usage and [DONE] lost
     events = stream_events(fleet, path, body)
 
-    assert [engine_id for engine_id, _ in fleet.cluster.unreachable] == [1]
+    assert fleet.cluster.unreachable == []  # the server lives: a lost connection, no death
     assert len(fleet.cluster.submitted) == 1  # nothing left to generate
     undisturbed = stream_events(fleet, path, body)
     assert [without_id(c) for c in chunks(events)] == [without_id(c) for c in chunks(undisturbed)]
@@ -369,6 +392,7 @@ def test_health_models_and_metrics_answer_in_forwarding_mode(fleet: Fleet):
     assert fleet.http.post(path, json=body).status_code == 200
 
     assert fleet.http.get("/health").json()["status"] == "ok"
+    # The router's name; requests naming it reach the servers under theirs (SERVER_MODEL).
     assert [m["id"] for m in fleet.http.get("/v1/models").json()["data"]] == [MODEL]
     metrics = fleet.http.get("/metrics").text
     assert 'dualpath_generations_total{finish_reason="length"}' in metrics
