@@ -9,7 +9,8 @@ A request's life on the wire::
     engine  --EngineInfo-->  scheduler  --PeerTable-->  every client       (membership)
     engine  --EngineReport--> scheduler  (every fetch interval: the pull, SPEC §6)
     scheduler --Assignment--> PE and DE  (pair and LoadPlan fixed; reads start)
-    PE --PrefillHeld--> scheduler --> DE (vLLM engines: hit blocks the PE's engine holds)
+    PE --PrefillHeld--> scheduler --> DE (a PE that probes vLLM's prefix cache: hit blocks it
+                                          holds; only where Assignment.is_prefill_held_sent)
     DE --DecodeReady--> scheduler --> PE (DE buffer slots known, DE-side hit KV in them)
     PE --PrefillDone--> scheduler --> DE (every layer's KV written into the DE buffer)
     DE --TokenUpdate--> scheduler        (streamed tokens; the last one carries finish_reason)
@@ -56,6 +57,11 @@ class EngineInfo:
     # The store namespace its KV is keyed by (``KVIdentity.fingerprint``); the scheduler
     # refuses an engine whose KV would not match the blocks it finds hits for. "": not said.
     kv_fingerprint: str = ""
+    # A PE that looks its prompts up in its engine's own prefix cache (``--engine vllm``) and
+    # tells each DE how many leading hit blocks it holds (``PrefillHeld``), so that the DE
+    # reads none of those. False (ours; a vLLM server's, whose cache is not probed): it never
+    # says, and its DEs must not wait to hear it (``Assignment.is_prefill_held_sent``).
+    reports_prefill_held: bool = False
 
 
 @message("peers")
@@ -107,6 +113,12 @@ class Assignment:
     # (a request going on after the loss of its DE): the PE samples output token
     # ``num_output_tokens`` next, and the DE counts them toward max_tokens and stop rules.
     num_output_tokens: int = 0
+    # The PE sends ``PrefillHeld`` for this request and the DE starts its side's reads only
+    # once it has it: set where the PE reports what its engine holds
+    # (``EngineInfo.reports_prefill_held``) and the DE has blocks to read. Both engines decide
+    # from these same bytes; False: the DE reads at once, the PE relies on no DE-side block
+    # its engine holds (no PE -> scheduler -> DE round trip before the DE's reads).
+    is_prefill_held_sent: bool = False
 
     def __post_init__(self) -> None:
         if not _is_packed(self.prompt_token_ids):
@@ -151,9 +163,10 @@ def _is_packed(token_ids: object) -> bool:
 @message("prefill-held")
 @dataclass(frozen=True, slots=True)
 class PrefillHeld:
-    """PE -> DE, from a PE whose engine keeps a prefix cache of its own (vLLM's): it holds the
-    prompt's first ``num_blocks`` blocks, so the DE reads none of them on its side (the PE
-    sends them) and starts its side's reads only once it knows this."""
+    """PE -> DE, for an Assignment with ``is_prefill_held_sent`` (a PE whose engine keeps a
+    prefix cache of its own, vLLM's): it holds the prompt's first ``num_blocks`` blocks, so the
+    DE reads none of them on its side (the PE sends them) and starts its side's reads only
+    once it knows this."""
 
     request_id: int
     num_blocks: int

@@ -223,6 +223,8 @@ class EngineProcess:
                 self.role.num_kv_blocks,
                 url=config.url,
                 kv_fingerprint=self.identity.fingerprint,
+                # Only a vLLM PE that probes vLLM's prefix cache says what it holds.
+                reports_prefill_held=getattr(self.role, "reports_prefill_held", False),
             )
         )
         self.last_heard_s = time.monotonic()

@@ -202,6 +202,7 @@ class RequestLifecycle:
             prefill_engine_id=pe,
             decode_engine_id=de,
             num_output_tokens=state.num_output_tokens,
+            is_prefill_held_sent=self._is_prefill_held_sent(pe, plan),
         )
         try:
             data = encode(assignment)  # once: both engines get the same bytes
@@ -217,6 +218,13 @@ class RequestLifecycle:
             return
         self.num_assigned += 1
         self._forward_if_served(state, pe, de)
+
+    def _is_prefill_held_sent(self, pe: int, plan: LoadPlan) -> bool:
+        """Whether the DE's reads wait for the PE's ``PrefillHeld``: the PE says what its engine
+        holds (its ``EngineInfo``) and the DE has blocks of its side to read."""
+        state = self.membership.engines.get(pe)
+        has_report = state is not None and state.info.reports_prefill_held
+        return has_report and plan.num_decode_side_blocks > 0
 
     def _forward_if_served(self, state: RequestState, pe: int, de: int) -> None:
         """A request placed on a vLLM server DE: the front door is told where to forward it

@@ -36,9 +36,10 @@ itself to (``VLLM_CPU_OMP_THREADS_BIND``, inherited by every thread it starts): 
 a PE's engine thread waited for that core as long as a DE sharing it decoded (25 s where its
 messages took milliseconds), and the DEs' prompts waited with it.
 
-Not here: vLLM's prefix cache is not probed (the PE reads every hit block of its side; vLLM
-loads only what its own cache lacks), and a DE's free KV blocks are vLLM's blocks less those
-of the requests this connector tracks.
+Not here: vLLM's prefix cache is not probed (the PE reads every hit block of its side, vLLM
+loads only what its own cache lacks, and the DEs read their side at once: the PE has nothing
+to tell them, ``EngineInfo.reports_prefill_held``), and a DE's free KV blocks are vLLM's
+blocks less those of the requests this connector tracks.
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ _REJOIN_MAX_S = 5.0  # between attempts to join a scheduler that is gone or not 
 
 
 class _NoPrefixCacheProbe:
-    """vLLM's prefix cache is vLLM's loop's to touch: nothing is pinned from our thread."""
+    """vLLM's prefix cache is vLLM's loop's to touch: nothing is pinned from our thread, and
+    the PE tells its DEs nothing of it (they read at once)."""
+
+    enabled = False
 
     def pin(self, prompt: list[int], num_blocks: int) -> list:
         return []

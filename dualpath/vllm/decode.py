@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
 from dualpath.engine.courier import KVTransfer, LoadSource
@@ -28,8 +28,10 @@ from dualpath.protocol import (
     TokenUpdate,
 )
 from dualpath.types import sampling_params_from_dict
-from dualpath.vllm.connector import ConnectorHost
 from dualpath.vllm.engine import logprobs_of, vllm_sampling_params, with_plan
+
+if TYPE_CHECKING:  # the role runs without vLLM's imports where its engine is given (tests)
+    from dualpath.vllm.connector import ConnectorHost
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +91,15 @@ class VllmDecodeRole:
         request = _DecodeRequest(
             assignment, sampling_params_from_dict(assignment.sampling), keys[first:end]
         )
-        if not request.keys:
-            request.num_held_by_prefill = 0  # nothing to read: no need to wait for the PE
+        if not assignment.is_prefill_held_sent:  # the PE tells nothing: read at once
+            request.num_held_by_prefill = 0
         self.requests[request.request_id] = request
         self.store_reads.add(request, num_slots, self._start_reads)
 
     def _start_reads(self, request: _DecodeRequest) -> None:
         """Read the DE side's hit blocks the PE's engine does not hold, once the slots are
-        there and the PE has said what it holds."""
+        there and, where the Assignment says it will (``is_prefill_held_sent``), the PE has
+        said what it holds."""
         if not request.slots or request.num_held_by_prefill is None or request.reads is not None:
             return
         first = request.assignment.num_prefill_side_blocks

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
 from dualpath.engine.courier import KVTransfer, RemoteBuffer, plan_prefill
@@ -21,8 +21,10 @@ from dualpath.protocol import Assignment, DecodeReady, PeerTable, PrefillDone, P
 from dualpath.scheduler.batching import PrefillBatcher, PrefillWork
 from dualpath.transfer.traffic import Mover
 from dualpath.types import sampling_params_from_dict
-from dualpath.vllm.connector import ConnectorHost
 from dualpath.vllm.engine import PrefixCacheProbe, logprobs_of, vllm_sampling_params, with_plan
+
+if TYPE_CHECKING:  # the role runs without vLLM's imports where its engine is given (tests)
+    from dualpath.vllm.connector import ConnectorHost
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ class VllmPrefillRole:
         # vLLM's own prefix cache, looked up and pinned on this thread; an engine that steps
         # itself on another thread (a vLLM server's) brings its own probe.
         self.prefix_cache = getattr(engine, "prefix_cache", None) or PrefixCacheProbe(engine)
+        # It tells each request's DE how many leading hit blocks vLLM holds (PrefillHeld) only
+        # where it looks them up; its EngineInfo says so, and the scheduler's Assignment tells
+        # both engines whether the DE waits for it.
+        self.reports_prefill_held = self.prefix_cache.enabled
         self.host = host
         self.buffer = buffer
         self.peers = peers
@@ -90,7 +96,11 @@ class VllmPrefillRole:
         self.buffer.check_fits(num_pe_blocks)
         prompt = list(assignment.prompt_token_ids)
         # A hit already in vLLM's memory is not read (nor pulled) again: only the blocks after.
-        pinned = self.prefix_cache.pin(prompt, assignment.num_hit_blocks)
+        # The DE reads every block of its side unless it hears what vLLM holds (PrefillHeld).
+        num_held_max = (
+            assignment.num_hit_blocks if assignment.is_prefill_held_sent else num_pe_blocks
+        )
+        pinned = self.prefix_cache.pin(prompt, num_held_max)
         num_cached = len(pinned)
         keys = block_keys(
             prompt[: num_pe_blocks * self.block_size], self.block_size, self.host.fingerprint
@@ -103,7 +113,7 @@ class VllmPrefillRole:
             pinned=pinned,
         )
         self.requests[request.request_id] = request
-        if assignment.num_decode_side_blocks:  # the DE waits for this before reading
+        if assignment.is_prefill_held_sent:  # the DE waits for this before reading
             self._outbox.append(PrefillHeld(request.request_id, num_cached))
         self.store_reads.add(request, len(request.keys), self._start_reads)
 

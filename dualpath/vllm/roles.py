@@ -17,7 +17,10 @@ A PE's vLLM keeps the KV of prompts it computed in its prefix cache: hit blocks 
 are read by neither side (``num_engine_cached_bytes`` counts them, so that the sides' reads
 plus these equal the cached tokens' KV). The PE tells the DE how many it holds (PrefillHeld,
 relayed by the scheduler as soon as the PE takes the request), and the DE starts its side's
-reads once it knows, skipping those; the PE sends them with the rest the DE lacks. A seeded
+reads once it knows, skipping those; the PE sends them with the rest the DE lacks. Where the
+PE does not look its prompts up (a vLLM server's, ``cluster.served``) it says so once
+(``EngineInfo.reports_prefill_held``): the scheduler's Assignment then tells both engines
+there is nothing to wait for (``is_prefill_held_sent``), and the DE reads at once. A seeded
 sampler restarts on the DE (vLLM samples the DE's tokens), so only greedy requests give one
 vLLM instance's exact tokens.
 """
