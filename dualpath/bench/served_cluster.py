@@ -23,10 +23,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from dualpath.bench.server_process import ChildServer, ServerProcess, _free_port
 from dualpath.lifetime import die_with_parent
 
 TOKEN_ENV = "DUALPATH_CLUSTER_TOKEN"  # as dualpath.cluster.engine_processes names it
+# The front door's model name. The vLLM servers answer to theirs, vLLM's default (the
+# checkpoint's path), as in docs/vllm.md §0: the front door sends them requests under it.
 SERVED_MODEL_NAME = "dualpath-served"
 
 
@@ -93,6 +97,9 @@ class VllmEngineServer(ChildServer):
         self.model_dir, self.shape, self.engine_id = model_dir, shape, engine_id
         self.scheduler, self.store_dir = scheduler, store_dir
         self.name = f"vLLM server of engine {engine_id}"
+        # Where the front door reaches this server (vllm-config --url), when not its own
+        # address: a proxy in front of it. Set ``port`` too, so the proxy knows where to go.
+        self.advertised_url: str | None = None
 
     def vllm_config_argv(self, port: int) -> list[str]:
         """The ``dualpath vllm-config`` command for this engine."""
@@ -101,7 +108,8 @@ class VllmEngineServer(ChildServer):
             sys.executable, "-m", "dualpath.cli", "vllm-config",
             "--role", shape.engine_roles[self.engine_id],
             "--engine-id", str(self.engine_id), "--node-id", str(self.engine_id),
-            "--scheduler", self.scheduler, "--url", f"http://127.0.0.1:{port}",
+            "--scheduler", self.scheduler,
+            "--url", self.advertised_url or f"http://127.0.0.1:{port}",
             "--kv-store", str(self.store_dir), "--block-size", str(shape.block_size),
             "--dtype", shape.dtype, "--mode", shape.mode,
             "--heartbeat-timeout-s", str(shape.heartbeat_timeout_s),
@@ -130,7 +138,7 @@ class VllmEngineServer(ChildServer):
         shape = self.shape
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL_NAME,
+            "--model", str(self.model_dir),
             "--dtype", shape.dtype, "--block-size", str(shape.block_size),
             "--max-model-len", str(shape.max_model_len), "--enforce-eager", "--seed", "0",
             "--enable-prompt-tokens-details",
@@ -240,6 +248,11 @@ class ServedCluster:
             engine.wait_ready(self.start_timeout_s)
         self.wait_for_engines()
         return self
+
+    def joined(self) -> int:
+        """How many engines the front door has live now (its /health)."""
+        assert self.front is not None
+        return httpx.get(f"{self.front.url}/health", timeout=30).json()["num_live_engines"]
 
     def start_front_door(self) -> None:
         self.front = ServerProcess(

@@ -4,7 +4,10 @@ the embedded checkpoint, ``python -m vllm.entrypoints.openai.api_server`` with
 --external-engines --nodes 1P2D`` (``dualpath.bench.served_cluster``), one deployment for the
 module, its tests in order on what the earlier ones left in its store:
 
-- the France question answered through the front door;
+- the router started first, then the servers one at a time, each once the one before has
+  joined: until all have, /health is 503 naming the roles missing and a chat is a 503 with
+  Retry-After; then the France question, sent with the model id the router's /v1/models
+  lists (the servers answer only to the checkpoint's path), is answered;
 - token-id prompts of 300-4,000 tokens give plain vLLM's greedy tokens (its own ``LLM``, no
   connector) cold and warm with ``--read-path pe``: every hit block read on the PE side
   (``dualpath_read_path_bytes_total{side="prefill"}``), none on the DE side;
@@ -16,6 +19,9 @@ module, its tests in order on what the earlier ones left in its store:
   (``--enable-auto-tool-choice --tool-call-parser hermes``) with the checkpoint's own chat
   template; a named ``tool_choice`` makes vLLM constrain the output to a ``<tool_call>`` of that
   tool, which its parser turns into ``tool_calls``;
+- a DE's stream cut mid-answer by a TCP proxy between the router and the DE's server (both DEs
+  are reached through one), the server alive: no engine declared dead
+  (``dualpath_engine_deaths_total`` unchanged), the stream ends with plain vLLM's tokens;
 - a DE's server SIGKILLed (every process of it) while 4 streams decode: every stream ends with
   plain vLLM's tokens and no error (the front door places the lost requests again with the
   tokens already sent).
@@ -27,6 +33,7 @@ hang guard.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -40,7 +47,9 @@ import pytest
 
 from dualpath.bench.served_cluster import SERVED_MODEL_NAME, ServedCluster, ServedShape
 from tests.faults.strike import read_metrics
+from tests.server.serving import free_port
 from tests.vllm.reference import PlainVllm, near_ties
+from tests.vllm.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.vllm
 
@@ -54,6 +63,12 @@ DECODE_IDS = (1, 2)  # 1P2D: engine 0 is the PE; the victim is the DE holding th
 HANG_GUARD_S = 600
 READ_SERIES = "dualpath_read_path_bytes_total"
 TOOL_PARSER = "hermes"
+FRANCE = {
+    "model": SERVED_MODEL_NAME,
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 16,
+    "temperature": 0,
+}
 SHAPE = ServedShape(
     nodes="1P2D",
     read_path="pe",
@@ -61,10 +76,68 @@ SHAPE = ServedShape(
 )
 
 
+CUT_STREAM_TOKENS = 128
+
+
 @pytest.fixture(scope="module")
-def cluster(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with ServedCluster(smollm2_model_dir, tmp_path_factory.mktemp("served"), SHAPE) as served:
+def proxies() -> Iterator[dict[int, TcpProxy]]:
+    """A TCP proxy in front of each DE's server: the router reaches them through it."""
+    with contextlib.ExitStack() as stack:
+        yield {e: stack.enter_context(TcpProxy(free_port())) for e in DECODE_IDS}
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    smollm2_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    proxies: dict[int, TcpProxy],
+) -> Iterator[ServedCluster]:
+    served = ServedCluster(smollm2_model_dir, tmp_path_factory.mktemp("served"), SHAPE)
+    for engine_id, proxy in proxies.items():
+        engine = served.engines[engine_id]
+        engine.port, engine.advertised_url = proxy.target[1], proxy.url
+    try:
+        _start_router_then_servers_one_at_a_time(served)
         yield served
+    finally:
+        served.stop()
+
+
+def _start_router_then_servers_one_at_a_time(served: ServedCluster) -> None:
+    """The router first; each server once the one before has joined, /health and a chat
+    checked before each."""
+    served.start_front_door()
+    url = _until_answering(served)
+    missing_before = [{"prefill": 1, "decode": 2}, {"decode": 2}, {"decode": 1}]
+    for engine, missing in zip(served.engines, missing_before, strict=True):
+        health = httpx.get(f"{url}/health", timeout=30)
+        assert health.status_code == 503, health.text
+        assert health.json()["missing_engines_by_role"] == missing, health.json()
+        chat = httpx.post(f"{url}/v1/chat/completions", json=FRANCE, timeout=30)
+        assert chat.status_code == 503 and chat.headers["retry-after"], chat.text
+        for role, n in missing.items():
+            assert f"{n} {role} engine" in chat.json()["error"]["message"], chat.text
+        engine.launch()
+        engine.wait_ready(served.start_timeout_s)
+        num_joined = served.engines.index(engine) + 1
+        deadline = time.monotonic() + HANG_GUARD_S
+        while served.joined() < num_joined:
+            assert time.monotonic() < deadline, f"{engine.name} never joined"
+            time.sleep(0.2)
+    served.wait_for_engines()
+
+
+def _until_answering(served: ServedCluster) -> str:
+    """The router's URL once its HTTP answers (its /health is 503 until engines join)."""
+    assert served.front is not None
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(f"{served.front.url}/health", timeout=2.0)
+            return served.front.url
+        assert served.front._process.poll() is None, served.front.log_tail()
+        assert time.monotonic() < deadline, "the router never answered"
+        time.sleep(0.2)
 
 
 def _prompts() -> list[list[int]]:
@@ -109,13 +182,9 @@ def _replay(url: str, references: list[dict], label: str) -> int:
     return num_ties
 
 
-def test_the_france_question_is_answered_through_the_front_door(cluster: ServedCluster) -> None:
-    body = {
-        "model": SERVED_MODEL_NAME,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 16,
-        "temperature": 0,
-    }
+def test_the_france_question_is_answered_with_the_routers_model_id(cluster: ServedCluster) -> None:
+    [model] = [m["id"] for m in httpx.get(f"{cluster.url}/v1/models").json()["data"]]
+    body = FRANCE | {"model": model}
     answer = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
     assert answer.status_code == 200, answer.text
     assert "Paris" in answer.json()["choices"][0]["message"]["content"]
@@ -175,7 +244,8 @@ def test_a_tool_call_comes_back_as_the_server_makes_it(cluster: ServedCluster) -
     }
     through = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
     direct_url = cluster.engines[1].url  # a DE's server, asked directly (vLLM alone serves it)
-    direct = httpx.post(f"{direct_url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
+    direct_body = body | {"model": str(cluster.model_dir)}  # the name the server answers to
+    direct = httpx.post(f"{direct_url}/v1/chat/completions", json=direct_body, timeout=HANG_GUARD_S)
     assert through.status_code == direct.status_code == 200, (through.text, direct.text)
     ours, theirs = through.json()["choices"][0], direct.json()["choices"][0]
     calls = [_call(c) for c in ours["message"]["tool_calls"]]
@@ -190,6 +260,67 @@ def _call(call: dict) -> dict:
     return {"type": call["type"], **call["function"]}
 
 
+def test_a_decode_stream_cut_while_its_server_lives_goes_on_without_a_death(
+    cluster: ServedCluster, plain_vllm: PlainVllm, proxies: dict[int, TcpProxy]
+) -> None:
+    prompt = np.random.default_rng(5).integers(100, 40_000, 300).tolist()
+    [reference] = plain_vllm.generate([(prompt, CUT_STREAM_TOKENS)])
+    before = read_metrics(cluster.url)
+    num_sent = [0]
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_stream, cluster.url, prompt, CUT_STREAM_TOKENS, num_sent, 0)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while num_sent[0] < 4:  # tokens came: the DE's stream is open through its proxy
+            assert not future.done(), f"the stream ended first: {future.result()}"
+            assert time.monotonic() < deadline, "no token came"
+            time.sleep(0.01)
+        num_cut = sum(proxy.cut() for proxy in proxies.values())
+        tokens, finish = future.result(timeout=HANG_GUARD_S)
+    assert num_cut >= 1
+    near_ties(reference, tokens, "the cut stream")
+    assert finish == "length"
+    after = read_metrics(cluster.url)
+    deaths = [_sum(m, "dualpath_engine_deaths_total") for m in (before, after)]
+    assert deaths[0] == deaths[1], f"an engine was declared dead: {deaths}"
+    replaced = [_sum(m, "dualpath_forwarded_replacements_total") for m in (before, after)]
+    assert replaced[1] > replaced[0], replaced  # the cut stream went on from a new placement
+    print(f"connections cut: {num_cut}; stream's tokens before the cut: >= 4")
+
+
+def _sum(samples: dict, name: str) -> float:
+    return sum(value for (n, _), value in samples.items() if n == name)
+
+
+def _stream(
+    url: str, prompt: list[int], max_tokens: int, num_sent: list[int], index: int
+) -> tuple[list[int], str | None]:
+    """A completion streamed through the router: its token ids and finish reason;
+    ``num_sent[index]`` follows how many came."""
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    tokens: list[int] = []
+    finish = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            assert "error" not in chunk, chunk
+            choice = chunk["choices"][0]
+            tokens += choice.get("token_ids") or []
+            num_sent[index] = len(tokens)
+            finish = choice.get("finish_reason") or finish
+    return tokens, finish
+
+
 def test_a_decode_server_killed_while_streams_decode(
     cluster: ServedCluster, plain_vllm: PlainVllm
 ) -> None:
@@ -198,36 +329,11 @@ def test_a_decode_server_killed_while_streams_decode(
     references = plain_vllm.generate([(prompt, STREAM_TOKENS) for prompt in prompts])
 
     num_sent = [0] * NUM_STREAMS
-
-    def stream(index: int, prompt: list[int]) -> tuple[list[int], str | None]:
-        body = {
-            "model": SERVED_MODEL_NAME,
-            "prompt": prompt,
-            "max_tokens": STREAM_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
-        tokens: list[int] = []
-        finish = None
-        with httpx.stream(
-            "POST", f"{cluster.url}/v1/completions", json=body, timeout=HANG_GUARD_S
-        ) as answer:
-            assert answer.status_code == 200, answer.read()
-            for line in answer.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                assert "error" not in chunk, chunk
-                choice = chunk["choices"][0]
-                tokens += choice.get("token_ids") or []
-                num_sent[index] = len(tokens)
-                finish = choice.get("finish_reason") or finish
-        return tokens, finish
-
     with ThreadPoolExecutor(NUM_STREAMS) as pool:
-        futures = [pool.submit(stream, i, prompt) for i, prompt in enumerate(prompts)]
+        futures = [
+            pool.submit(_stream, cluster.url, prompt, STREAM_TOKENS, num_sent, i)
+            for i, prompt in enumerate(prompts)
+        ]
         victim = _wait_until_decoding(cluster.url, futures, num_sent)
         cluster.kill_engine(victim)
         results = [future.result(timeout=HANG_GUARD_S) for future in futures]
