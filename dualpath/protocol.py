@@ -245,12 +245,28 @@ class CancelRequest:
     request_id: int
 
 
+# Each side sends this many heartbeats per heartbeat timeout: one late or lost is no death.
+HEARTBEATS_PER_TIMEOUT = 4
+
+
 @message("heartbeat")
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Scheduler -> engine, periodically: an engine that stops hearing these exits."""
 
     num_live_engines: int
+
+
+@message("engine-heartbeat")
+@dataclass(frozen=True, slots=True)
+class EngineHeartbeat:
+    """Engine -> scheduler, every heartbeat period, from a thread of the engine's own
+    (``dualpath.cluster.engine_heartbeat``): the engine is alive even while one unit of its
+    work (a prefill batch, a decode step) silences its loop, and ``step_s`` says how long that
+    unit has run. A step longer than the heartbeat timeout is busy, not dead."""
+
+    engine_id: int
+    step_s: float  # the unit of work in progress's time so far; 0.0 between units
 
 
 @message("shutdown")

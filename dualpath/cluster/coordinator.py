@@ -17,9 +17,11 @@ this class wires together and feeds from one control socket:
     coordinator.run_once(timeout_s=0.01)                          # in the serving loop
     for event in coordinator.drain_events(): ...                 # tokens, finishes, failures
 
-An engine that stops reporting for ``heartbeat_timeout_s``, or whose process this host saw
-exit, is declared dead: the policy never chooses it again, and its requests are placed again
-or fail (``lifecycle``).
+An engine silent for ``heartbeat_timeout_s`` (no message from its loop and no heartbeat from
+its heartbeat thread), or whose process this host saw exit, is declared dead: the policy never
+chooses it again, and its requests are placed again or fail (``lifecycle``). An engine whose
+heartbeats say it has been in one step for longer than that is busy, not dead
+(``ClusterSnapshot.busy_engines``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dualpath.protocol import (
     DECODE,
     PREFILL,
     DecodeReady,
+    EngineHeartbeat,
     EngineInfo,
     EngineReport,
     KVPersisted,
@@ -108,6 +111,9 @@ class ClusterSnapshot:
     engine_id_to_num_requests: dict[int, int] = field(default_factory=dict)
     # Live engines that are vLLM servers (``dualpath vllm-config``): id -> OpenAI URL.
     engine_urls: dict[int, str] = field(default_factory=dict)
+    # Live engines whose heartbeats say they have been in one step (a prefill batch, a decode
+    # step) for longer than the heartbeat timeout: id -> its time so far (s). Busy, not dead.
+    busy_engines: dict[int, float] = field(default_factory=dict)
     # Why no request can be served (no live engine of a role, or the scheduler loop died), or
     # None when requests can be served (or engines are still joining).
     unavailable_reason: str | None = None
@@ -166,6 +172,9 @@ class Coordinator:
         lifecycle = self.requests
         self._join_handlers: dict[type, JoinHandler] = {EngineInfo: self._on_engine_info}
         self._engine_handlers: dict[type, EngineHandler] = {
+            EngineHeartbeat: lambda engine, msg, now_s: self.membership.on_heartbeat(
+                engine, msg.step_s
+            ),
             EngineReport: lambda engine, msg, now_s: self.fetches.on_report(
                 engine.info.engine_id,
                 msg,  # the sender's id, whatever the report says
@@ -269,6 +278,7 @@ class Coordinator:
             engine_deaths=dict(self.membership.engine_deaths),
             engine_id_to_num_requests=self.requests.num_requests_by_engine(),
             engine_urls=self.membership.engine_urls(),
+            busy_engines=self.membership.busy_engines(),
             unavailable_reason=self.unavailable_reason,
         )
 
@@ -297,7 +307,9 @@ class Coordinator:
             return
         engine = self.membership.sender(client_id, now_s)
         if engine is None:
-            logger.warning("ignoring %s from unregistered %s", type(msg).__name__, client_id)
+            # (A heartbeat may overtake its engine's EngineInfo: another socket.)
+            if not isinstance(msg, EngineHeartbeat):
+                logger.warning("ignoring %s from unregistered %s", type(msg).__name__, client_id)
             return
         handler = self._engine_handlers.get(type(msg))
         if handler is None:

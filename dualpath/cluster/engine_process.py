@@ -6,9 +6,18 @@
 It loads the model, registers its KV buffer with the transport, says hello with the cluster
 token, and then loops: handle the scheduler's messages, do one unit of work (a prefill batch
 or a decode step: its ``RoleEngine``, ``engine/role.py``; ours in ``roles.py``, vLLM's in
-``dualpath.vllm.roles``), report its load every fetch interval (the pull of SPEC §6). It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler
-(``EXIT_SCHEDULER_LOST``: no answer to its hello, silence for ``heartbeat_timeout_s``, or the
-scheduler no longer knowing it, having declared it dead), and (Linux) when its parent dies.
+``dualpath.vllm.roles``), report its load every fetch interval (the pull of SPEC §6).
+
+Its liveness, both ways: a thread of its own (``engine_heartbeat.HeartbeatThread``, started
+after the hello, stopped when the loop ends) sends the scheduler an ``EngineHeartbeat`` every
+heartbeat period, with how long the unit of work in progress has run, so a unit longer than
+the heartbeat timeout (a long prefill on a loaded CPU) is seen as busy, not dead. The loop
+itself hears the scheduler's ``Heartbeat``s between its units of work.
+
+It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler
+(``EXIT_SCHEDULER_LOST``: no answer to its hello, silence for ``heartbeat_timeout_s`` seen
+between units of work, or the scheduler no longer knowing it, having declared it dead), and
+(Linux) when its parent dies.
 Whoever supervises it (``dualpath serve``, or ``dualpath engine`` itself: ``engine_processes``)
 starts it again after a lost scheduler: a fresh engine rejoins under its id, with nothing of
 the requests the scheduler has already placed elsewhere.
@@ -21,10 +30,12 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import msgpack
 
+from dualpath.cluster.engine_heartbeat import HeartbeatThread
 from dualpath.cluster.engine_processes import EXIT_SCHEDULER_LOST
 from dualpath.cluster.roles import make_role
 from dualpath.config import EngineProcessConfig, TrafficConfig
@@ -32,11 +43,14 @@ from dualpath.control.channel import ControlClient, Rejected
 from dualpath.control.codec import encode
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.capacity import role_buffer_bytes
+from dualpath.engine.role import RoleEngine
 from dualpath.errors import TransferTimeout
 from dualpath.lifetime import die_with_parent, ignore_stop_signals
 from dualpath.model.identity import checkpoint_kv_identity, kv_identity, vllm_device
-from dualpath.model.loader import load_model
+from dualpath.model.loader import LoadedModel, load_model
+from dualpath.model.registry import AnyModelConfig
 from dualpath.protocol import (
+    HEARTBEATS_PER_TIMEOUT,
     Assignment,
     CancelRequest,
     DecodeReady,
@@ -105,11 +119,19 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 class EngineProcess:
     def __init__(
-        self, config: EngineProcessConfig, token: str, *, served_engine: object = None
+        self,
+        config: EngineProcessConfig,
+        token: str,
+        *,
+        served_engine: object = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``served_engine``: the vLLM engine this runs beside, in a vLLM server the user
-        started (``dualpath.cluster.served``); None builds the engine here."""
+        started (``dualpath.cluster.served``); None builds the engine here. ``clock``: the
+        liveness clock (the scheduler's silence, the step time in heartbeats)."""
         self.config = config
+        self.clock = clock
+        self._token = token
         engine_config = config.engine
         is_vllm = engine_config.engine == "vllm"
         loaded = None  # vLLM loads the model itself
@@ -147,10 +169,28 @@ class EngineProcess:
         )
         self.buffer_descriptor = self.transport.register("kv-buffer", self.buffer.array)
         self.client = ControlClient(config.scheduler_endpoint, f"engine-{config.engine_id}", token)
-        if is_vllm:
+        self.role = self._make_role(loaded, model_config, served_engine)
+        self.last_heard_s = clock()
+        # When the unit of work in progress began (``clock``), None between units: the
+        # heartbeat thread reads it.
+        self._step_start_s: float | None = None
+        self.heartbeat: HeartbeatThread | None = None  # while ``run`` runs
+        self.last_report_s = 0.0
+        self._last_report: EngineReport | None = None  # the last one sent
+        self._last_report_sent_s = 0.0
+        self.busy_s = 0.0  # wall time spent in prefill batches or decode steps
+        # Messages that arrived mid-batch and wait for its end (``_between_layers``).
+        self._deferred: list[object] = []
+
+    def _make_role(
+        self, loaded: LoadedModel | None, model_config: AnyModelConfig, served_engine: object
+    ) -> RoleEngine:
+        """The engine's role: ours over ``loaded``, or vLLM's (``loaded`` None)."""
+        config = self.config
+        if loaded is None:
             from dualpath.vllm.roles import make_vllm_role
 
-            self.role = make_vllm_role(
+            return make_vllm_role(
                 config,
                 model_config,
                 self.identity,
@@ -160,23 +200,15 @@ class EngineProcess:
                 wake=self._wake,
                 engine=served_engine,
             )
-        else:
-            self.role = make_role(
-                config,
-                loaded,
-                self.identity,
-                self.buffer,
-                self.transport,
-                mover=self._move,
-                wake=self._wake,
-            )
-        self.last_heard_s = time.monotonic()
-        self.last_report_s = 0.0
-        self._last_report: EngineReport | None = None  # the last one sent
-        self._last_report_sent_s = 0.0
-        self.busy_s = 0.0  # wall time spent in prefill batches or decode steps
-        # Messages that arrived mid-batch and wait for its end (``_between_layers``).
-        self._deferred: list[object] = []
+        return make_role(
+            config,
+            loaded,
+            self.identity,
+            self.buffer,
+            self.transport,
+            mover=self._move,
+            wake=self._wake,
+        )
 
     def _wake(self) -> None:
         self.client.wake()  # the client of the moment (a served engine joins again anew)
@@ -227,7 +259,16 @@ class EngineProcess:
                 reports_prefill_held=getattr(self.role, "reports_prefill_held", False),
             )
         )
-        self.last_heard_s = time.monotonic()
+        self.last_heard_s = self.clock()
+        self.heartbeat = HeartbeatThread(
+            self.client.endpoint,
+            self.client.client_id,
+            self._token,
+            config.engine_id,
+            period_s=config.cluster.heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT,
+            step_s=self.step_s,
+        )
+        self.heartbeat.start()
         try:
             while True:
                 is_busy = self._work()
@@ -239,12 +280,23 @@ class EngineProcess:
         except _SchedulerLost as lost:
             logger.error("engine %d lost the scheduler (%s): exiting", config.engine_id, lost)
             return EXIT_SCHEDULER_LOST
+        finally:
+            self.heartbeat.stop()  # with this client: a served engine rejoins with a new one
+
+    def step_s(self) -> float:
+        """How long the unit of work in progress has run; 0.0 between units (any thread)."""
+        start_s = self._step_start_s  # read once: the loop may end the unit meanwhile
+        return 0.0 if start_s is None else max(0.0, self.clock() - start_s)
 
     def _work(self) -> bool:
         """One unit of the role's work, then the messages that waited for it; whether it was
         busy (then the next poll does not wait)."""
         start_s = time.perf_counter()
-        is_busy = self.role.work(self._send, self._between_layers)
+        self._step_start_s = self.clock()
+        try:
+            is_busy = self.role.work(self._send, self._between_layers)
+        finally:
+            self._step_start_s = None
         if is_busy:
             self.busy_s += time.perf_counter() - start_s
         deferred, self._deferred = self._deferred, []
@@ -256,7 +308,7 @@ class EngineProcess:
         """The scheduler's messages, its liveness, and this engine's report when due."""
         for msg in messages:
             self._handle(msg)
-        now_s = time.monotonic()
+        now_s = self.clock()
         if now_s - self.last_heard_s > self.config.cluster.heartbeat_timeout_s:
             raise _SchedulerLost(f"scheduler silent for {now_s - self.last_heard_s:.1f} s")
         self._report_if_due(now_s)
@@ -278,14 +330,14 @@ class EngineProcess:
                 self._deferred.append(msg)
             else:
                 self._handle(msg)
-        self._report_if_due(time.monotonic())
+        self._report_if_due(self.clock())
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, Rejected):
             # Declared dead (a silence the scheduler saw and this engine did not): its
             # requests are placed elsewhere already, so it leaves and joins again afresh.
             raise _SchedulerLost(f"the scheduler no longer knows this engine: {msg.reason}")
-        self.last_heard_s = time.monotonic()
+        self.last_heard_s = self.clock()
         if isinstance(msg, Assignment):
             self._assign(msg)
         elif isinstance(msg, (DecodeReady, PrefillDone, PrefillHeld)):
@@ -360,6 +412,8 @@ class EngineProcess:
     def close(self) -> int:
         """Release everything; the number of store writes abandoned unfinished (see
         ``store_flush_timeout_s``), after which the engine's store is left open."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()  # (``run`` did, unless it never returned)
         num_abandoned = self.role.close(self.config.store_flush_timeout_s)
         self.client.close()
         self.transport.close()

@@ -2,13 +2,21 @@
 
 An engine joins with an ``EngineInfo`` over its control client (``engine-<id>``) and must fit
 the topology (its node and role). A control client may speak for several engines (a group
-leader, ``dualpath.bench.leader_protocol``): hearing from it keeps all of them alive. An engine
-whose client stays silent for ``heartbeat_timeout_s`` is due to be declared dead (checked once
-per heartbeat period, ``heartbeat_timeout_s / 4``), and so is one whose process this host saw
-exit (``on_engine_exited``); the coordinator declares it dead, then re-places its requests.
+leader, ``dualpath.bench.leader_protocol``): hearing from it keeps all of them alive.
+
+Liveness is hearing anything from an engine's client: its loop's messages, or the
+``EngineHeartbeat`` its heartbeat thread sends every heartbeat period whatever the loop does
+(``dualpath.cluster.engine_heartbeat``). A heartbeat says how long the engine's unit of work in
+progress has run: one longer than ``heartbeat_timeout_s`` is busy, not dead (logged once per
+step, listed by ``busy_engines``). An engine whose client stays silent for
+``heartbeat_timeout_s`` (its process stopped or gone, or its heartbeat thread) is due to be
+declared dead (checked once per heartbeat period, ``heartbeat_timeout_s /
+HEARTBEATS_PER_TIMEOUT``), and so is one whose process this host saw exit
+(``on_engine_exited``); the coordinator declares it dead, then re-places its requests.
 
     membership.register(client_id, info, now_s)     # EngineInfo
     engine = membership.sender(client_id, now_s)    # any other message: its live engine
+    membership.on_heartbeat(engine, step_s)         # EngineHeartbeat: busy, or not
     membership.check_liveness(declare_dead)        # once per heartbeat period
     membership.send_to_engine(engine_id, msg)       # PeerUnavailable if no client speaks for it
 """
@@ -26,6 +34,7 @@ from dualpath.control.codec import encode
 from dualpath.errors import PeerUnavailable
 from dualpath.protocol import (
     DECODE,
+    HEARTBEATS_PER_TIMEOUT,
     PREFILL,
     EngineInfo,
     Heartbeat,
@@ -51,6 +60,9 @@ class EngineState:
     info: EngineInfo
     client: Client
     is_alive: bool = True
+    # How long the engine's unit of work in progress had run at its last heartbeat (0.0:
+    # between units, or no heartbeat yet).
+    step_s: float = 0.0
 
 
 class Membership:
@@ -121,6 +133,15 @@ class Membership:
     def is_alive(self, engine_id: int) -> bool:
         state = self.engines.get(engine_id)
         return state is not None and state.is_alive
+
+    def busy_engines(self) -> dict[int, float]:
+        """Live engines in a step longer than the heartbeat timeout, by their heartbeats:
+        id -> how long the step had run at the last one (s). (Loop thread: it walks engines.)"""
+        return {
+            e: s.step_s
+            for e, s in self.engines.items()
+            if s.is_alive and s.step_s > self.heartbeat_timeout_s
+        }
 
     # --- joining ------------------------------------------------------------------------------
 
@@ -207,6 +228,20 @@ class Membership:
 
     # --- liveness -----------------------------------------------------------------------------
 
+    def on_heartbeat(self, engine: EngineState, step_s: float) -> None:
+        """``engine``'s heartbeat (its client already heard from, ``sender``): in a unit of
+        work for ``step_s``. A step past the heartbeat timeout is logged once, as busy."""
+        timeout_s = self.heartbeat_timeout_s
+        if step_s > timeout_s >= engine.step_s:
+            logger.warning(
+                "engine %d is busy in a step of %.1f s, longer than the %.1f s heartbeat "
+                "timeout: alive (its heartbeats arrive), not declared dead",
+                engine.info.engine_id,
+                step_s,
+                timeout_s,
+            )
+        engine.step_s = step_s
+
     def on_engine_exited(self, engine_id: int, exit_code: int) -> None:
         """An engine process of this host exited (any thread): it is due to be declared dead
         at the loop's next turn, without waiting for the heartbeat timeout."""
@@ -238,13 +273,13 @@ class Membership:
         engine (1,152 at 48P96D)."""
         now_s = self.clock()
         timeout_s = self.heartbeat_timeout_s
-        if now_s - self._last_heartbeat_s < timeout_s / 4:
+        if now_s - self._last_heartbeat_s < timeout_s / HEARTBEATS_PER_TIMEOUT:
             return
         self._last_heartbeat_s = now_s
         for engine_id, state in list(self.engines.items()):
             silent_s = now_s - state.client.last_seen_s
             if state.is_alive and silent_s > timeout_s:
-                declare_dead(engine_id, f"no report for {silent_s:.1f} s")
+                declare_dead(engine_id, f"silent for {silent_s:.1f} s (no message, no heartbeat)")
         self.broadcast(Heartbeat(self.num_live_engines))
 
     def declare_dead(self, engine_id: int, why: str, *, forget_client: bool = True) -> EngineState:

@@ -6,6 +6,11 @@ cluster token; the server answers ``Welcome`` or ``Rejected`` and ignores everyt
 client sends before it is welcomed. Tokens are compared in constant time. Messages are the
 registered dataclasses of ``dualpath.control.codec``.
 
+A client id may have a second, send-only socket (``ControlClient(is_send_only=True)``): what it
+sends counts as the client's, and the server never sends to it but the handshake's answer. An
+engine's heartbeat thread speaks through one (``dualpath.cluster.engine_heartbeat``): a ZeroMQ
+socket belongs to one thread, and the engine's loop owns the other.
+
 Every receive takes an explicit ``timeout_s``; nothing here blocks forever.
 """
 
@@ -39,6 +44,9 @@ class Hello:
     client_id: str
     token: str
     protocol_version: int = PROTOCOL_VERSION
+    # A second socket of an already welcomed client id, that only sends (a heartbeat thread's):
+    # its messages count as the client's; the server keeps sending to the client's own socket.
+    is_send_only: bool = False
 
 
 @message("welcome")
@@ -175,8 +183,10 @@ class ControlServer:
             return
         self._welcomed[identity] = hello.client_id
         # A client id that says hello again from a new socket (a restarted engine) is sent to
-        # there from now on; the old socket is still heard until the id is forgotten.
-        self._client_id_to_identity[hello.client_id] = identity
+        # there from now on; the old socket is still heard until the id is forgotten. A
+        # send-only socket is heard, never sent to.
+        if not hello.is_send_only:
+            self._client_id_to_identity[hello.client_id] = identity
         self._send_raw(identity, Welcome(hello.client_id))
 
     def send(self, client_id: str, msg: object) -> None:
@@ -210,13 +220,25 @@ class ControlServer:
 
 
 class ControlClient:
-    """An engine's side: ``connect`` says hello; then ``send`` / ``poll`` / ``request``."""
+    """An engine's side: ``connect`` says hello; then ``send`` / ``poll``.
+
+    Like its ZeroMQ socket, a client is not thread-safe: one thread uses it (``wake`` aside).
+    ``is_send_only``: a second socket of the client id, for another thread's messages (see
+    ``Hello.is_send_only``); nothing is sent to it but the answer to its hello.
+    """
 
     def __init__(
-        self, endpoint: str, client_id: str, token: str, *, context: zmq.Context | None = None
+        self,
+        endpoint: str,
+        client_id: str,
+        token: str,
+        *,
+        context: zmq.Context | None = None,
+        is_send_only: bool = False,
     ) -> None:
         self.client_id = client_id
         self._token = token
+        self.is_send_only = is_send_only
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -245,7 +267,7 @@ class ControlClient:
 
     def connect(self, timeout_s: float) -> None:
         """Say hello; ``PeerUnavailable`` if rejected, ``TransferTimeout`` if no answer."""
-        self.send(Hello(self.client_id, self._token))
+        self.say_hello()
         replies = self.poll(timeout_s)
         if not replies:
             raise TransferTimeout(
@@ -256,6 +278,10 @@ class ControlClient:
             raise PeerUnavailable(f"scheduler at {self.endpoint} rejected us: {reply.reason}")
         if not isinstance(reply, Welcome):
             raise PeerUnavailable(f"unexpected handshake reply {type(reply).__name__}")
+
+    def say_hello(self) -> None:
+        """Send the hello and do not wait for its answer (``poll`` returns it)."""
+        self.send(Hello(self.client_id, self._token, is_send_only=self.is_send_only))
 
     def send(self, msg: object) -> None:
         self._socket.send(encode(msg))

@@ -29,8 +29,9 @@ import msgpack
 # 2: token ids as packed uint32 arrays; sequences decode as tuples. 3: engine and group
 # reports carry write_queue_tokens (the scheduler's write_q). 4: an Assignment carries the
 # output a continued request has sent (num_output_tokens), a RequestFailed the peer whose
-# transfer failed (peer_engine_id).
-PROTOCOL_VERSION = 4
+# transfer failed (peer_engine_id). 5: engines send EngineHeartbeats over a send-only socket
+# (Hello.is_send_only).
+PROTOCOL_VERSION = 5
 
 T = TypeVar("T")
 

@@ -95,6 +95,9 @@ def _add_operational_routes(app: FastAPI, context: ServingContext) -> None:
             # Times each engine was declared dead, wherever it ran (a remote engine that came
             # back at once is counted here, never in dead_engines): id -> how often.
             "engine_deaths": {str(e): n for e, n in snapshot.engine_deaths.items()},
+            # Engines alive but in one step longer than the heartbeat timeout (their heartbeat
+            # threads say so): id -> the step's time so far (s). Busy, not dead.
+            "busy_engines": {str(e): round(s, 1) for e, s in snapshot.busy_engines.items()},
             # Store faults the engines met so far (cumulative): serving goes on regardless,
             # recomputing what it cannot read and not persisting what it cannot write.
             "store": {

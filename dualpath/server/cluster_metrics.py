@@ -152,6 +152,15 @@ class ClusterCollector(Collector):
             "joined again as a new process before either was noticed.",
             snapshot.engine_deaths,
         )
+        busy = GaugeMetricFamily(
+            "dualpath_engine_busy_step_seconds",
+            "How long each engine has been in one step that outlasts the heartbeat timeout "
+            "(its heartbeats say so: busy, not dead); 0 for the others.",
+            labels=["engine"],
+        )
+        for engine_id in sorted(self._engine_id_to_role):
+            busy.add_metric([str(engine_id)], snapshot.busy_engines.get(engine_id, 0.0))
+        yield busy
         held = GaugeMetricFamily(
             "dualpath_engine_requests",
             "Requests in flight that each engine's loss would place again: a decode engine's "

@@ -181,6 +181,29 @@ def test_one_encoding_goes_to_several_clients_and_a_restarted_client_is_sent_to(
         client.close()
 
 
+def test_a_send_only_socket_speaks_for_its_client_id_and_is_never_sent_to(server) -> None:
+    """An engine's heartbeat thread has a socket of its own (a ZeroMQ socket is one thread's):
+    what it sends is the engine's, and the scheduler's messages still go to the loop's."""
+    srv, token = server
+    loop = ControlClient(srv.endpoint, "engine-0", token)
+    _handshake(srv, loop)
+    heartbeat = ControlClient(srv.endpoint, "engine-0", token, is_send_only=True)
+    _handshake(srv, heartbeat)
+    heartbeat.send(Ping(1, b"", ()))
+    assert _serve_until(srv, lambda got: len(got) >= 1) == [("engine-0", Ping(1, b"", ()))]
+    srv.send("engine-0", Ping(2, b"", ()))
+    assert loop.poll(BUDGET_S) == [Ping(2, b"", ())]
+    assert heartbeat.poll(0.2) == []  # a late arrival would pass unseen, never fail the test
+    assert srv.client_ids == ["engine-0"]
+    # Forgotten (declared dead): neither socket is heard any more.
+    srv.forget("engine-0")
+    heartbeat.send(Ping(3, b"", ()))
+    assert _serve_until(srv, lambda _: srv.num_rejected == 1) == []
+    assert isinstance(heartbeat.poll(BUDGET_S)[0], Rejected)
+    loop.close()
+    heartbeat.close()
+
+
 def test_wrong_token_is_rejected_and_not_heard(server) -> None:
     srv, _ = server
     client = ControlClient(srv.endpoint, "intruder", "not-the-token")
