@@ -287,6 +287,7 @@ def link_figures(
             "path_bytes": None,
             "engine_cached_bytes": None,
             "store_hit_tokens": None,
+            "replaced_hit_tokens": None,
             "forwarded_replacements": None,
             "snic_load_balance": None,
             "snic_load_balance_busy": None,
@@ -312,8 +313,10 @@ def link_figures(
         # same for our engines; a vLLM server's answer counts its own (the KV its connector
         # loaded, the PE's prefill included, and its prefix cache's).
         "store_hit_tokens": int(metric_sum(scraped, "dualpath_cached_prompt_tokens_total")),
-        # Requests a front door placed again (a vLLM server DE lost or refusing): each reads its
-        # hits again, which store_hit_tokens (its first placement's) does not count.
+        # The store hits of the placements a front door made again (a vLLM server DE lost or
+        # refusing): each reads its hits again, which store_hit_tokens (its first placement's)
+        # does not count.
+        "replaced_hit_tokens": int(metric_sum(scraped, "dualpath_replaced_hit_tokens_total")),
         "forwarded_replacements": int(metric_sum(scraped, "dualpath_forwarded_replacements_total")),
         "snic_load_balance": snic_load_balance(samples),
         # The same over the windows in which the SNICs carried at least half their cap on

@@ -38,6 +38,8 @@ JSON (``modes.<mode>``): ``jct_s``, ``agent_jct_s`` (each agent's own JCT, perce
 (per SNIC), ``path_bytes.{pe,de}`` (hit KV read by each side), ``engine_cached_bytes`` (hit
 KV neither side read: a vLLM PE still held it), ``store_hit_tokens`` (prompt tokens the
 server placed as store hits: what the hit-KV rule checks the reads against),
+``replaced_hit_tokens`` (those of the placements a front door made again: read again, and
+counted by the rule too),
 ``forwarded_replacements`` (``--vllm-servers``: requests placed again), ``snic_load_balance`` (SPEC
 §7), ``snic_read_load_balance`` (hit-KV reads alone), ``snic_load_balance_busy`` (over
 the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores each

@@ -29,7 +29,9 @@ def mode_problems(
     report it) must be exactly the cached tokens' KV: each hit block read once, by one side,
     unless the prefill engine still held it in its own prefix cache (``engine_cached_bytes``,
     vLLM engines). The cached tokens are the server's count of store hits
-    (``store_hit_tokens``) where it reports one, else the answers' ``cached_tokens``."""
+    (``store_hit_tokens``) where it reports one, else the answers' ``cached_tokens``; a request
+    a front door placed again reads its hits again, so those of its later placements count too
+    (``replaced_hit_tokens``)."""
     problems = []
     num_failed = result.get("num_failed", 0)
     if num_failed:
@@ -51,12 +53,16 @@ def mode_problems(
         read_bytes = sum(path_bytes.values())
         held_bytes = result.get("engine_cached_bytes") or 0
         hit_tokens = store_hit_tokens(result)
-        expected_bytes = hit_tokens * kv_bytes_per_token
+        replaced_tokens = result.get("replaced_hit_tokens") or 0
+        expected_bytes = (hit_tokens + replaced_tokens) * kv_bytes_per_token
         if read_bytes + held_bytes != expected_bytes:
             held = f" (and {held_bytes} B the engine held)" if held_bytes else ""
+            replaced = (
+                f" (and {replaced_tokens} of placements made again)" if replaced_tokens else ""
+            )
             problems.append(
                 f"{label}: the sides read {read_bytes} B of hit KV{held}, but "
-                f"{hit_tokens} cached tokens hold {expected_bytes} B "
+                f"{hit_tokens} cached tokens{replaced} hold {expected_bytes} B "
                 f"({kv_bytes_per_token} B per token)"
             )
     if result.get("token_mismatches"):

@@ -279,6 +279,7 @@ class ForwardedCall:
                 times,
                 num_prompt_tokens=len(self.prompt_token_ids),
                 num_cached_tokens=self.placements.num_cached_tokens,
+                num_replaced_hit_tokens=self.placements.num_replaced_hit_tokens,
             )
         logger.info(
             "request_id=%s forwarded placements=%d prompt_tokens=%d completion_tokens=%d "

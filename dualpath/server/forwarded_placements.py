@@ -85,6 +85,7 @@ class Placements:
         self.model = model  # the client's, for the PE's request
         self.num_placements = 0
         self.num_cached_tokens = 0  # the first placement's store hits, at assignment
+        self.num_replaced_hit_tokens = 0  # the later placements' (each reads its hits again)
         self.forward: Forward | None = None
         self._prompt_token_ids: list[int] = []  # the placement's prompt
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
@@ -117,6 +118,8 @@ class Placements:
                 self._prompt_token_ids = prompt_token_ids
                 if self.num_placements == 1:
                     self.num_cached_tokens = event.num_cached_tokens
+                else:
+                    self.num_replaced_hit_tokens += event.num_cached_tokens
                 return event.forward
             if not _is_lost(event):
                 raise APIError(500, f"placement ended before it was forwarded: {event}")

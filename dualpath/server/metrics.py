@@ -140,6 +140,15 @@ class ServerMetrics:
                 registry=r,
             )
         )
+        # Not in dualpath_cached_prompt_tokens (the first placement's, vLLM's prefix-cache hits):
+        # each placement made again reads its hits again, and the benchmark's hit-KV rule
+        # counts those reads.
+        self.replaced_hit_tokens = Counter(
+            "dualpath_replaced_hit_tokens",
+            "Store hits, in prompt tokens, of the placements a front door made again after one "
+            "was lost (vLLM servers), of finished generations.",
+            registry=r,
+        )
         self.generation_tokens = with_vllm_names(
             Counter("dualpath_generation_tokens", "Generated tokens.", registry=r)
         )
@@ -176,10 +185,14 @@ class ServerMetrics:
         *,
         num_prompt_tokens: int,
         num_cached_tokens: int,
+        num_replaced_hit_tokens: int = 0,
     ) -> None:
+        """``num_cached_tokens``: the store hits of the generation's (first) placement;
+        ``num_replaced_hit_tokens``: those of the placements made again after it."""
         self.generations.labels(finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_prompt_tokens.inc(num_cached_tokens)
+        self.replaced_hit_tokens.inc(num_replaced_hit_tokens)
         self.generation_tokens.inc(times.num_output_tokens)
         if times.first_token_s is None:
             return

@@ -174,3 +174,33 @@ def test_hit_kv_is_checked_against_the_servers_count_of_store_hits_where_it_give
         "basic: the sides read 163840 B of hit KV, but 64 cached tokens hold 81920 B "
         "(1280 B per token)"
     ]
+
+
+def test_hit_kv_counts_the_reads_of_requests_a_front_door_placed_again() -> None:
+    # A placement lost and made again reads its hits again: 128 tokens at the first
+    # placements, 64 more at the later ones.
+    same = {"s0/0": "a"}
+    model = {"kv_bytes_per_token": 1280}
+
+    def result(pe: int, replaced_hit_tokens: int) -> dict:
+        return {
+            **_result(2.0, same),
+            "cached_tokens": 200,
+            "store_hit_tokens": 128,
+            "replaced_hit_tokens": replaced_hit_tokens,
+            "forwarded_replacements": 1,
+            "path_bytes": {"pe": pe, "de": 81920},
+        }
+
+    exact = finish_report({"model": model, "modes": {"basic": result(163840, 64)}}, ["basic"])
+    assert exact["valid"] is True
+    uncounted = finish_report({"model": model, "modes": {"basic": result(163840, 0)}}, ["basic"])
+    assert uncounted["problems"] == [
+        "basic: the sides read 245760 B of hit KV, but 128 cached tokens hold 163840 B "
+        "(1280 B per token)"
+    ]
+    short = finish_report({"model": model, "modes": {"basic": result(81920, 64)}}, ["basic"])
+    assert short["problems"] == [
+        "basic: the sides read 163840 B of hit KV, but 128 cached tokens (and 64 of placements "
+        "made again) hold 245760 B (1280 B per token)"
+    ]
