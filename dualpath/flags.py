@@ -42,6 +42,16 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from exc
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

@@ -4,7 +4,8 @@
     add_json_argument(parser, what="the result")
 
 A command adds its own options and calls these for the shared ones, so an option means the
-same, reads the same in ``--help`` and is checked the same way everywhere. It sits below both
+same, reads the same in ``--help`` and is checked the same way everywhere. Where commands
+differ only in an option's default, the default is a parameter. It sits below both
 ``dualpath.cli`` and ``dualpath.bench``: the benchmarks' parsers use it too, and they never
 import the command line.
 """
@@ -14,7 +15,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dualpath.flags import non_negative_float, non_negative_int, positive_float, positive_int
+from dualpath.config import DTYPES, MODES, READ_PATHS
+from dualpath.flags import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from dualpath.vllm_args import add_engine_kind_arguments
 
 # --- model, store, engine ----------------------------------------------------------------------
@@ -64,29 +72,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_threads: int | N
     context and the engine kind (generate, demo, engine, serve)."""
     add_model_argument(p)
     add_store_arguments(p)
-    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="weights and KV dtype (default: the checkpoint's)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=64,
-        help="tokens per KV block, the store's unit (default 64)",
-    )
-    p.add_argument(
-        "--threads",
-        type=positive_int,
+    add_device_argument(p)
+    add_dtype_argument(p, default=None, default_help="the checkpoint's")
+    add_block_size_argument(p, default_help=ENGINES_BLOCK_SIZE_HELP)
+    add_threads_argument(
+        p,
         default=default_threads,
-        help="torch CPU threads per engine (default: "
-        + (
-            "torch's choice, usually one per core)"
-            if default_threads is None
-            else f"{default_threads})"
-        ),
+        default_help="torch's choice, usually one per core"
+        if default_threads is None
+        else str(default_threads),
     )
     p.add_argument(
         "--max-model-len",
@@ -97,6 +91,68 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_threads: int | N
     add_engine_kind_arguments(
         p,
         where="serve and engine; generate: one vLLM engine in this process, its KV from the store",
+    )
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", default="cpu", help="torch device, 'cpu' or 'cuda[:N]' (default cpu)"
+    )
+
+
+def add_dtype_argument(
+    p: argparse.ArgumentParser, *, default: str | None, default_help: str
+) -> None:
+    """``--dtype``: what an engine computes and keeps its KV in, so the store's too."""
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=default,
+        help=f"weights and KV dtype, the store's too (default: {default_help})",
+    )
+
+
+# Without --block-size an engine takes the size its kind serves (``configs.resolve_block_size``).
+ENGINES_BLOCK_SIZE_HELP = (
+    "the engine's choice: 64, or 16 for an MLA model on vLLM's CPU build, whose CPU_MLA pages "
+    "hold 16 tokens whatever it is given; any other size is refused there"
+)
+
+
+def add_block_size_argument(
+    p: argparse.ArgumentParser, *, default: int | None = None, default_help: str
+) -> None:
+    """``--block-size``: tokens per KV block, one Full Block of the store."""
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=default,
+        help=f"tokens per KV block, the store's unit (a Full Block) (default: {default_help})",
+    )
+
+
+def add_threads_argument(
+    p: argparse.ArgumentParser, *, default: int | None, default_help: str, detail: str = ""
+) -> None:
+    """``--threads``: torch's CPU threads in each engine a command runs (``detail`` follows)."""
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=default,
+        help=f"torch CPU threads per engine{detail} (default: {default_help})",
+    )
+
+
+def add_repeats_argument(
+    p: argparse.ArgumentParser, *, default: int, reported: str = "medians"
+) -> None:
+    """``--repeats``: how often a benchmark times each case; ``reported`` says which of the
+    timings its result gives."""
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=default,
+        help=f"timed runs of every case; {reported} reported (default {default})",
     )
 
 
@@ -151,11 +207,77 @@ def preset_for_max_len(max_len: int) -> str:
 # --- cluster: what serve and engine both configure ---------------------------------------------
 
 
-def add_mode_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    from dualpath.config import MODES
+def add_mode_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, what: str = "comparison mode"
+) -> None:
+    p.add_argument("--mode", choices=MODES, default="dualpath", help=f"{what} (default dualpath)")
 
+
+def add_modes_argument(p: argparse.ArgumentParser, *, default: str | None) -> None:
+    """``--modes``: the modes a comparison runs; None: ``DEFAULT_MODES``, resolved by the
+    command (a benchmark refuses it with ``--url``)."""
     p.add_argument(
-        "--mode", choices=MODES, default="dualpath", help="comparison mode (default dualpath)"
+        "--modes",
+        default=default,
+        help=f"comma-separated modes to compare, in order (of {', '.join(MODES)}; default "
+        f"{DEFAULT_MODES})",
+    )
+
+
+DEFAULT_MODES = "basic,dualpath,oracle"
+
+
+def add_nodes_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: str
+) -> None:
+    p.add_argument(
+        "--nodes",
+        default=default,
+        help=f"cluster shape: prefill and decode nodes, e.g. 2P4D (default {default})",
+    )
+
+
+def add_engines_per_node_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: int
+) -> None:
+    p.add_argument(
+        "--engines-per-node",
+        type=positive_int,
+        default=default,
+        help=f"engines (GPUs) per node (default {default})",
+    )
+
+
+def add_nodes_per_group_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    default: int | None,
+    default_help: str | None = None,
+) -> None:
+    p.add_argument(
+        "--nodes-per-group",
+        type=positive_int,
+        default=default,
+        help="nodes per engine group, which fetch work together through one leader (default "
+        f"{default_help or default})",
+    )
+
+
+def add_read_path_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    default: str | None = None,
+    where: str = "",
+) -> None:
+    """``--read-path``: one read side forced on every request; ``where`` prefixes the help."""
+    p.add_argument(
+        "--read-path",
+        choices=READ_PATHS,
+        default=default,
+        help=f"{where}force one read path on every request in every mode (pe, de, split: each "
+        "request's blocks on both sides, dual, round_robin: the sides in turn) (default: "
+        + (default or "each mode's own")
+        + ")",
     )
 
 
@@ -178,21 +300,13 @@ def add_link_cap_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup)
 def add_engine_memory_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--buffer-gb``, ``--kv-cache-gb`` and ``--max-num-batched-tokens``: an engine's host
     buffer, device KV cache and step size."""
-    p.add_argument(
-        "--buffer-gb",
-        type=positive_float,
-        default=None,
-        help="host KV buffer per engine (PE and DE buffers), GB (default: sized at start to "
-        "hold two requests of the model's whole context, e.g. 0.755 GB for the float32 "
-        "SmolLM2-135M at 8,192 tokens; a size that cannot hold one such request is refused "
-        "at start, naming the size needed)",
+    add_buffer_argument(
+        p,
+        default_help="sized at start to hold two requests of the model's whole context, e.g. "
+        "0.755 GB for the float32 SmolLM2-135M at 8,192 tokens; a size that cannot hold one "
+        "such request is refused at start, naming the size needed",
     )
-    p.add_argument(
-        "--kv-cache-gb",
-        type=positive_float,
-        default=1.0,
-        help="device KV cache per engine, GB (default 1)",
-    )
+    add_kv_cache_argument(p, default=1.0, default_help="1")
     p.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
@@ -201,14 +315,65 @@ def add_engine_memory_arguments(p: argparse.ArgumentParser | argparse._ArgumentG
     )
 
 
+def add_buffer_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, default_help: str
+) -> None:
+    p.add_argument(
+        "--buffer-gb",
+        type=positive_float,
+        default=None,
+        help=f"host KV buffer per engine (PE and DE buffers), GB (default: {default_help})",
+    )
+
+
+def add_kv_cache_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    default: float | None,
+    default_help: str,
+    detail: str = "",
+) -> None:
+    """``--kv-cache-gb``: each engine's device KV memory in GB (1e9 bytes), a float on every
+    command; a vLLM engine gets it as that many bytes' blocks (``--num-gpu-blocks-override``)."""
+    p.add_argument(
+        "--kv-cache-gb",
+        type=positive_float,
+        default=default,
+        help=f"device KV cache per engine, GB (1e9 bytes){detail} (default: {default_help})",
+    )
+
+
 def add_transport_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    from dualpath.transfer.transport import TRANSPORT_KINDS
+    from dualpath.transfer.transport import TRANSPORT_KINDS  # lazy: the transport's imports
 
     p.add_argument(
         "--transport",
         choices=TRANSPORT_KINDS,
         default="nixl",
         help="PE<->DE KV transport (default nixl)",
+    )
+
+
+def add_listen_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--host`` and ``--port``: where an HTTP server (serve's API, a benchmark's proxy)
+    listens."""
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, loopback only; 0.0.0.0 for every interface)",
+    )
+    p.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
+
+
+def add_max_prompt_tokens_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, detail: str = ""
+) -> None:
+    """``--max-prompt-tokens``: a server's longest prompt (``detail`` follows "prompt")."""
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=None,
+        help=f"longest prompt in tokens{detail} (default: the context length minus one)",
     )
 
 
@@ -225,18 +390,24 @@ def add_heartbeat_argument(
 
 
 def add_attention_quota_argument(
-    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, default_help: str | None = None
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    default_help: str | None = None,
+    where: str = "",
+    detail: str = "",
 ) -> None:
     """``--attention-quota-s``, SPEC §6's compute quota; ``default_help`` says what its
-    absence means where it defaults to None (a benchmark passes serve's on)."""
+    absence means where it defaults to None (a benchmark passes serve's on, the simulator
+    takes SPEC's); ``where`` prefixes the help, ``detail`` follows it."""
     p.add_argument(
         "--attention-quota-s",
         type=positive_float,
         default=0.3 if default_help is None else None,
-        help="the prefill engines' compute quota: predicted seconds of one layer per prefill "
-        "batch (SPEC §6: 0.3 on the paper's GPUs; profile it on other hardware); the batch "
-        "that would pass it is cut (native engine) or ends before the request (--engine vllm "
-        f"--vllm-prefill-batching quota) (default {default_help or 0.3})",
+        help=f"{where}the prefill engines' compute quota: predicted seconds of one attention "
+        "layer per prefill batch (SPEC §6: 0.3 on the paper's GPUs; profile it on other "
+        "hardware); the batch that would pass it is cut (native engine, simulator) or ends "
+        f"before the request (--engine vllm --vllm-prefill-batching quota){detail} (default "
+        f"{default_help or 0.3})",
     )
 
 
@@ -335,8 +506,15 @@ def add_simulated_workload_arguments(p: argparse.ArgumentParser, *, num_agents: 
     )
 
 
-def add_workload_seed_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+def add_seed_argument(p: argparse.ArgumentParser, *, what: str = "", detail: str = "") -> None:
+    """``--seed``: what a command draws at random as its input (prompts, blocks, bytes, a
+    queue); the same seed replays the same input. ``what`` names it, ``detail`` follows."""
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help=f"seed of the {what or 'workload'} (default 0){detail}",
+    )
 
 
 # --- output --------------------------------------------------------------------------------------

@@ -51,6 +51,22 @@ def check_vllm_args(args: Mapping[str, Any]) -> None:
 CPU_MLA_BLOCK_SIZE = 16
 
 
+def engines_block_size(engine: str, model_config: AnyModelConfig) -> int:
+    """The block size an engine of kind ``engine`` takes for ``model_config`` when none is
+    given: ``CPU_MLA_BLOCK_SIZE`` for an MLA model on vLLM's CPU build (the only size its pages
+    hold), else ``EngineConfig``'s (64, the paper's Full Block)."""
+    if engine == "vllm" and _is_mla(model_config):
+        from dualpath.model.identity import vllm_device  # lazy: torch
+
+        if vllm_device() == "cpu":
+            return CPU_MLA_BLOCK_SIZE
+    return EngineConfig().block_size_tokens
+
+
+def _is_mla(model_config: AnyModelConfig) -> bool:
+    return "latent" in dict(model_config.cache_entry_parts())
+
+
 def check_engine_kind(
     cluster: ClusterConfig, engine: EngineConfig, model_config: AnyModelConfig | None = None
 ) -> None:
@@ -62,14 +78,15 @@ def check_engine_kind(
         return
     check_vllm_args(engine.vllm_args)
     check_vllm_device(engine.device)
-    if model_config is None or "latent" not in dict(model_config.cache_entry_parts()):
+    if model_config is None or not _is_mla(model_config):
         return
     from dualpath.model.identity import vllm_device
 
     if vllm_device() == "cpu" and engine.block_size_tokens != CPU_MLA_BLOCK_SIZE:
         raise ValueError(
             f"an MLA model on vLLM's CPU build runs on its CPU_MLA backend, whose pages hold "
-            f"{CPU_MLA_BLOCK_SIZE} tokens: pass --block-size {CPU_MLA_BLOCK_SIZE}"
+            f"{CPU_MLA_BLOCK_SIZE} tokens: --block-size {engine.block_size_tokens} is refused "
+            f"(pass --block-size {CPU_MLA_BLOCK_SIZE}, or leave it out)"
         )
 
 
@@ -163,19 +180,36 @@ def engine_kind_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"engine": args.engine, "vllm_args": vllm_args, "vllm_prefill_batching": batching}
 
 
+def vllm_cpu_kv_memory(kv_cache_bytes: int, full_block_bytes: int) -> tuple[int, int]:
+    """(``VLLM_CPU_KVCACHE_SPACE``, ``num_gpu_blocks_override``) of a vLLM engine or server
+    with ``kv_cache_bytes`` of KV memory (``--kv-cache-gb``, GB): exactly the blocks those bytes
+    hold, in as many whole GiB as they take (vLLM 0.32 reads that variable as an integer, envs.py).
+    """
+    from dualpath.units import GIB
+
+    return max(1, -(-kv_cache_bytes // GIB)), kv_cache_bytes // full_block_bytes
+
+
 # --- a vLLM server the user starts (``dualpath vllm-config``, ``dualpath.cluster.served``) ---
 
 SERVED_CONFIG_KEY = "dualpath"  # kv_connector_extra_config[key]: the EngineProcessConfig
 SERVED_CONNECTOR = ("DualpathServedConnector", "dualpath.cluster.served")
 # The engine fields the connector takes from the configuration; vLLM decides the others.
 SERVED_ENGINE_FIELDS = ("block_size_tokens", "dtype", "engine")
+# The block size's fields: left out of a configuration, the server takes its model's
+# (``engines_block_size``) when it starts.
+_SERVED_BLOCK_SIZE_FIELDS = {
+    "engine": ("block_size_tokens",),
+    "scheduler": ("block_size_tokens", "min_prefill_chunk_tokens"),
+}
 
 
-def served_kv_transfer_config(config: Any) -> dict[str, Any]:
+def served_kv_transfer_config(config: Any, *, has_block_size: bool = True) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for a server that is the engine ``config`` (an
     ``EngineProcessConfig``) describes: our connector by module path, the configuration in
     ``kv_connector_extra_config``, without what vLLM decides (the model, the engine's context,
-    KV memory and threads)."""
+    KV memory and threads), and without the block size unless ``has_block_size`` (then the
+    server takes its model's, ``served_engine_config``)."""
     import dataclasses
 
     from dualpath.config import config_to_dict
@@ -187,6 +221,10 @@ def served_kv_transfer_config(config: Any) -> dict[str, Any]:
         for name in SERVED_ENGINE_FIELDS
         if name in {f.name for f in dataclasses.fields(config.engine)}
     }
+    if not has_block_size:
+        for section, names in _SERVED_BLOCK_SIZE_FIELDS.items():
+            for name in names:
+                del data[section][name]
     name, module = SERVED_CONNECTOR
     return {
         "kv_connector": name,
@@ -194,6 +232,18 @@ def served_kv_transfer_config(config: Any) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {SERVED_CONFIG_KEY: data},
     }
+
+
+def _with_block_size(data: dict, model_dir: Any) -> dict:
+    """``data`` (an ``EngineProcessConfig``'s dict) with the block size the checkpoint in
+    ``model_dir`` takes on vLLM (``engines_block_size``) in every field that has none."""
+    from dualpath.model.registry import read_config
+
+    block_size = engines_block_size("vllm", read_config(model_dir / "config.json"))
+    data = {**data}
+    for section, names in _SERVED_BLOCK_SIZE_FIELDS.items():
+        data[section] = {**{name: block_size for name in names}, **data.get(section, {})}
+    return data
 
 
 def served_engine_config(extra: dict, *, model: str, dtype: str, max_model_len: int) -> Any:
@@ -218,14 +268,16 @@ def served_engine_config(extra: dict, *, model: str, dtype: str, max_model_len: 
     others = sorted(set(engine_data) - set(SERVED_ENGINE_FIELDS))
     if others:
         raise ValueError(f"engine field(s) {', '.join(others)} refused: vLLM's own flags decide")
-    config = config_from_dict(EngineProcessConfig, {**data, "model_dir": model})
-    if not config.url:
-        raise ValueError("the configuration names no url: the front door forwards requests there")
     if not (Path(model) / "config.json").is_file():
         raise ValueError(
             f"vLLM serves {model!r}, not a checkpoint directory: dualpath keys the store by the "
             "checkpoint's files (serve a local directory)"
         )
+    if "block_size_tokens" not in engine_data:  # vllm-config without --block-size
+        data = _with_block_size(data, Path(model))
+    config = config_from_dict(EngineProcessConfig, {**data, "model_dir": model})
+    if not config.url:
+        raise ValueError("the configuration names no url: the front door forwards requests there")
     engine = config.engine
     if engine.dtype != dtype:
         raise ValueError(

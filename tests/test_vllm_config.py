@@ -31,32 +31,34 @@ def test_it_names_our_connector_and_carries_the_engine(capsys, tmp_path: Path) -
     assert printed["kv_role"] == "kv_both"
     config = printed["kv_connector_extra_config"]["dualpath"]
     assert "model_dir" not in config  # vLLM's --model
-    assert config["engine"] == {"block_size_tokens": 64, "dtype": "float32", "engine": "vllm"}
+    # No --block-size: the server takes its model's when it starts.
+    assert config["engine"] == {"dtype": "float32", "engine": "vllm"}
+    assert "block_size_tokens" not in config["scheduler"]
     assert config["url"] == "http://10.0.0.3:8000"
     assert config["store"]["root_dir"] == str(tmp_path)
     assert config["cluster"]["traffic"]["snic_bandwidth_gbps"] == 2.0
 
 
-def test_the_connector_takes_the_model_and_context_from_vllm(capsys, tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text("{}")
+def test_the_connector_takes_the_model_and_context_from_vllm(capsys, tiny_model_dir) -> None:
     extra = _printed(capsys)["kv_connector_extra_config"]
-    config = served_engine_config(extra, model=str(tmp_path), dtype="float32", max_model_len=4160)
+    model = str(tiny_model_dir)
+    config = served_engine_config(extra, model=model, dtype="float32", max_model_len=4160)
     assert (config.role, config.engine_id, config.node_id) == (DECODE, 2, 2)
-    assert config.model_dir == tmp_path
+    assert config.model_dir == tiny_model_dir
     assert (config.engine.engine, config.engine.max_model_len) == ("vllm", 4160)
     assert config.scheduler_endpoint == "tcp://10.0.0.1:5557"
 
 
 def test_a_vllm_dtype_other_than_the_stores_is_refused_naming_the_flag(capsys, tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    extra = _printed(capsys)["kv_connector_extra_config"]
+    extra = _printed(capsys, "--block-size", "64")["kv_connector_extra_config"]
     with pytest.raises(ValueError, match="pass --dtype float32 to vLLM"):
         served_engine_config(extra, model=str(tmp_path), dtype="bfloat16", max_model_len=4160)
 
 
 def test_what_vllm_decides_is_refused_by_name(capsys, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    extra = _printed(capsys)["kv_connector_extra_config"]
+    extra = _printed(capsys, "--block-size", "64")["kv_connector_extra_config"]
     extra["dualpath"]["engine"]["num_threads"] = 4
     with pytest.raises(ValueError, match="num_threads"):
         served_engine_config(extra, model=str(tmp_path), dtype="float32", max_model_len=4160)
@@ -67,6 +69,24 @@ def test_what_vllm_decides_is_refused_by_name(capsys, tmp_path: Path) -> None:
             dtype="float32",
             max_model_len=4160,
         )
+
+
+def test_without_block_size_the_server_takes_its_models(
+    capsys, tiny_model_dir: Path, tiny_deepseek_v3_dir: Path
+) -> None:
+    """64 for a dense model, 16 for an MLA one (vLLM's CPU_MLA pages); a given size is kept."""
+    extra = _printed(capsys)["kv_connector_extra_config"]
+    for model_dir, block_size in ((tiny_model_dir, 64), (tiny_deepseek_v3_dir, 16)):
+        config = served_engine_config(
+            extra, model=str(model_dir), dtype="float32", max_model_len=4160
+        )
+        assert config.engine.block_size_tokens == block_size
+        assert config.scheduler.block_size_tokens == block_size
+    extra = _printed(capsys, "--block-size", "32")["kv_connector_extra_config"]
+    config = served_engine_config(
+        extra, model=str(tiny_deepseek_v3_dir), dtype="float32", max_model_len=4160
+    )
+    assert config.engine.block_size_tokens == 32  # refused where the engine is checked
 
 
 @pytest.mark.parametrize(

@@ -8,33 +8,28 @@ from pathlib import Path
 
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.report import add_output_arguments
-from dualpath.config import MODES, READ_PATHS
-from dualpath.flags import positive_float, positive_int
 from dualpath.options import (
     add_attention_quota_argument,
+    add_kv_cache_argument,
+    add_max_prompt_tokens_argument,
     add_max_sessions_argument,
     add_model_argument,
+    add_modes_argument,
+    add_read_path_argument,
+    add_seed_argument,
     add_trace_argument,
     add_trace_shape_arguments,
     add_transport_argument,
-    add_workload_seed_argument,
 )
 from dualpath.vllm_args import add_engine_kind_arguments
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``bench offline`` and ``bench online``."""
-    parser.add_argument(
-        "--preset", default="ci", choices=sorted(PRESETS), help="workload + cluster (default ci)"
-    )
-    parser.add_argument(
-        "--modes",
-        default=None,
-        help=f"comma-separated modes to compare, in order (of {', '.join(MODES)}; "
-        "default basic,dualpath,oracle)",
-    )
+    add_preset_argument(parser, default="ci")
+    add_modes_argument(parser, default=None)
     add_model_argument(parser, tiny=True)
-    add_workload_seed_argument(parser)
+    add_seed_argument(parser)
     add_trace_argument(parser)
     add_max_sessions_argument(parser, default=None, default_help="the preset's agents")
     add_trace_shape_arguments(
@@ -47,12 +42,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         },
         where="a trace's too: ",
     )
-    parser.add_argument(
-        "--max-prompt-tokens",
-        type=positive_int,
-        default=None,
-        help="the servers' longest prompt (serve --max-prompt-tokens; default the model's "
-        "context minus one): the workload is checked against it before any server starts",
+    add_max_prompt_tokens_argument(
+        parser,
+        detail=" of every server the benchmark starts; the workload is checked against it "
+        "before any server starts",
     )
     parser.add_argument(
         "--url",
@@ -63,12 +56,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="bearer key for --url")
     parser.add_argument("--served-model-name", default=None, help="model id to request from --url")
     add_transport_argument(parser)
-    parser.add_argument(
-        "--read-path",
-        choices=READ_PATHS,
-        default=None,
-        help="force one read path in every mode (default: each mode's own)",
-    )
+    add_read_path_argument(parser)
     add_engine_kind_arguments(parser, where="every server the benchmark starts")
     parser.add_argument(
         "--vllm-servers",
@@ -82,15 +70,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "front door gets --read-path and the scheduler's flags. Refused with --vllm-arg, "
         "--vllm-prefill-batching quota and --url",
     )
-    parser.add_argument(
-        "--kv-cache-gb",
-        type=positive_float,
+    add_kv_cache_argument(
+        parser,
         default=None,
-        help="each engine's device KV memory, GB (serve --kv-cache-gb). On vLLM engines it "
-        "also bounds the prefill engine's own prefix cache, a tier above the store: a regime "
-        "where storage supplies the hits needs it well below the agents' KV (default: on vLLM "
-        "engines, paper-ratio and agentic give a fifth of the agents' final contexts' KV, at "
-        "least one request of the model's context; otherwise serve's)",
+        default_help="on vLLM engines, paper-ratio and agentic give a fifth of the agents' "
+        "final contexts' KV, at least one request of the model's context; otherwise serve's",
+        detail=". On vLLM engines it also bounds the prefill engine's own prefix cache, a tier "
+        "above the store: a regime where storage supplies the hits needs it well below the "
+        "agents' KV",
     )
     add_attention_quota_argument(parser, default_help="serve's")
     add_output_arguments(parser)
@@ -100,6 +87,17 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="keep the servers' stores and logs here, a folder per mode (default: a "
         "temporary folder, removed after the run)",
+    )
+
+
+def add_preset_argument(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """``--preset``: the workload (and the cluster, where the benchmark shapes one) of
+    ``dualpath.bench.presets``."""
+    parser.add_argument(
+        "--preset",
+        default=default,
+        choices=sorted(PRESETS),
+        help=f"workload and cluster shape (default {default})",
     )
 
 

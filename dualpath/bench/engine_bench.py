@@ -50,7 +50,13 @@ from tqdm import tqdm
 from dualpath.bench.hardware import hardware_info
 from dualpath.flags import positive_int
 from dualpath.model.identity import kv_facts
-from dualpath.options import add_json_argument, add_model_argument
+from dualpath.options import (
+    add_json_argument,
+    add_model_argument,
+    add_repeats_argument,
+    add_seed_argument,
+    add_threads_argument,
+)
 
 if TYPE_CHECKING:  # imported where it runs: building the CLI's parser must not import torch
     import torch
@@ -672,12 +678,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weight dtypes, each measured for both engines in this run; targets are judged "
         "per dtype (default: float32,bfloat16)",
     )
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
+    add_threads_argument(
+        parser,
         default=_default_threads(),
-        help="torch intra-op threads, the same for every variant (default: this machine's "
-        "cores available to the process)",
+        default_help="this machine's cores available to the process",
+        detail=", the same for every variant",
     )
     parser.add_argument(
         "--prompt-tokens",
@@ -704,13 +709,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode batch sizes, comma-separated; tokens/s is the batch's aggregate "
         "(default: 1,16)",
     )
-    parser.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=3,
-        help="timed runs of every variant; medians reported",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seeds the random prompt token ids")
+    add_repeats_argument(parser, default=3)
+    add_seed_argument(parser, what="random prompt token ids")
     parser.add_argument(
         "--engines",
         type=_csv(str, ENGINES),

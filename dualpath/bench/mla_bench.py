@@ -24,7 +24,7 @@ from dualpath.bench.hardware import hardware_info
 from dualpath.model.deepseek import DeepseekDecoderModel
 from dualpath.model.deepseek_config import DeepseekConfig
 from dualpath.model.layerwise import PackedBatch, PaddedPast
-from dualpath.options import add_json_argument
+from dualpath.options import add_device_argument, add_json_argument
 
 # (name, sequences, new tokens each, cached tokens each)
 SHAPES = (("decode", 8, 1, 1024), ("prefill", 1, 512, 1024))
@@ -128,7 +128,7 @@ def run(device: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    add_device_argument(parser)
     add_json_argument(parser, what="the figures")
     args = parser.parse_args(argv)
     report = run(args.device)

@@ -24,6 +24,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dualpath.options import add_listen_arguments
+
 # What the prefill instance is asked to do with the prompt's KV (vLLM's NixlConnector fields).
 REMOTE_DECODE_PARAMS = {
     "do_remote_decode": True,
@@ -132,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--decode", action="append", required=True, help="a decode instance's base URL (repeat)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    add_listen_arguments(parser)
     args = parser.parse_args(argv)
     app = make_app(args.prefill.rstrip("/"), [url.rstrip("/") for url in args.decode])
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -41,9 +41,15 @@ from dualpath.bench.paper_cluster import (
     SNIC_BANDWIDTH_GBPS,
 )
 from dualpath.flags import positive_int
-from dualpath.options import add_json_argument
+from dualpath.options import (
+    add_engines_per_node_argument,
+    add_json_argument,
+    add_nodes_per_group_argument,
+    add_read_path_argument,
+    add_repeats_argument,
+    add_seed_argument,
+)
 from dualpath.scheduler import (
-    READ_PATHS,
     SCHEDULER_NAMES,
     EngineRole,
     EngineSnapshot,
@@ -331,23 +337,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engines", type=positive_int, default=1152, help="engines (GPUs) in total"
     )
-    parser.add_argument("--engines-per-node", type=positive_int, default=8)
-    parser.add_argument(
-        "--nodes-per-group",
-        type=positive_int,
-        default=None,
-        help="default 2; 1 with --wire (one leader per node: 144 leaders at 48P96D)",
+    add_engines_per_node_argument(parser, default=8)
+    add_nodes_per_group_argument(
+        parser, default=None, default_help="2; 1 with --wire (one leader per node: 144 at 48P96D)"
     )
     # Deep enough that setup and the last, part-empty fetches do not show in the rate.
     parser.add_argument(
         "--queue-depth", type=positive_int, default=100_000, help="requests to place"
     )
     parser.add_argument("--scheduler", default="dualpath", choices=SCHEDULER_NAMES)
-    parser.add_argument("--read-path", default="dual", choices=READ_PATHS)
-    parser.add_argument(
-        "--repeats", type=positive_int, default=3, help="runs of the same queue; best"
-    )
-    parser.add_argument("--seed", type=int, default=0)
+    add_read_path_argument(parser, default="dual")
+    add_repeats_argument(parser, default=3, reported="the best")
+    add_seed_argument(parser, what="queue's requests")
     add_json_argument(parser)
     scheduler_wire.add_arguments(parser)
 

@@ -25,7 +25,6 @@ arguments (``--vllm-arg``: the servers' command lines are the benchmark's) and
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +34,8 @@ from dualpath.bench.served_cluster import SERVED_MODEL_NAME, ServedCluster, Serv
 from dualpath.bench.spec import BLOCK_SIZE_TOKENS
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
-from dualpath.units import GIB, gb_to_bytes
+from dualpath.units import gb_to_bytes
+from dualpath.vllm_args import vllm_cpu_kv_memory
 
 if TYPE_CHECKING:
     from dualpath.bench.harness import ModeRun
@@ -68,6 +68,7 @@ def served_shape(run: ModeRun) -> ServedShape:
     dtype = config.torch_dtype  # serve's --dtype default
     layout = kv_layout(config, dtype, BLOCK_SIZE_TOKENS)
     kv_cache_bytes = gb_to_bytes(run.kv_cache_gb or DEFAULT_KV_CACHE_GB)
+    kv_cache_gib, num_gpu_blocks = vllm_cpu_kv_memory(kv_cache_bytes, layout.full_block_bytes)
     return ServedShape(
         nodes=run.nodes,
         mode=run.mode,
@@ -75,8 +76,8 @@ def served_shape(run: ModeRun) -> ServedShape:
         block_size=BLOCK_SIZE_TOKENS,
         dtype=dtype,
         max_model_len=config.max_position_embeddings,
-        kv_cache_gib=max(1, math.ceil(kv_cache_bytes / GIB)),
-        num_gpu_blocks=kv_cache_bytes // layout.full_block_bytes,
+        kv_cache_gib=kv_cache_gib,
+        num_gpu_blocks=num_gpu_blocks,
         snic_gbps=run.snic_bandwidth_gbps,
         cnic_gbps=run.cnic_bandwidth_gbps,
         transport=run.transport,

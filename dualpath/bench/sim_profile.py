@@ -43,7 +43,7 @@ import torch
 
 from dualpath.bench.process_cpu import process_cpu_s
 from dualpath.model.layerwise import LayerwiseModel, PackedBatch
-from dualpath.options import add_json_argument, add_model_argument
+from dualpath.options import add_json_argument, add_model_argument, add_threads_argument
 from dualpath.sim.local import nonnegative_fit
 
 PREFILL_GRID = tuple(
@@ -281,7 +281,7 @@ def measure_all(model_dir: Path, *, num_threads: int = 1) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_argument(parser, tiny=True)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (engines: 1)")
+    add_threads_argument(parser, default=1, default_help="1, as serve's engines")
     add_json_argument(parser, what="the profile", required=True)
     args = parser.parse_args(argv)
     from dualpath.model.default import resolve_model_dir

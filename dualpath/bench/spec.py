@@ -147,7 +147,7 @@ class VsVllmSpec:
     engine of ours and every vLLM instance gets."""
 
     run: RunSpec
-    kv_cache_gib: int = 1  # KV cache per engine and per vLLM instance (the single one: twice)
+    kv_cache_gb: float = 1.0  # KV cache per engine and per vLLM instance, GB (the single: twice)
     threads: int = 1  # threads per engine of ours (serve --threads)
     start_timeout_s: float = 600.0  # how long a vLLM instance may take to start
 

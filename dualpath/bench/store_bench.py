@@ -47,7 +47,12 @@ from dualpath.flags import positive_int
 from dualpath.kv.file_store import FileKVStore, block_file_path
 from dualpath.kv.hashing import block_keys, model_fingerprint
 from dualpath.kv.layout import KVLayout
-from dualpath.options import add_json_argument
+from dualpath.options import (
+    add_block_size_argument,
+    add_json_argument,
+    add_repeats_argument,
+    add_seed_argument,
+)
 from dualpath.units import GB
 
 logger = logging.getLogger(__name__)
@@ -321,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-blocks", type=positive_int, default=256, help="Full Blocks written and read back"
     )
-    parser.add_argument("--block-size", type=positive_int, default=64, help="tokens per Full Block")
+    add_block_size_argument(parser, default=64, default_help="64")
     parser.add_argument("--layers", type=positive_int, default=8, help="layers per Full Block")
     parser.add_argument(
         "--bytes-per-token-per-layer",
@@ -330,8 +335,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one token's KV in one layer (SmolLM2-135M in float32: 1536); the vLLM-shaped "
         "cache needs a multiple of 512 (float32 K+V heads of 64)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="the random blocks' seed")
-    parser.add_argument("--repeats", type=positive_int, default=3, help="timings per case; medians")
+    add_seed_argument(parser, what="random blocks")
+    add_repeats_argument(parser, default=3)
     add_json_argument(parser)
 
 

@@ -29,7 +29,12 @@ import numpy as np
 
 from dualpath.bench.hardware import hardware_info
 from dualpath.flags import positive_int
-from dualpath.options import add_json_argument
+from dualpath.options import (
+    add_json_argument,
+    add_repeats_argument,
+    add_seed_argument,
+    add_transport_argument,
+)
 from dualpath.transfer.transport import (
     TRANSPORT_KINDS,
     BufferDescriptor,
@@ -285,7 +290,7 @@ def _receive(conn: multiprocessing.connection.Connection) -> object:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transport", choices=TRANSPORT_KINDS, default="nixl")
+    add_transport_argument(parser)
     parser.add_argument(
         "--direction",
         choices=_DIRECTIONS,
@@ -303,8 +308,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="regions per write/read call (one layer's batch)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats; medians")
+    add_seed_argument(parser, what="random bytes moved")
+    add_repeats_argument(parser, default=5)
     add_json_argument(parser)
 
 

@@ -39,6 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dualpath.bench.arguments import add_preset_argument
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import (
     SERVED_MODEL_NAME,
@@ -62,18 +63,26 @@ from dualpath.bench.spec import (
     workload_spec,
 )
 from dualpath.bench.validity import mark_validity, mode_problems
-from dualpath.flags import positive_float, positive_int
+from dualpath.flags import positive_float
+from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import (
     add_clones_argument,
+    add_kv_cache_argument,
     add_max_sessions_argument,
     add_model_argument,
+    add_seed_argument,
+    add_threads_argument,
     add_trace_argument,
     add_trace_shape_arguments,
-    add_workload_seed_argument,
 )
-from dualpath.units import GIB
-from dualpath.vllm_args import add_vllm_arg_argument, check_vllm_args, check_vllm_installed
+from dualpath.units import gb_to_bytes
+from dualpath.vllm_args import (
+    add_vllm_arg_argument,
+    check_vllm_args,
+    check_vllm_installed,
+    vllm_cpu_kv_memory,
+)
 
 SYSTEMS = ("dualpath-1P1D", "dualpath-1P2D", "vllm-pd-1P1D", "vllm-pd-1P2D", "vllm-single")
 # The replay when no flag reshapes it: the first 6 real agentic-coding sessions, 12 turns each,
@@ -100,7 +109,7 @@ class VllmInstance:
     """One ``vllm.entrypoints.openai.api_server`` of a vLLM system."""
 
     cores: tuple[int, ...]
-    kv_cache_gib: int
+    kv_cache_bytes: int  # vLLM gets exactly the blocks these bytes hold (``vllm_cpu_kv_memory``)
     kv_transfer: bool  # with vLLM's NixlConnector (a P/D instance)
     side_channel_port: int
 
@@ -111,12 +120,21 @@ class VllmServer(ChildServer):
     name = "vLLM's api_server"
 
     def __init__(
-        self, model_dir: Path, instance: VllmInstance, *, max_model_len: int, log_path: Path
+        self,
+        model_dir: Path,
+        instance: VllmInstance,
+        *,
+        max_model_len: int,
+        full_block_bytes: int,
+        log_path: Path,
     ) -> None:
+        kv_cache_gib, self.num_kv_blocks = vllm_cpu_kv_memory(
+            instance.kv_cache_bytes, full_block_bytes
+        )
         super().__init__(
             log_path=log_path,
             env={
-                "VLLM_CPU_KVCACHE_SPACE": str(instance.kv_cache_gib),
+                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                 "VLLM_CPU_OMP_THREADS_BIND": _core_set(list(instance.cores)),
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(instance.side_channel_port),
             },
@@ -132,6 +150,7 @@ class VllmServer(ChildServer):
             "--served-model-name", SERVED_MODEL_NAME,
             "--dtype", "float32",
             "--block-size", str(BLOCK_SIZE_TOKENS),
+            "--num-gpu-blocks-override", str(self.num_kv_blocks),
             "--max-model-len", str(self.max_model_len),
             "--enforce-eager",
             "--enable-prefix-caching",
@@ -186,30 +205,38 @@ def run_vllm_system(
     *,
     model_dir: Path,
     max_model_len: int,
-    kv_cache_gib: int,
+    kv_cache_bytes: int,
     work_dir: Path,
     start_timeout_s: float,
 ) -> dict:
     """Serve ``system`` with vLLM alone, replay ``workload`` against it, return its figures."""
     num_cores = os.cpu_count() or 1
     log_dir = work_dir / f"logs-{system}"
+    config = read_config(model_dir / "config.json")
+    full_block_bytes = kv_layout(config, "float32", BLOCK_SIZE_TOKENS).full_block_bytes
     servers: dict[str, ChildServer] = {}
-    if system == "vllm-single":
-        instance = VllmInstance(tuple(range(num_cores)), 2 * kv_cache_gib, False, 0)
-        servers["single"] = VllmServer(
-            model_dir, instance, max_model_len=max_model_len, log_path=log_dir / "single.log"
+
+    def server(instance: VllmInstance, role: str) -> VllmServer:
+        return VllmServer(
+            model_dir,
+            instance,
+            max_model_len=max_model_len,
+            full_block_bytes=full_block_bytes,
+            log_path=log_dir / f"{role}.log",
         )
+
+    if system == "vllm-single":
+        instance = VllmInstance(tuple(range(num_cores)), 2 * kv_cache_bytes, False, 0)
+        servers["single"] = server(instance, "single")
     else:
         num_prefill, num_decode = _nodes(system)
         if num_prefill != 1:
             raise ValueError(f"{system}: the proxy fronts one prefill instance")
         for i, role in enumerate(["prefill", *(f"decode-{d}" for d in range(num_decode))]):
             instance = VllmInstance(
-                (i % num_cores,), kv_cache_gib, True, NIXL_SIDE_CHANNEL_BASE_PORT + i
+                (i % num_cores,), kv_cache_bytes, True, NIXL_SIDE_CHANNEL_BASE_PORT + i
             )
-            servers[role] = VllmServer(
-                model_dir, instance, max_model_len=max_model_len, log_path=log_dir / f"{role}.log"
-            )
+            servers[role] = server(instance, role)
     with contextlib.ExitStack() as stack:
         for server in servers.values():
             server.launch()
@@ -242,9 +269,8 @@ def run_dualpath_system(system: str, workload, spec: VsVllmSpec, work_dir: Path)
         read_path="pe",
         engine="vllm",
         vllm_args=tuple(sorted(spec.run.engine.vllm_args)),
-        # serve's GB are 1e9 bytes; a vLLM engine gets whole GiB of them.
         extra_serve_args=(
-            *("--kv-cache-gb", f"{spec.kv_cache_gib * GIB / 1e9 + 1e-6:.6f}"),
+            *("--kv-cache-gb", f"{spec.kv_cache_gb:g}"),
             *("--threads", str(spec.threads)),
         ),
     )
@@ -267,7 +293,7 @@ def compare(spec: VsVllmSpec, workload, work_dir: Path) -> dict:
                 workload,
                 model_dir=model_dir,
                 max_model_len=config.max_position_embeddings,
-                kv_cache_gib=spec.kv_cache_gib,
+                kv_cache_bytes=gb_to_bytes(spec.kv_cache_gb),
                 work_dir=work_dir,
                 start_timeout_s=spec.start_timeout_s,
             )
@@ -300,10 +326,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "token agreement is counted against the first",
     )
     add_model_argument(parser)
-    parser.add_argument(
-        "--preset", default="agentic", choices=sorted(PRESETS), help="workload (default agentic)"
-    )
-    add_workload_seed_argument(parser)
+    add_preset_argument(parser, default="agentic")
+    add_seed_argument(parser)
     add_trace_argument(parser)
     max_sessions, clones = DEFAULT_SHAPE["max_sessions"], DEFAULT_SHAPE["clones"]
     add_max_sessions_argument(parser, default=max_sessions, default_help=str(max_sessions))
@@ -317,19 +341,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         },
     )
     add_clones_argument(parser, default=clones, default_help=str(clones))
-    parser.add_argument(
-        "--kv-cache-gb",
-        type=positive_int,
-        default=1,
-        help="KV cache per engine and per vLLM instance, GiB (default 1; the single instance "
-        "gets twice this)",
+    add_kv_cache_argument(
+        parser,
+        default=1.0,
+        default_help="1",
+        detail=" and per vLLM instance (the single instance gets twice this): vLLM's "
+        "--num-gpu-blocks-override of that many bytes' blocks, in as many whole GiB of "
+        "VLLM_CPU_KVCACHE_SPACE as it takes (an integer in vLLM 0.32), as serve --engine "
+        "vllm sizes its engines",
     )
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
+    add_threads_argument(
+        parser,
         default=1,
-        help="threads per engine of ours (serve --threads; engine e on cores e*threads ...: "
-        "with as many threads as cores every engine may use every core) (default 1)",
+        default_help="1",
+        detail=" of ours (serve --threads; engine e on cores e*threads ...: with as many "
+        "threads as cores every engine may use every core)",
     )
     parser.add_argument(
         "--start-timeout-s",
@@ -364,7 +390,7 @@ def main(args: argparse.Namespace) -> int:
         "preset": args.preset,
         "seed": args.seed,
         "model": str(spec.run.model_dir),
-        "kv_cache_gib_per_engine": spec.kv_cache_gib,
+        "kv_cache_gb_per_engine": spec.kv_cache_gb,
         "threads_per_engine": spec.threads,
         # Set for every process the benchmark starts (OpenMP's idle threads spin or sleep).
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -387,7 +413,7 @@ def vs_vllm_spec(args: argparse.Namespace, model_dir: Path) -> VsVllmSpec:
             engine=EngineSpec(engine="vllm", vllm_args=tuple(dict(args.vllm_arg or ()).items())),
             output=output_spec(args),
         ),
-        kv_cache_gib=args.kv_cache_gb,
+        kv_cache_gb=args.kv_cache_gb,
         threads=args.threads,
         start_timeout_s=args.start_timeout_s,
     )

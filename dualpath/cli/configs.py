@@ -139,11 +139,30 @@ def _read_engine_config(source: str):  # -> EngineProcessConfig
 
 
 def _engine_config_from_flags(args: argparse.Namespace):
+    model_dir = resolve_model_dir(args.model)
     return engine_process_from_flags(
         args,
-        model_dir=resolve_model_dir(args.model),
-        engine=engine_config(args, args.dtype or "float32"),
+        model_dir=model_dir,
+        engine=engine_config(args, args.dtype or "float32", model_dir),
     )
+
+
+def resolve_block_size(block_size: int | None, engine: str, model_dir: Path) -> int:
+    """``--block-size``, or without it the size an engine of kind ``engine`` takes for the
+    checkpoint in ``model_dir`` (``vllm_args.engines_block_size``: 16 for an MLA model on
+    vLLM's CPU build, else 64), logged so that a run says which it got."""
+    if block_size is not None:
+        return block_size
+    if engine != "vllm":  # no need to read the checkpoint: ours takes 64 for every model
+        from dualpath.config import EngineConfig
+
+        return EngineConfig().block_size_tokens
+    from dualpath.model.registry import read_config
+    from dualpath.vllm_args import engines_block_size
+
+    resolved = engines_block_size(engine, read_config(Path(model_dir) / "config.json"))
+    logger.info("--block-size not given: %d tokens per KV block, vLLM's for this model", resolved)
+    return resolved
 
 
 def engine_process_from_flags(args: argparse.Namespace, *, model_dir: Path, engine, url: str = ""):
@@ -184,26 +203,30 @@ def engine_process_from_flags(args: argparse.Namespace, *, model_dir: Path, engi
             heartbeat_timeout_s=args.heartbeat_timeout_s,
         ),
         scheduler=SchedulerConfig(
-            block_size_tokens=args.block_size, min_prefill_chunk_tokens=args.block_size, **quota
+            block_size_tokens=engine.block_size_tokens,
+            min_prefill_chunk_tokens=engine.block_size_tokens,
+            **quota,
         ),
         transport=args.transport,
         url=url,
     )
 
 
-def engine_config(args: argparse.Namespace, dtype: str):  # -> EngineConfig
+def engine_config(args: argparse.Namespace, dtype: str, model_dir: Path):  # -> EngineConfig
     """The engines' config from the engine flags (``options.add_engine_arguments`` and the
-    KV cache and batch sizes), with ``dtype`` resolved by the caller: ``serve`` reads the
-    checkpoint's, ``engine`` defaults to float32."""
+    KV cache and batch sizes) for the checkpoint in ``model_dir``, with ``dtype`` resolved by
+    the caller (``serve`` reads the checkpoint's, ``engine`` defaults to float32) and the
+    block size here (``resolve_block_size``)."""
     from dualpath.config import EngineConfig
 
+    kind = engine_kind_args(args)
     return EngineConfig(
-        block_size_tokens=args.block_size,
+        block_size_tokens=resolve_block_size(args.block_size, kind["engine"], model_dir),
         device=args.device,
         dtype=dtype,
         kv_cache_bytes=gb_to_bytes(args.kv_cache_gb),
         max_model_len=args.max_model_len,
         num_threads=args.threads,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        **engine_kind_args(args),
+        **kind,
     )

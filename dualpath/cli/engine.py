@@ -34,6 +34,28 @@ def _control_endpoint(text: str) -> str:
     return text
 
 
+def add_engine_identity_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
+    """``--role``, ``--scheduler``, ``--engine-id`` and ``--node-id``: which engine of a
+    cluster a process is, and where it joins (``dualpath engine``, ``dualpath vllm-config``)."""
+    p.add_argument("--role", choices=("prefill", "decode"), required=required, help="PE or DE")
+    p.add_argument(
+        "--scheduler",
+        type=_control_endpoint,
+        required=required,
+        help="the scheduler's control endpoint, tcp://HOST:PORT (dualpath serve "
+        "--scheduler-endpoint)",
+    )
+    p.add_argument(
+        "--engine-id",
+        type=non_negative_int,
+        required=required,
+        help="this engine's id in the topology",
+    )
+    p.add_argument(
+        "--node-id", type=non_negative_int, required=required, help="the node it belongs to"
+    )
+
+
 def add_engine(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "engine",
@@ -66,17 +88,7 @@ def add_engine(sub: argparse._SubParsersAction) -> None:
         "after crashes; never after a refused configuration (default on; --no-restart: run "
         "the engine in this process, exit 3 when the scheduler is lost)",
     )
-    p.add_argument("--role", choices=("prefill", "decode"), default=None, help="PE or DE")
-    p.add_argument(
-        "--scheduler",
-        type=_control_endpoint,
-        default=None,
-        help="the scheduler's control endpoint, tcp://HOST:PORT",
-    )
-    p.add_argument(
-        "--engine-id", type=non_negative_int, default=None, help="this engine's id in the topology"
-    )
-    p.add_argument("--node-id", type=non_negative_int, default=None, help="the node it belongs to")
+    add_engine_identity_arguments(p, required=False)
     add_mode_argument(p)
     add_transport_argument(p)
     add_link_cap_arguments(p)

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from dualpath.cli.configs import store_config
+from dualpath.cli.configs import resolve_block_size, store_config
 from dualpath.flags import positive_int
 from dualpath.home import default_kv_store_dir
 from dualpath.model.default import resolve_model_dir
@@ -37,9 +37,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as comma-separated token ids")
-    p.add_argument(
-        "--max-tokens", type=int, default=16, help="tokens to generate, > 0 (default 16)"
-    )
+    _add_max_tokens_argument(p, default=16)
     p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence before this")
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples"
@@ -61,15 +59,16 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 def _build_llm(args: argparse.Namespace, model_dir: Path | None = None):  # -> LLM
     kv_store = None if args.no_kv_store else (args.kv_store or default_kv_store_dir())
     store = store_config(kv_store, args.kv_store_capacity_gb)
+    model_dir = model_dir or resolve_model_dir(args.model)
     from dualpath.engine.llm import LLM  # lazy (torch): keeps --help and refusals fast
 
     return LLM(
-        model_dir or resolve_model_dir(args.model),
+        model_dir,
         kv_store=kv_store,
         kv_store_capacity_bytes=store.capacity_bytes,
         device=args.device,
         dtype=args.dtype,
-        block_size=args.block_size,
+        block_size=resolve_block_size(args.block_size, "native", model_dir),
         max_model_len=args.max_model_len,
         num_threads=args.threads,
     )
@@ -97,7 +96,7 @@ def _build_vllm_llm(args: argparse.Namespace):  # -> VllmLLM
         kv_store=kv_store,
         kv_store_capacity_bytes=store.capacity_bytes,
         dtype=args.dtype,
-        block_size=args.block_size,
+        block_size=resolve_block_size(args.block_size, "vllm", model_dir),
         max_model_len=args.max_model_len,
         num_threads=args.threads,
         vllm_args=kind["vllm_args"],
@@ -112,12 +111,19 @@ def _refuse_vllm_engine(args: argparse.Namespace, command: str) -> None:
         )
 
 
+def _add_max_tokens_argument(p: argparse.ArgumentParser, *, default: int) -> None:
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=default,
+        help=f"tokens to generate per answer at most (default {default})",
+    )
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from dualpath.types import SamplingParams
 
     engine_kind_args(args)  # --vllm-arg without --engine vllm, or reserved ones: refused
-    if args.max_tokens <= 0:
-        raise ValueError(f"--max-tokens must be > 0, got {args.max_tokens}")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         min_tokens=args.min_tokens,
@@ -174,12 +180,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
         default=4,
         help=f"turns to run, <= {len(DEMO_TURNS)} (default 4)",
     )
-    p.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=48,
-        help="tokens per answer at most (default 48)",
-    )
+    _add_max_tokens_argument(p, default=48)
     p.set_defaults(func=_run_demo)
 
 

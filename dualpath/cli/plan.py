@@ -8,6 +8,7 @@ from dualpath.flags import positive_int
 from dualpath.options import (
     add_jobs_argument,
     add_json_argument,
+    add_mode_argument,
     add_no_progress_argument,
     add_profile_arguments,
     add_simulated_workload_arguments,
@@ -27,7 +28,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         "--total-nodes", type=positive_int, default=3, help="nodes to split into P and D"
     )
     add_simulated_workload_arguments(p, num_agents=256)
-    p.add_argument("--mode", default="dualpath", help="mode to plan for (default dualpath)")
+    add_mode_argument(p, what="mode to plan for")
     add_jobs_argument(p, "the candidate shapes")
     add_json_argument(
         p,

@@ -67,7 +67,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             None if s.no_kv_store else (s.kv_store or default_kv_store_dir()),
             s.kv_store_capacity_gb,
         ),
-        engine=engine_config(s, dtype),
+        engine=engine_config(s, dtype, model_dir),
         transport=s.transport,
         prefill_tokens_per_s=s.prefill_tokens_per_s,
         attention_quota_s=s.attention_quota_s,
@@ -84,6 +84,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     print(
         f"dualpath serve: model {server_config.served_model_name!r} on {url}; engines joining "
         f"the scheduler at {cluster.coordinator.endpoint} (GET /health turns 200 when ready); "
+        f"KV blocks of {cluster.engine_config.block_size_tokens} tokens; "
         f"{_store_summary(cluster.store_config)}; engine logs in {cluster.log_dir}",
         file=sys.stderr,
         flush=True,

@@ -22,9 +22,15 @@ from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.options import (
     add_attention_quota_argument,
     add_engine_memory_arguments,
+    add_engines_per_node_argument,
     add_heartbeat_argument,
     add_link_cap_arguments,
+    add_listen_arguments,
+    add_max_prompt_tokens_argument,
     add_mode_argument,
+    add_nodes_argument,
+    add_nodes_per_group_argument,
+    add_read_path_argument,
     add_transport_argument,
 )
 from dualpath.server.config import GENERATION_CONFIG_MODES
@@ -37,16 +43,6 @@ _NOT_IN_FILE = ("config", "help")
 _VLLM_ARGS_KEYS = ("vllm_args", "vllm_arg")
 
 
-def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from exc
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``serve`` flag except the engine ones ``dualpath.options.add_engine_arguments`` adds."""
     p.add_argument(
@@ -56,12 +52,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "underscores); flags on the command line win",
     )
     http = p.add_argument_group("HTTP API")
-    http.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1, loopback only; 0.0.0.0 for every interface)",
-    )
-    http.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
+    add_listen_arguments(http)
     http.add_argument(
         "--served-model-name",
         default=None,
@@ -85,12 +76,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=8 << 20,
         help="largest request body; larger ones get 413 (default 8388608)",
     )
-    http.add_argument(
-        "--max-prompt-tokens",
-        type=positive_int,
-        default=None,
-        help="longest prompt in tokens (default: the context length minus one)",
-    )
+    add_max_prompt_tokens_argument(http)
     http.add_argument(
         "--generation-config",
         choices=GENERATION_CONFIG_MODES,
@@ -111,30 +97,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
-    from dualpath.config import READ_PATHS
 
-    group.add_argument(
-        "--nodes",
-        default="1P2D",
-        help="cluster shape: prefill and decode nodes, e.g. 2P4D (default 1P2D)",
-    )
-    group.add_argument(
-        "--engines-per-node", type=positive_int, default=1, help="engines per node (default 1)"
-    )
-    group.add_argument(
-        "--nodes-per-group",
-        type=positive_int,
-        default=1,
-        help="nodes per engine group, which fetch work together (default 1)",
-    )
+    add_nodes_argument(group, default="1P2D")
+    add_engines_per_node_argument(group, default=1)
+    add_nodes_per_group_argument(group, default=1)
     add_mode_argument(group)
-    group.add_argument(
-        "--read-path",
-        choices=READ_PATHS,
-        default=None,
-        help="force one read path for every request (pe, de, split, dual, round_robin: the "
-        "sides in turn); default: the mode's",
-    )
+    add_read_path_argument(group)
     add_link_cap_arguments(group)
     group.add_argument(
         "--host-memory-gbps",

@@ -8,10 +8,16 @@ from pathlib import Path
 
 from dualpath.flags import positive_float
 from dualpath.options import (
+    DEFAULT_MODES,
+    add_attention_quota_argument,
     add_jobs_argument,
     add_json_argument,
+    add_modes_argument,
     add_no_progress_argument,
+    add_nodes_argument,
     add_profile_arguments,
+    add_read_path_argument,
+    add_seed_argument,
     add_simulated_workload_arguments,
     add_trace_argument,
     add_trace_shape_arguments,
@@ -20,7 +26,6 @@ from dualpath.options import (
 
 
 def add_simulate(sub: argparse._SubParsersAction) -> None:
-    from dualpath.config import MODES, READ_PATHS
 
     p = sub.add_parser(
         "simulate",
@@ -71,10 +76,8 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     add_simulated_workload_arguments(p, num_agents=1024)
     add_profile_arguments(p, default_model="deepseek-v3.2-660b", what="free-form runs")
-    p.add_argument("--nodes", default="2P4D", help="cluster shape, e.g. 2P4D (default)")
-    p.add_argument(
-        "--modes", default="basic,dualpath,oracle", help=f"comma-separated, from {', '.join(MODES)}"
-    )
+    add_nodes_argument(p, default="2P4D")
+    add_modes_argument(p, default=DEFAULT_MODES)
     add_trace_argument(p)
     add_trace_shape_arguments(
         p,
@@ -89,13 +92,7 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
         "SLO (TTFT <= 4 s, TPOT <= 50 ms), searched as the online-capacity experiment does; "
         "a trace's sessions arrive as a Poisson process, round robin as copies",
     )
-    p.add_argument(
-        "--read-path",
-        choices=READ_PATHS,
-        default=None,
-        help="free-form runs: force every mode's read side (split: each request's blocks on "
-        "both sides; default: each mode's own)",
-    )
+    add_read_path_argument(p, where="free-form runs: ")
     p.add_argument(
         "--frontend-rps",
         type=positive_float,
@@ -104,20 +101,17 @@ def add_simulate(sub: argparse._SubParsersAction) -> None:
         "the whole cluster (default: the hardware profile's, 10000 on hopper-8x400); matters "
         "when many agents start together",
     )
-    p.add_argument(
-        "--attention-quota-s",
-        type=positive_float,
-        default=None,
-        help="free-form runs: the PE compute quota, predicted seconds of one attention layer "
-        "per prefill batch (default SPEC §6's 0.3); 0.3 / 61 reads the quota as a whole "
-        "DeepSeek-V3.2 forward instead (docs/simulator-analysis.md, 'ping-pong')",
+    add_attention_quota_argument(
+        p,
+        default_help="SPEC §6's 0.3",
+        where="free-form runs: ",
+        detail="; 0.3 / 61 reads the quota as a whole DeepSeek-V3.2 forward instead "
+        "(docs/simulator-analysis.md, 'ping-pong')",
     )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="workload seed (default 0) of a free-form run or of every run of --experiment "
-        "(except fidelity): the paper checks were made on 0, and the fitted one was fitted on it",
+    add_seed_argument(
+        p,
+        detail=", of a free-form run or of every run of --experiment (except fidelity): the "
+        "paper checks were made on 0, and the fitted one was fitted on it",
     )
     add_json_argument(p, what="runs and checks")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from dualpath.cli.engine import _control_endpoint
-from dualpath.flags import non_negative_int, positive_float, positive_int
+from dualpath.cli.engine import add_engine_identity_arguments
 from dualpath.options import (
+    ENGINES_BLOCK_SIZE_HELP,
+    add_block_size_argument,
+    add_buffer_argument,
+    add_dtype_argument,
     add_heartbeat_argument,
     add_link_cap_arguments,
     add_mode_argument,
@@ -41,18 +44,7 @@ def add_vllm_config(sub: argparse._SubParsersAction) -> None:
         "other than the ones given here is refused when the server starts, naming the vLLM "
         "flag to pass. The package must be importable by the server's Python.",
     )
-    p.add_argument("--role", choices=("prefill", "decode"), required=True, help="PE or DE")
-    p.add_argument(
-        "--engine-id", type=non_negative_int, required=True, help="this engine's id in the topology"
-    )
-    p.add_argument("--node-id", type=non_negative_int, required=True, help="the node it belongs to")
-    p.add_argument(
-        "--scheduler",
-        type=_control_endpoint,
-        required=True,
-        help="the scheduler's control endpoint, tcp://HOST:PORT (dualpath serve "
-        "--scheduler-endpoint)",
-    )
+    add_engine_identity_arguments(p, required=True)
     p.add_argument(
         "--url",
         type=_http_url,
@@ -60,26 +52,13 @@ def add_vllm_config(sub: argparse._SubParsersAction) -> None:
         help="this vLLM server's base URL as the front door reaches it, http://HOST:PORT",
     )
     add_store_arguments(p)
-    p.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=64,
-        help="tokens per KV block, the store's and vLLM's (default 64; pass the same "
-        "--block-size to vLLM and to dualpath serve)",
+    add_block_size_argument(
+        p,
+        default_help=f"{ENGINES_BLOCK_SIZE_HELP}; decided when the server starts, from its "
+        "model. Pass vLLM the same --block-size, and dualpath serve too",
     )
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="the KV dtype, the store's and vLLM's (default float32; pass the same --dtype "
-        "to vLLM)",
-    )
-    p.add_argument(
-        "--buffer-gb",
-        type=positive_float,
-        default=None,
-        help="this engine's host KV buffer, GB (default: two requests of vLLM's context)",
-    )
+    add_dtype_argument(p, default="float32", default_help="float32; pass vLLM the same --dtype")
+    add_buffer_argument(p, default_help="two requests of vLLM's context")
     add_mode_argument(p)
     add_transport_argument(p)
     add_link_cap_arguments(p)
@@ -95,10 +74,13 @@ def vllm_engine_config(args: argparse.Namespace):  # -> EngineProcessConfig
     from dualpath.cli.configs import engine_process_from_flags
     from dualpath.config import EngineConfig
 
+    # Without --block-size, EngineConfig's stands in here; the printed configuration leaves it
+    # out, and the server takes its model's when it starts (_print_config).
+    block_size = {} if args.block_size is None else {"block_size_tokens": args.block_size}
     return engine_process_from_flags(
         args,
         model_dir=Path("."),  # vLLM's --model, set by the connector
-        engine=EngineConfig(block_size_tokens=args.block_size, dtype=args.dtype, engine="vllm"),
+        engine=EngineConfig(dtype=args.dtype, engine="vllm", **block_size),
         url=args.url,
     )
 
@@ -106,6 +88,8 @@ def vllm_engine_config(args: argparse.Namespace):  # -> EngineProcessConfig
 def _print_config(args: argparse.Namespace) -> int:
     from dualpath.vllm_args import served_kv_transfer_config
 
-    config = served_kv_transfer_config(vllm_engine_config(args))
+    config = served_kv_transfer_config(
+        vllm_engine_config(args), has_block_size=args.block_size is not None
+    )
     print(json.dumps(config, separators=(",", ":")))
     return 0
