@@ -89,6 +89,7 @@ from dualpath.bench.spec import (
 )
 from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.config import MODES
+from dualpath.engine.capacity import num_device_blocks_needed
 from dualpath.model.identity import kv_facts, kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import add_clones_argument
@@ -250,9 +251,12 @@ def engines_kv_cache_gb(
         return None, None
     config = read_config(Path(model_dir) / "config.json")
     layout = kv_layout(config, KV_DTYPE, BLOCK_SIZE_TOKENS)
-    # The servers run the model's whole context (no --max-model-len), and an engine refuses to
-    # start without the blocks of one such request (``capacity.check_device_cache``).
-    num_blocks = -(-config.max_position_embeddings // layout.block_size_tokens)
+    # The servers run the model's whole context (no --max-model-len), and a vLLM engine refuses
+    # to start without the blocks of one such request and its null block
+    # (``capacity.num_device_blocks_needed``).
+    num_blocks = num_device_blocks_needed(
+        layout.block_size_tokens, config.max_position_embeddings, engine="vllm"
+    )
     size_gb = engine_kv_cache_gb(
         workload,
         fraction=preset.engine_kv_fraction,

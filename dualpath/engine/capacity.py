@@ -24,6 +24,12 @@ from dualpath.units import GB
 # one filling (its reads, the PE's layers) while the one before it is taken up.
 NUM_MAX_CONTEXT_REQUESTS = 2
 
+# vLLM 0.32 keeps block 0 of its pool back as the null block (vllm/v1/core/block_pool.py:187),
+# and its start check plans one request of the whole context against the other blocks
+# (vllm/v1/core/kv_cache_utils.py:2627-2648, get_kv_cache_configs): a vLLM engine needs one
+# block more than ours.
+VLLM_NUM_NULL_BLOCKS = 1
+
 
 def check_capacity(
     cluster: ClusterConfig, engine: EngineConfig, layout: KVLayout, max_model_len: int
@@ -48,6 +54,7 @@ def check_capacity(
         max_model_len,
         what=what,
         block_bytes=layout.full_block_bytes,
+        engine=engine.engine,
     )
 
 
@@ -92,16 +99,31 @@ def buffer_capacity_bytes(
     return configured_bytes
 
 
+def num_device_blocks_needed(block_size_tokens: int, max_model_len: int, *, engine: str) -> int:
+    """Device KV blocks an engine of kind ``engine`` ("native" or "vllm") must have to start:
+    one request of the whole context (prompt + output = ``max_model_len`` tokens), and on
+    vLLM its null block (``VLLM_NUM_NULL_BLOCKS``), as vLLM's own start check counts them."""
+    num_request_blocks = -(-max_model_len // block_size_tokens)
+    return num_request_blocks + (VLLM_NUM_NULL_BLOCKS if engine == "vllm" else 0)
+
+
 def check_device_cache(
-    num_blocks: int, block_size_tokens: int, max_model_len: int, *, what: str, block_bytes: int
+    num_blocks: int,
+    block_size_tokens: int,
+    max_model_len: int,
+    *,
+    what: str,
+    block_bytes: int,
+    engine: str = "native",
 ) -> None:
-    """``ValueError`` naming ``what`` unless ``num_blocks`` device KV blocks hold one request
-    of the whole context (prompt + output = ``max_model_len`` tokens)."""
-    num_needed = -(-max_model_len // block_size_tokens)
+    """``ValueError`` naming ``what`` unless ``num_blocks`` device KV blocks are enough for an
+    engine of kind ``engine`` to start (``num_device_blocks_needed``)."""
+    num_needed = num_device_blocks_needed(block_size_tokens, max_model_len, engine=engine)
     if num_blocks < num_needed:
+        null_block = " and vLLM's null block" if engine == "vllm" else ""
         raise ValueError(
             f"{what} holds {num_blocks} KV blocks of {block_bytes:,} bytes, but one request of "
-            f"the model's {max_model_len:,}-token context needs {num_needed} "
+            f"the model's {max_model_len:,}-token context{null_block} needs {num_needed} "
             f"({_gb_up(num_needed * block_bytes)} GB): give at least that, or a shorter "
             "--max-model-len"
         )

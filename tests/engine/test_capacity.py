@@ -10,6 +10,7 @@ from dualpath.engine.capacity import (
     buffer_capacity_bytes,
     check_capacity,
     max_request_slots,
+    num_device_blocks_needed,
     role_buffer_bytes,
 )
 from dualpath.kv.layout import KVLayout
@@ -65,3 +66,23 @@ def test_each_role_gets_its_own_buffer_size() -> None:
     cluster = ClusterConfig(decode_buffer_bytes=1 << 30)
     assert role_buffer_bytes(cluster, "decode", SMOLLM2, 8192) == 1 << 30
     assert role_buffer_bytes(cluster, "prefill", SMOLLM2, 8192) == 754_974_720
+
+
+def test_a_vllm_engine_needs_its_null_block_too() -> None:
+    """vLLM 0.32 holds block 0 back (BlockPool's null block) and checks the whole context
+    against the rest: serve --engine vllm --kv-cache-gb 0.38 (128 blocks) passed our check, then
+    every engine exited with vLLM's refusal. Now it is refused here, naming the minimum; the
+    minimum (129 blocks, 0.381 GB) starts."""
+    assert num_device_blocks_needed(64, 8192, engine="native") == 128
+    assert num_device_blocks_needed(64, 8192, engine="vllm") == 129
+    check_capacity(ClusterConfig(), EngineConfig(kv_cache_bytes=380_000_000), SMOLLM2, 8192)
+    refused = EngineConfig(kv_cache_bytes=380_000_000, engine="vllm")  # 128 blocks
+    with pytest.raises(ValueError) as error:
+        check_capacity(ClusterConfig(), refused, SMOLLM2, 8192)
+    assert str(error.value) == (
+        "the device KV cache (--kv-cache-gb, EngineConfig.kv_cache_bytes) holds 128 KV blocks of "
+        "2,949,120 bytes, but one request of the model's 8,192-token context and vLLM's null "
+        "block needs 129 (0.381 GB): give at least that, or a shorter --max-model-len"
+    )
+    minimum = EngineConfig(kv_cache_bytes=381_000_000, engine="vllm")  # 129 blocks
+    check_capacity(ClusterConfig(), minimum, SMOLLM2, 8192)
