@@ -97,3 +97,23 @@ def test_a_bad_address_is_a_usage_error(capsys, flag: str, value: str) -> None:
     flags[flags.index(flag) + 1] = value
     code, _, err = run_cli(capsys, *flags)
     assert code == 2 and "expected" in err, err
+
+
+def test_serve_and_engine_resolve_the_block_size_where_the_configs_are_built(
+    tiny_model_dir: Path, tiny_deepseek_v3_dir: Path
+) -> None:
+    """No --block-size: 64 on our engine and on vLLM for a dense model, 16 for MLA on vLLM's
+    CPU build; an explicit other size there is still refused by name."""
+    from dualpath.cli.configs import resolve_block_size
+    from dualpath.config import ClusterConfig, EngineConfig
+    from dualpath.model.registry import read_config
+    from dualpath.vllm_args import check_engine_kind
+
+    assert resolve_block_size(None, "native", tiny_deepseek_v3_dir) == 64
+    assert resolve_block_size(None, "vllm", tiny_model_dir) == 64
+    assert resolve_block_size(None, "vllm", tiny_deepseek_v3_dir) == 16
+    assert resolve_block_size(32, "vllm", tiny_deepseek_v3_dir) == 32
+    mla = read_config(tiny_deepseek_v3_dir / "config.json")
+    check_engine_kind(ClusterConfig(), EngineConfig(engine="vllm", block_size_tokens=16), mla)
+    with pytest.raises(ValueError, match="--block-size 64 is refused"):
+        check_engine_kind(ClusterConfig(), EngineConfig(engine="vllm"), mla)
