@@ -4,8 +4,10 @@ left in the server and its store):
 
 - ``TestFirstServer`` (1P2D, ``--read-path pe``, a new store): token-id prompts of 300-4,000
   tokens give plain vLLM's greedy tokens (its own `LLM`, no connector) cold and warm; a chat's
-  turn 2 finds turn 1 in the store; a decode engine SIGKILLed while 8 streams decode: every
-  stream goes on elsewhere with plain vLLM's tokens, and the engine is started again and rejoins.
+  turn 2 finds turn 1 in the store; a new 4,000-token prompt prefilled while two busy processes
+  load both cores declares no engine dead and gives plain vLLM's tokens; a decode engine
+  SIGKILLed while 8 streams decode: every stream goes on elsewhere with plain vLLM's tokens, and
+  the engine is started again and rejoins.
 - ``TestRestartedServer`` (1P2D, ``--read-path de``, the first server's store): its new engines
   hold nothing, so every hit of the same prompts is read from the store, once, with the same
   tokens; 8 conversations of 3 turns (``Conversations``) with every hit read on the DE side
@@ -19,7 +21,8 @@ left in the server and its store):
 
 Every read path gives the conversations the same tokens, and plain vLLM's; on every path the
 two sides' reads plus the hit KV the PE's vLLM still held (not read again) are exactly the
-cached tokens' KV. A first difference from plain vLLM is accepted only where its top two tokens
+cached tokens' KV. Every server runs at serve's default heartbeat timeout (10 s): an engine in
+one long step is kept alive by its heartbeat thread. A first difference from plain vLLM is accepted only where its top two tokens
 were within 1e-3 in logprob (vLLM need not be bit-exact between a cached and an uncached
 prefill), and counted. Fault strikes wait until the engine is seen holding requests
 (``tests/faults/strike.py``: sure to hit one, on any machine); every wait is a hang guard.
@@ -27,7 +30,11 @@ prefill), and counted. Fault strikes wait until the engine is seen holding reque
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,10 +55,7 @@ SHORT_CONTEXT = 1280  # the conversations' and the quota batches' prompts + outp
 BLOCK = 64
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x K,V x heads x dims
 HANG_GUARD_S = 600
-# A vLLM engine reports to the scheduler between its steps: one 4,000-token prefill on 2 cores
-# beside another 2-core job outlasted serve's 10 s default (11.1 s: the PE was declared dead).
-# No test waits on it: an engine that exits is declared dead at once.
-HEARTBEAT_TIMEOUT_S = 120
+DEATHS_SERIES = "dualpath_engine_deaths_total"
 READ_SERIES = "dualpath_read_path_bytes_total"
 HELD_SERIES = "dualpath_engine_cached_bytes_total"
 
@@ -71,7 +75,6 @@ def _serve(
     model_dir: Path, root: Path, nodes: str, read_path: str, *extra_args: str
 ) -> Iterator[Server]:
     args = ("--engine", "vllm", "--nodes", nodes, "--read-path", read_path)
-    args += ("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))
     args += ("--max-model-len", str(CONTEXT), *extra_args)  # a later flag wins
     with start_server(model_dir, root, *args) as server:
         yield server
@@ -329,10 +332,67 @@ class TestFirstServer:
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert first.usage.prompt_tokens > 1000 and cached >= 0.9 * turn_one, (cached, turn_one)
 
+    def test_a_long_prefill_beside_a_busy_neighbour_declares_no_engine_dead(
+        self, server: Server, plain_vllm: PlainVllm
+    ) -> None:
+        """Two processes spin on both cores while the PE's vLLM prefills a new 4,000-token
+        prompt: its one step may outlast the 10 s heartbeat timeout (11.1 s beside one 2-core
+        job declared the PE dead before engines had a heartbeat thread); it is busy, not
+        dead."""
+        prompt = np.random.default_rng(4000).integers(100, 40_000, 4000).tolist()
+        (reference,) = plain_vllm.generate([(prompt, MAX_TOKENS)])  # before the load
+        deaths_before = _engine_deaths(server)
+        busy_steps_s = _BusyWatch(server)
+        spin = [sys.executable, "-c", "while True: pass"]
+        neighbours = [subprocess.Popen(spin) for _ in range(2)]
+        try:
+            start_s = time.monotonic()
+            out = server.client.with_options(timeout=HANG_GUARD_S).completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            elapsed_s = time.monotonic() - start_s
+        finally:
+            for neighbour in neighbours:
+                neighbour.kill()
+                neighbour.wait()
+            busy_steps_s.stop()
+        print(
+            f"4,000-token prompt beside a busy neighbour: {elapsed_s:.1f} s; longest step "
+            f"reported busy: {max(busy_steps_s.steps_s, default=0.0):.1f} s"
+        )
+        assert out.usage.prompt_tokens_details.cached_tokens == 0  # a whole prefill
+        near_ties(reference, out.choices[0].token_ids, "beside a busy neighbour")
+        assert server.health().json()["engine_deaths"] == {}
+        assert _engine_deaths(server) == deaths_before
+
     def test_a_killed_decode_engines_streams_go_on_and_it_comes_back(
         self, server: Server, stream_references: list[dict]
     ) -> None:
         _kill_a_decode_engine_under_load(server, stream_references, "pe")
+
+
+def _engine_deaths(server: Server) -> dict[tuple, float]:
+    return {k: v for k, v in metric_values(server).items() if k[0] == DEATHS_SERIES}
+
+
+class _BusyWatch:
+    """The busy engines' step times /health shows, read every half second until ``stop``."""
+
+    def __init__(self, server: Server) -> None:
+        self.steps_s: list[float] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(server,))
+        self._thread.start()
+
+    def _watch(self, server: Server) -> None:
+        while not self._stopping.wait(0.5):
+            with contextlib.suppress(httpx.HTTPError):  # (a slow answer: the next one)
+                self.steps_s += server.health().json().get("busy_engines", {}).values()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
 
 
 class TestRestartedServer:
