@@ -48,7 +48,9 @@ class ServedShape:
     # vLLM's --num-gpu-blocks-override: exactly this many KV blocks of that memory (None: all
     # it holds); what ``serve --engine vllm`` gives its engines for --kv-cache-gb.
     num_gpu_blocks: int | None = None
-    heartbeat_timeout_s: float = 120.0
+    # Both sides' --heartbeat-timeout-s (None: their defaults). Engines send heartbeats from a
+    # thread of their own, so a long step beside busy neighbours needs no longer timeout.
+    heartbeat_timeout_s: float | None = None
     snic_gbps: float = 0.0  # every node's SNIC cap (0: none), enforced by the engines
     cnic_gbps: float = 0.0
     transport: str = "nixl"  # PE<->DE KV transport (vllm-config and serve --transport)
@@ -112,8 +114,9 @@ class VllmEngineServer(ChildServer):
             "--url", self.advertised_url or f"http://127.0.0.1:{port}",
             "--kv-store", str(self.store_dir), "--block-size", str(shape.block_size),
             "--dtype", shape.dtype, "--mode", shape.mode,
-            "--heartbeat-timeout-s", str(shape.heartbeat_timeout_s),
         ]  # fmt: skip
+        if shape.heartbeat_timeout_s is not None:
+            argv += ["--heartbeat-timeout-s", str(shape.heartbeat_timeout_s)]
         if shape.snic_gbps:
             argv += ["--snic-gbps", str(shape.snic_gbps)]
         if shape.cnic_gbps:
@@ -228,8 +231,9 @@ class ServedCluster:
             "--scheduler-endpoint", self.scheduler, "--kv-store", str(self.store_dir),
             "--mode", shape.mode, "--block-size", str(shape.block_size), "--dtype", shape.dtype,
             "--max-model-len", str(shape.max_model_len),
-            "--heartbeat-timeout-s", str(shape.heartbeat_timeout_s),
         ]  # fmt: skip
+        if shape.heartbeat_timeout_s is not None:
+            args += ["--heartbeat-timeout-s", str(shape.heartbeat_timeout_s)]
         if shape.read_path is not None:
             args += ["--read-path", shape.read_path]
         if shape.snic_gbps:
