@@ -23,7 +23,7 @@ from dualpath.flags import (
     positive_float,
     positive_int,
 )
-from dualpath.vllm_args import add_engine_kind_arguments
+from dualpath.vllm.args import add_engine_kind_arguments
 
 # --- model, store, engine ----------------------------------------------------------------------
 

@@ -55,8 +55,16 @@ LAYERS = {
         "dualpath.bench",
         "dualpath.sim",
     ),
-    # vLLM as an engine: its roles implement the engine layer's RoleEngine, driven from above.
+    # vLLM as an engine: its roles implement the engine layer's RoleEngine, driven from above
+    # (but for the parts of dualpath.vllm that sit in later layers: ``_LATER_LAYERS``).
     "dualpath.vllm": ("dualpath.cluster", "dualpath.server", "dualpath.bench", "dualpath.sim"),
+    # The engine inside a user's vLLM server is a cluster engine (``dualpath engine``'s loop).
+    "dualpath.vllm.served": ("dualpath.server", "dualpath.bench"),
+    "dualpath.vllm.served_scheduler": ("dualpath.server", "dualpath.bench"),
+    "dualpath.vllm.served_mailbox": ("dualpath.server", "dualpath.bench"),
+    # The router in front of vLLM servers is part of the HTTP server.
+    "dualpath.vllm.router": ("dualpath.bench", "dualpath.cli"),
+    "dualpath.vllm.bench": ("dualpath.cli",),
     "dualpath.protocol": (
         "dualpath.engine",
         "dualpath.cluster",
@@ -78,6 +86,12 @@ LAYERS = {
     "dualpath.cluster": ("dualpath.server", "dualpath.bench"),
     # The command line builds the benchmarks' parsers; they never import it back.
     "dualpath.bench": ("dualpath.cli",),
+}
+
+
+# Parts of a package that sit in a later layer, with rules of their own above.
+_LATER_LAYERS = {
+    "dualpath.vllm": ("served.py", "served_scheduler.py", "served_mailbox.py", "router", "bench"),
 }
 
 
@@ -106,11 +120,31 @@ def test_imports_point_down_the_layers(package: str) -> None:
     relative = Path(*package.split(".")[1:])
     files = sorted((root / relative).rglob("*.py")) if (root / relative).is_dir() else []
     files = files or [(root / relative).with_suffix(".py")]
+    later = _LATER_LAYERS.get(package, ())
+    files = [f for f in files if not later or f.relative_to(root / relative).parts[0] not in later]
     forbidden = LAYERS[package]
     wrong = [
         f"{path.relative_to(root)} imports {name}"
         for path in files
         for name in sorted(_imports_of(path))
         if any(name == above or name.startswith(above + ".") for above in forbidden)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_dualpath_vllm_imports_vllm() -> None:
+    """vLLM lives in its own venv (``make test-vllm``): everything that imports it is under
+    ``dualpath/vllm/``, so the rest of the package runs without it."""
+    from pathlib import Path
+
+    import dualpath
+
+    root = Path(dualpath.__file__).parent
+    wrong = [
+        f"{path.relative_to(root)} imports {name}"
+        for path in sorted(root.rglob("*.py"))
+        if path.relative_to(root).parts[0] != "vllm"
+        for name in sorted(_imports_of(path))
+        if name == "vllm" or name.startswith("vllm.")
     ]
     assert not wrong, "\n".join(wrong)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.protocol import DECODE
-from dualpath.vllm_args import SERVED_CONNECTOR, served_engine_config
+from dualpath.vllm.args import SERVED_CONNECTOR, served_engine_config
 from tests.test_cli import run_cli
 
 FLAGS = (
@@ -107,7 +107,7 @@ def test_serve_and_engine_resolve_the_block_size_where_the_configs_are_built(
     from dualpath.cli.configs import resolve_block_size
     from dualpath.config import ClusterConfig, EngineConfig
     from dualpath.model.registry import read_config
-    from dualpath.vllm_args import check_engine_kind
+    from dualpath.vllm.args import check_engine_kind
 
     assert resolve_block_size(None, "native", tiny_deepseek_v3_dir) == 64
     assert resolve_block_size(None, "vllm", tiny_model_dir) == 64

@@ -21,7 +21,7 @@ from dualpath.options import (
     add_trace_shape_arguments,
     add_transport_argument,
 )
-from dualpath.vllm_args import add_engine_kind_arguments
+from dualpath.vllm.args import add_engine_kind_arguments
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,12 +32,12 @@ from tqdm import tqdm
 
 from dualpath.bench.agents import TurnRecord, run_agents
 from dualpath.bench.process_cpu import ProcessCpu
-from dualpath.bench.served_run import start_served
 from dualpath.bench.server_process import MetricsSampler, ServerProcess, metric_sum, snic_totals
 from dualpath.bench.spec import VLLM_SERVERS
 from dualpath.bench.stats import LinkSample, snic_load_balance, summarize_turns
 from dualpath.config import mode_settings
 from dualpath.units import bytes_per_s_to_gbps, gbps_to_bytes_per_s
+from dualpath.vllm.bench.served_run import start_served
 from dualpath.workload import Workload
 
 logger = logging.getLogger(__name__)

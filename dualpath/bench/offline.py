@@ -75,7 +75,6 @@ from dualpath.bench.presets import (
     shaped_workload,
 )
 from dualpath.bench.report import finish
-from dualpath.bench.served_run import check_served_engine
 from dualpath.bench.spec import (
     BLOCK_SIZE_TOKENS,
     KV_DTYPE,
@@ -93,7 +92,8 @@ from dualpath.engine.capacity import num_device_blocks_needed
 from dualpath.model.identity import kv_facts, kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import add_clones_argument
-from dualpath.vllm_args import check_vllm_installed
+from dualpath.vllm.args import check_vllm_installed
+from dualpath.vllm.bench.served_run import check_served_engine
 from dualpath.workload import Misfit, Workload, first_misfit, workload_stats
 
 # The engine kinds that run vLLM (with a prefix cache above the store: engines_kv_cache_gb).

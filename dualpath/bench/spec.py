@@ -20,7 +20,7 @@ from typing import Any
 
 from dualpath.bench.presets import BenchPreset, WorkloadShape, workload_shape
 from dualpath.config import EngineConfig
-from dualpath.vllm_args import engine_kind_args
+from dualpath.vllm.args import engine_kind_args
 
 SLO_BASES = ("oracle", "basic")  # whose unloaded latencies an online SLO multiplies
 DEFAULT_MIN_AGENTS = 48  # an online run has at least this many agents

@@ -43,7 +43,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         ),
         (
             "vs-vllm",
-            "dualpath.bench.vllm_compare",
+            "dualpath.vllm.bench.vllm_compare",
             "one agentic replay against dualpath on vLLM engines (1P1D, 1P2D), vLLM's own P/D "
             "of the same shapes (NixlConnector behind a proxy) and one vLLM instance: JCT, "
             "TTFT, TPOT side by side (run from .venv-vllm)",

@@ -17,7 +17,7 @@ from pathlib import Path
 from dualpath.home import default_kv_store_dir
 from dualpath.model.default import resolve_model_dir
 from dualpath.units import gb_to_bytes
-from dualpath.vllm_args import engine_kind_args
+from dualpath.vllm.args import engine_kind_args
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def _engine_config_from_flags(args: argparse.Namespace):
 
 def resolve_block_size(block_size: int | None, engine: str, model_dir: Path) -> int:
     """``--block-size``, or without it the size an engine of kind ``engine`` takes for the
-    checkpoint in ``model_dir`` (``vllm_args.engines_block_size``: 16 for an MLA model on
+    checkpoint in ``model_dir`` (``dualpath.vllm.args.engines_block_size``: 16 for an MLA model on
     vLLM's CPU build, else 64), logged so that a run says which it got."""
     if block_size is not None:
         return block_size
@@ -158,7 +158,7 @@ def resolve_block_size(block_size: int | None, engine: str, model_dir: Path) -> 
 
         return EngineConfig().block_size_tokens
     from dualpath.model.registry import read_config
-    from dualpath.vllm_args import engines_block_size
+    from dualpath.vllm.args import engines_block_size
 
     resolved = engines_block_size(engine, read_config(Path(model_dir) / "config.json"))
     logger.info("--block-size not given: %d tokens per KV block, vLLM's for this model", resolved)

@@ -126,7 +126,7 @@ def _check_engine_capacity(config) -> None:  # config: EngineProcessConfig
     from dualpath.engine.capacity import check_capacity
     from dualpath.model.identity import kv_layout
     from dualpath.model.registry import read_config
-    from dualpath.vllm_args import check_engine_kind, check_vllm_installed
+    from dualpath.vllm.args import check_engine_kind, check_vllm_installed
 
     model_config = read_config(Path(config.model_dir) / "config.json")
     engine = config.engine

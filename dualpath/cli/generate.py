@@ -13,7 +13,7 @@ from dualpath.flags import positive_int
 from dualpath.home import default_kv_store_dir
 from dualpath.model.default import resolve_model_dir
 from dualpath.options import add_engine_arguments
-from dualpath.vllm_args import engine_kind_args
+from dualpath.vllm.args import engine_kind_args
 
 
 def _token_ids(text: str) -> list[int]:
@@ -76,7 +76,7 @@ def _build_llm(args: argparse.Namespace, model_dir: Path | None = None):  # -> L
 
 def _build_vllm_llm(args: argparse.Namespace):  # -> VllmLLM
     """``generate --engine vllm``: one vLLM engine in this process, with the store behind it."""
-    from dualpath.vllm_args import check_vllm_device, check_vllm_installed
+    from dualpath.vllm.args import check_vllm_device, check_vllm_installed
 
     kind = engine_kind_args(args)
     if kind["vllm_prefill_batching"] != "vllm":

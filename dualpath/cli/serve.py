@@ -46,7 +46,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if s.external_engines and token is None:
         raise ValueError(f"--external-engines needs ${TOKEN_ENV}, shared with the engines")
     if s.engine == "vllm" and not s.external_engines:  # the engines it starts run this Python
-        from dualpath.vllm_args import check_vllm_installed
+        from dualpath.vllm.args import check_vllm_installed
 
         check_vllm_installed()
     model_dir = resolve_model_dir(s.model)

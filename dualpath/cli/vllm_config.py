@@ -1,5 +1,5 @@
 """``dualpath vllm-config``: the ``--kv-transfer-config`` that makes a vLLM server one engine
-of a dualpath cluster (``dualpath.cluster.served``)."""
+of a dualpath cluster (``dualpath.vllm.served``)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def vllm_engine_config(args: argparse.Namespace):  # -> EngineProcessConfig
 
 
 def _print_config(args: argparse.Namespace) -> int:
-    from dualpath.vllm_args import served_kv_transfer_config
+    from dualpath.vllm.args import served_kv_transfer_config
 
     config = served_kv_transfer_config(
         vllm_engine_config(args), has_block_size=args.block_size is not None

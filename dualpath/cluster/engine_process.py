@@ -127,7 +127,7 @@ class EngineProcess:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``served_engine``: the vLLM engine this runs beside, in a vLLM server the user
-        started (``dualpath.cluster.served``); None builds the engine here. ``clock``: the
+        started (``dualpath.vllm.served``); None builds the engine here. ``clock``: the
         liveness clock (the scheduler's silence, the step time in heartbeats)."""
         self.config = config
         self.clock = clock

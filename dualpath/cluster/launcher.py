@@ -49,7 +49,7 @@ from dualpath.protocol import DECODE, PREFILL, RequestEvent
 from dualpath.transfer.links import check_pd_ratio
 from dualpath.types import SamplingParams
 from dualpath.units import gbps_to_bytes_per_s
-from dualpath.vllm_args import check_engine_kind
+from dualpath.vllm.args import check_engine_kind
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from dualpath import __version__
 from dualpath.server.cluster_metrics import link_totals
 from dualpath.server.context import ServerState, ServingContext
 from dualpath.server.errors import install_error_handlers
-from dualpath.server.forwarding import build_forwarding_router
 from dualpath.server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from dualpath.server.openapi import install_openapi
 from dualpath.server.routes import build_router
-from dualpath.server.vllm_servers import VLLMServers
+from dualpath.vllm.router.forwarding import build_forwarding_router
+from dualpath.vllm.router.vllm_servers import VLLMServers
 
 logger = logging.getLogger(__name__)
 

@@ -40,6 +40,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SEED_MODULUS = 1 << 63
 
 
+def serving_check(context: ServingContext) -> Callable[[], None]:
+    """A generation route's dependency, run before its body is read: while engines join (or
+    none of a role is alive), any request is a 503 to retry, whatever its body."""
+
+    def check_serving() -> None:
+        context.check_serving()
+
+    return check_serving
+
+
 def build_router(context: ServingContext) -> APIRouter:
     router = APIRouter(dependencies=[Depends(api_key_check(context.config.api_key))])
 
@@ -59,8 +69,7 @@ def build_router(context: ServingContext) -> APIRouter:
             ],
         }
 
-    # Checked before the body is read: while engines join, any request is a 503 to retry.
-    serving = [Depends(context.check_serving)]
+    serving = [Depends(serving_check(context))]
 
     @router.post("/v1/completions", dependencies=serving)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

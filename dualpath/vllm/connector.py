@@ -30,7 +30,7 @@ Per step the scheduler side hands the worker side one ``StepPlan`` per request: 
 the token range to load, how far its KV reaches, the blocks to persist; the worker side makes
 it the courier's ``StepTransfer`` with the request's ``KVTransfer``. The scheduler side knows a
 transfer only as its ``PlanView`` (picklable), so the two sides may run in two processes, as
-vLLM's CPU build runs them (a vLLM server: ``dualpath.cluster.served``). A request
+vLLM's CPU build runs them (a vLLM server: ``dualpath.vllm.served``). A request
 without ``dualpath_request_id`` is served by vLLM alone.
 """
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from dualpath.types import SamplingParams
 from dualpath.units import GIB
-from dualpath.vllm_args import check_vllm_args
+from dualpath.vllm.args import check_vllm_args
 
 CONNECTOR_NAME = "DualpathConnector"
 CONNECTOR_MODULE = "dualpath.vllm.connector"

@@ -18,7 +18,7 @@ are read by neither side (``num_engine_cached_bytes`` counts them, so that the s
 plus these equal the cached tokens' KV). The PE tells the DE how many it holds (PrefillHeld,
 relayed by the scheduler as soon as the PE takes the request), and the DE starts its side's
 reads once it knows, skipping those; the PE sends them with the rest the DE lacks. Where the
-PE does not look its prompts up (a vLLM server's, ``cluster.served``) it says so once
+PE does not look its prompts up (a vLLM server's, ``served.py``) it says so once
 (``EngineInfo.reports_prefill_held``): the scheduler's Assignment then tells both engines
 there is nothing to wait for (``is_prefill_held_sent``), and the DE reads at once. A seeded
 sampler restarts on the DE (vLLM samples the DE's tokens), so only greedy requests give one
@@ -44,11 +44,11 @@ from dualpath.protocol import DECODE
 from dualpath.scheduler.batching import PrefillBatcher
 from dualpath.transfer.traffic import Mover
 from dualpath.transfer.transport import Transport
+from dualpath.vllm.args import check_engine_kind
 from dualpath.vllm.connector import ConnectorHost, register_host
 from dualpath.vllm.decode import VllmDecodeRole
 from dualpath.vllm.engine import VllmEngineSpec, build_engine, profile_vllm_layer_time
 from dualpath.vllm.prefill import VllmPrefillRole
-from dualpath.vllm_args import check_engine_kind
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def make_vllm_role(
     connector; the process is pinned to one core per thread (vLLM's CPU build ignores its own
     binding variable in-process), engine ``e`` of a host on cores ``e * threads ...``.
 
-    ``engine``: a vLLM engine that runs its own loop (a vLLM server's, ``cluster.served``),
+    ``engine``: a vLLM engine that runs its own loop (a vLLM server's, ``served.py``),
     seen through the same calls; its connector host is ``engine.host``. Nothing is built."""
     engine_config = config.engine
     check_engine_kind(config.cluster, engine_config, model_config)

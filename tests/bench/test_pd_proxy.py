@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dualpath.bench.pd_proxy import REMOTE_DECODE_PARAMS, make_app
+from dualpath.vllm.bench.pd_proxy import REMOTE_DECODE_PARAMS, make_app
 from tests.server.serving import free_port
 
 

@@ -18,11 +18,11 @@ from dualpath.bench.harness import ModeRun, serve_args
 from dualpath.bench.offline import main as offline_main
 from dualpath.bench.offline import run_preset, run_spec
 from dualpath.bench.process_cpu import ProcessCpu
-from dualpath.bench.served_cluster import ServedCluster, ServedShape
-from dualpath.bench.served_run import served_shape
 from dualpath.bench.spec import EngineSpec
 from dualpath.cli import build_parser
 from dualpath.cli.serve_settings import resolve
+from dualpath.vllm.bench.served_cluster import ServedCluster, ServedShape
+from dualpath.vllm.bench.served_run import served_shape
 from tests.test_cli import run_cli
 
 TINY_FULL_BLOCK_BYTES = 64 * 2048  # 64 tokens x 4 layers x (64 + 64) float32 values

@@ -10,7 +10,7 @@ import pytest
 
 from dualpath.cli import build_parser
 from dualpath.cli.serve_settings import resolve
-from dualpath.vllm_args import engine_kind_args
+from dualpath.vllm.args import engine_kind_args
 
 
 def serve_settings(*argv: str) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""Forwarding to vLLM server engines (dualpath/server/forwarding.py, forwarded_call.py): our
+"""Forwarding to vLLM server engines (dualpath/vllm/router/forwarding.py, forwarded_call.py): our
 app on a real port in front of fake vLLM servers (one PE, two DEs) and a fake cluster that
 places requests on them (tests/server/fake_vllm.py), driven over HTTP."""
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from dualpath.protocol import Forward, RequestEvent
-from dualpath.server.forwarded_placements import Placements
 from dualpath.server.metrics import GenerationTimes
 from dualpath.types import SamplingParams
+from dualpath.vllm.router.forwarded_placements import Placements
 from tests.server.test_metrics import make_metrics, samples, snapshot
 
 

@@ -1,7 +1,7 @@
 """DualPath inside vLLM servers the way users deploy it: three vLLM OpenAI servers (1 PE, 2 DEs,
 the embedded checkpoint, ``python -m vllm.entrypoints.openai.api_server`` with
 ``--kv-transfer-config "$(dualpath vllm-config ...)"``) behind ``dualpath serve
---external-engines --nodes 1P2D`` (``dualpath.bench.served_cluster``), one deployment for the
+--external-engines --nodes 1P2D`` (``dualpath.vllm.bench.served_cluster``), one deployment for the
 module, its tests in order on what the earlier ones left in its store:
 
 - the router started first, then the servers one at a time, each once the one before has
@@ -45,7 +45,7 @@ import httpx
 import numpy as np
 import pytest
 
-from dualpath.bench.served_cluster import SERVED_MODEL_NAME, ServedCluster, ServedShape
+from dualpath.vllm.bench.served_cluster import SERVED_MODEL_NAME, ServedCluster, ServedShape
 from tests.faults.strike import read_metrics
 from tests.server.serving import free_port
 from tests.vllm.reference import PlainVllm, near_ties

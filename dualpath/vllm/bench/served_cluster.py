@@ -1,6 +1,6 @@
 """DualPath inside vLLM servers, started on this host the way users deploy it: one vLLM OpenAI
 server per engine with ``--kv-transfer-config "$(dualpath vllm-config ...)"``, and
-``dualpath serve --external-engines`` in front (``dualpath.cluster.served``).
+``dualpath serve --external-engines`` in front (``dualpath.vllm.served``).
 
     with ServedCluster(model_dir, root, nodes="1P2D", read_path="de") as cluster:
         ... drive cluster.url (the front door) with HTTP clients ...

@@ -77,7 +77,7 @@ from dualpath.options import (
     add_trace_shape_arguments,
 )
 from dualpath.units import gb_to_bytes
-from dualpath.vllm_args import (
+from dualpath.vllm.args import (
     add_vllm_arg_argument,
     check_vllm_args,
     check_vllm_installed,
@@ -176,7 +176,7 @@ class ProxyServer(ChildServer):
         self.decode_urls = decode_urls
 
     def argv(self, port: int) -> list[str]:
-        argv = [sys.executable, "-m", "dualpath.bench.pd_proxy", "--prefill", self.prefill_url]
+        argv = [sys.executable, "-m", "dualpath.vllm.bench.pd_proxy", "--prefill", self.prefill_url]
         for url in self.decode_urls:
             argv += ["--decode", url]
         return argv + ["--port", str(port)]

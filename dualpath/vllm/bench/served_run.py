@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dualpath.bench.process_cpu import ProcessCpu
-from dualpath.bench.served_cluster import SERVED_MODEL_NAME, ServedCluster, ServedShape
 from dualpath.bench.spec import BLOCK_SIZE_TOKENS
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
 from dualpath.units import gb_to_bytes
-from dualpath.vllm_args import vllm_cpu_kv_memory
+from dualpath.vllm.args import vllm_cpu_kv_memory
+from dualpath.vllm.bench.served_cluster import SERVED_MODEL_NAME, ServedCluster, ServedShape
 
 if TYPE_CHECKING:
     from dualpath.bench.harness import ModeRun

@@ -36,12 +36,12 @@ from fastapi.responses import Response, StreamingResponse
 from dualpath.protocol import Forward
 from dualpath.server.context import ServingContext
 from dualpath.server.errors import APIError, error_body
-from dualpath.server.forwarded_placements import ClientGone, Item, Kind, Placements
-from dualpath.server.forwarded_stream import ClientStream
 from dualpath.server.metrics import GenerationTimes
 from dualpath.server.responses import sse
-from dualpath.server.vllm_servers import UpstreamAnswer, VLLMServers, kv_transfer_params
 from dualpath.types import SamplingParams
+from dualpath.vllm.router.forwarded_placements import ClientGone, Item, Kind, Placements
+from dualpath.vllm.router.forwarded_stream import ClientStream
+from dualpath.vllm.router.vllm_servers import UpstreamAnswer, VLLMServers, kv_transfer_params
 
 logger = logging.getLogger(__name__)
 

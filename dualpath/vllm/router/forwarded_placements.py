@@ -30,8 +30,8 @@ import httpx
 from dualpath.errors import ClusterUnavailable
 from dualpath.protocol import Forward, RequestEvent
 from dualpath.server.errors import APIError
-from dualpath.server.vllm_servers import ServedCluster, UpstreamAnswer, VLLMServers
 from dualpath.types import SamplingParams
+from dualpath.vllm.router.vllm_servers import ServedCluster, UpstreamAnswer, VLLMServers
 
 logger = logging.getLogger(__name__)
 

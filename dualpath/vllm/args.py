@@ -190,10 +190,10 @@ def vllm_cpu_kv_memory(kv_cache_bytes: int, full_block_bytes: int) -> tuple[int,
     return max(1, -(-kv_cache_bytes // GIB)), kv_cache_bytes // full_block_bytes
 
 
-# --- a vLLM server the user starts (``dualpath vllm-config``, ``dualpath.cluster.served``) ---
+# --- a vLLM server the user starts (``dualpath vllm-config``, ``dualpath.vllm.served``) ---
 
 SERVED_CONFIG_KEY = "dualpath"  # kv_connector_extra_config[key]: the EngineProcessConfig
-SERVED_CONNECTOR = ("DualpathServedConnector", "dualpath.cluster.served")
+SERVED_CONNECTOR = ("DualpathServedConnector", "dualpath.vllm.served")
 # The engine fields the connector takes from the configuration; vLLM decides the others.
 SERVED_ENGINE_FIELDS = ("block_size_tokens", "dtype", "engine")
 # The block size's fields: left out of a configuration, the server takes its model's

@@ -1,7 +1,7 @@
 """The small proxy that fronts vLLM's own prefill/decode disaggregation, as vLLM's docs describe
 it: the baseline ``dualpath bench vs-vllm`` sets beside ``dualpath serve --engine vllm``.
 
-    python -m dualpath.bench.pd_proxy --prefill http://127.0.0.1:8100 \\
+    python -m dualpath.vllm.bench.pd_proxy --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --decode http://127.0.0.1:8201 --port 8000
 
 Each ``POST /v1/completions`` (or ``/v1/chat/completions``) goes first to the prefill instance
@@ -126,7 +126,7 @@ def make_app(prefill_url: str, decode_urls: list[str], *, timeout_s: float = 360
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m dualpath.bench.pd_proxy",
+        prog="python -m dualpath.vllm.bench.pd_proxy",
         description="Front one vLLM prefill instance and N decode instances (NixlConnector) "
         "as one OpenAI-compatible server.",
     )

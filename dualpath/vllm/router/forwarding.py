@@ -31,10 +31,10 @@ from starlette.routing import Match
 
 from dualpath.server.context import ServingContext
 from dualpath.server.errors import bad_request
-from dualpath.server.forwarded_call import ForwardedCall
-from dualpath.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, api_key_check
-from dualpath.server.vllm_servers import UpstreamAnswer, VLLMServers, is_token_ids
+from dualpath.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, api_key_check, serving_check
 from dualpath.types import SamplingParams
+from dualpath.vllm.router.forwarded_call import ForwardedCall
+from dualpath.vllm.router.vllm_servers import UpstreamAnswer, VLLMServers, is_token_ids
 
 
 def build_forwarding_router(context: ServingContext, servers: VLLMServers) -> APIRouter:
@@ -46,7 +46,7 @@ def build_forwarding_router(context: ServingContext, servers: VLLMServers) -> AP
         route_class=_route_class_while_forwarding(context),
     )
 
-    serving = [Depends(context.check_serving)]
+    serving = [Depends(serving_check(context))]
 
     @router.post("/v1/completions", include_in_schema=False, dependencies=serving)
     async def forward_completion(request: Request) -> Response:

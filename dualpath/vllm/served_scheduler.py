@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dualpath.cluster.served_mailbox import Mailbox
 from dualpath.vllm.connector import REQUEST_ID_PARAM, ConnectorHost, ConnectorScheduler, PlanView
+from dualpath.vllm.served_mailbox import Mailbox
 
 # How long vLLM's loop waits for a plan, once per schedule, when its last step ran nothing,
 # instead of running empty steps: a DE waits for its PE's whole prefill, and vLLM's worker
