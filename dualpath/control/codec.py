@@ -30,7 +30,9 @@ import msgpack
 # reports carry write_queue_tokens (the scheduler's write_q). 4: an Assignment carries the
 # output a continued request has sent (num_output_tokens), a RequestFailed the peer whose
 # transfer failed (peer_engine_id). 5: engines send EngineHeartbeats over a send-only socket
-# (Hello.is_send_only).
+# (Hello.is_send_only); a PE says whether it reports what its engine holds
+# (EngineInfo.reports_prefill_held), an Assignment whether the DE waits for it
+# (Assignment.is_prefill_held_sent).
 PROTOCOL_VERSION = 5
 
 T = TypeVar("T")
