@@ -48,8 +48,13 @@ class TcpProxy:
             pairs, self._pairs = self._pairs, []
         for pair in pairs:
             for sock in pair:
-                with contextlib.suppress(OSError):  # RST, not FIN: a failed connection
+                with contextlib.suppress(OSError):
+                    # RST, not FIN, once closed: a failed connection. The shutdown wakes the
+                    # pump blocked in recv() on it (a close() alone would not, and the
+                    # connection would stay open, silent, for as long as that recv waits).
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
                     sock.close()
         self.num_cut += len(pairs)
         return len(pairs)
