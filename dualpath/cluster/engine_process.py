@@ -25,6 +25,7 @@ the requests the scheduler has already placed elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -281,7 +282,10 @@ class EngineProcess:
             logger.error("engine %d lost the scheduler (%s): exiting", config.engine_id, lost)
             return EXIT_SCHEDULER_LOST
         finally:
-            self.heartbeat.stop()  # with this client: a served engine rejoins with a new one
+            # With this client: a served engine rejoins with a new one. A SIGTERM while it
+            # joins the thread (_Stop) must not escape: the engine is leaving run() already.
+            with contextlib.suppress(_Stop):
+                self.heartbeat.stop()
 
     def step_s(self) -> float:
         """How long the unit of work in progress has run; 0.0 between units (any thread)."""

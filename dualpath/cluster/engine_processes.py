@@ -116,24 +116,28 @@ class EngineProcesses:
             return [p.pid for p in self._processes.values()]
 
     def spawn(self, config: EngineProcessConfig) -> None:
-        """Start the engine ``config`` describes, and supervise it."""
+        """Start the engine ``config`` describes, and supervise it. Its process starts on its
+        supervising thread (``_supervise``), at once unless ``stop`` came first."""
         with self._lock:
             self._num_supervised += 1
-        process = self._start(config)
         threading.Thread(
             target=self._supervise,
-            args=(process, config),
+            args=(config,),
             name=f"supervise-engine-{config.engine_id}",
             daemon=True,
         ).start()
 
-    def _start(self, config: EngineProcessConfig) -> subprocess.Popen:
-        argv = [
+    def argv(self, config: EngineProcessConfig) -> list[str]:
+        """The engine's command; its config comes on stdin."""
+        return [
             sys.executable, "-m", "dualpath.cli", "engine", "--config", "-",
             "--role", config.role, "--engine-id", str(config.engine_id),
             "--node-id", str(config.node_id),
             "--no-restart",  # restarted from here
         ]  # fmt: skip
+
+    def _start(self, config: EngineProcessConfig) -> subprocess.Popen:
+        argv = self.argv(config)
         env = dict(os.environ, **{TOKEN_ENV: self.token})
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
         env.update(openmp_env(config, env))
@@ -155,12 +159,18 @@ class EngineProcesses:
             self._processes[config.engine_id] = process
         return process
 
-    def _supervise(self, process: subprocess.Popen, config: EngineProcessConfig) -> None:
-        """Reap the engine's process when it exits and report it at once (its requests fail
-        or are placed again within a loop turn, not a heartbeat timeout); restart it while
-        its exit codes call for it. Restarts start from this thread, which outlives them:
-        an engine dies with the thread that started it (``lifetime.die_with_parent``)."""
-        while True:
+    def _supervise(self, config: EngineProcessConfig) -> None:
+        """Start the engine's process, reap it when it exits and report it at once (its
+        requests fail or are placed again within a loop turn, not a heartbeat timeout); start
+        it again while its exit codes call for it. Every start comes from this thread, which
+        outlives the process: an engine dies with the thread that started it (Linux's parent
+        death signal, ``lifetime.die_with_parent``, follows the thread, not the process). Not
+        the caller's: started from a worker thread of a pool (``dualpath serve`` starts its
+        cluster from one of anyio's), engines got SIGTERM when the pool retired that thread
+        as idle."""
+        with self._lock:  # stop() takes the processes under it: none is left behind
+            process = None if self._is_stopping.is_set() else self._start(config)
+        while process is not None:
             started_s = time.monotonic()
             exit_code = process.wait()
             if self._is_stopping.is_set():

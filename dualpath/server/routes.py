@@ -44,7 +44,7 @@ def serving_check(context: ServingContext) -> Callable[[], None]:
     """A generation route's dependency, run before its body is read: while engines join (or
     none of a role is alive), any request is a 503 to retry, whatever its body."""
 
-    def check_serving() -> None:
+    async def check_serving() -> None:  # async: a sync one would hop to a worker thread
         context.check_serving()
 
     return check_serving

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from dualpath.cluster.engine_processes import (
     EXIT_CONFIG_ERROR,
@@ -14,6 +20,8 @@ from dualpath.cluster.engine_processes import (
     openmp_env,
 )
 from dualpath.config import EngineConfig, EngineProcessConfig
+
+HANG_GUARD_S = 60.0  # only a bug waits this long
 
 
 def _processes(*, restart: bool = True) -> EngineProcesses:
@@ -54,3 +62,44 @@ def test_idle_openmp_threads_sleep_only_in_multi_threaded_vllm_engines() -> None
     assert openmp_env(config("vllm", 1), {}) == {}  # one thread: no idle OpenMP workers
     assert openmp_env(config("native", 2), {}) == {}
     assert openmp_env(config("vllm", 2), {"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the user's
+
+
+class _SleeperProcesses(EngineProcesses):
+    """Engines that only ask for the parent death signal, as ``dualpath engine`` does, say so
+    in their log, and wait."""
+
+    def argv(self, config: EngineProcessConfig) -> list[str]:
+        code = (
+            "import sys, time; from dualpath.lifetime import die_with_parent; "
+            "die_with_parent(); print('ready', flush=True); time.sleep(600)"
+        )
+        return [sys.executable, "-c", code]
+
+
+def test_an_engine_outlives_the_thread_that_asked_for_it(tmp_path: Path) -> None:
+    """``dualpath serve`` starts its cluster from a pool's worker thread, which the pool may
+    retire; engines started from that thread got its death signal (SIGTERM) then."""
+    processes = _SleeperProcesses("token", tmp_path, on_exit=lambda *_: None, restart=False)
+    config = EngineProcessConfig(
+        role="prefill", engine_id=0, node_id=0, scheduler_endpoint="tcp://127.0.0.1:1",
+        model_dir=tmp_path, engine=EngineConfig(num_threads=1),
+    )  # fmt: skip
+    log = tmp_path / "engine-0.log"
+
+    def ask() -> None:  # and stay until the engine has asked for the signal
+        processes.spawn(config)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while "ready" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, "the engine never started"
+            time.sleep(0.05)
+
+    caller = threading.Thread(target=ask)
+    caller.start()
+    caller.join()  # the thread that asked is gone; the engine must not be
+    try:
+        [pid] = processes.pids
+        with pytest.raises(subprocess.TimeoutExpired):  # still running a while later
+            processes._processes[0].wait(timeout=2)
+        assert processes.first_exited() is None, pid
+    finally:
+        processes.terminate(timeout_s=HANG_GUARD_S)
