@@ -8,18 +8,20 @@ from pathlib import Path
 
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.report import add_output_arguments
-from dualpath.options import (
+from dualpath.cluster_options import (
     add_attention_quota_argument,
     add_kv_cache_argument,
     add_max_prompt_tokens_argument,
-    add_max_sessions_argument,
-    add_model_argument,
     add_modes_argument,
     add_read_path_argument,
+    add_transport_argument,
+)
+from dualpath.options import (
+    add_max_sessions_argument,
+    add_model_argument,
     add_seed_argument,
     add_trace_argument,
     add_trace_shape_arguments,
-    add_transport_argument,
 )
 from dualpath.vllm.args import add_engine_kind_arguments
 

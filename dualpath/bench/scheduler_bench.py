@@ -40,15 +40,13 @@ from dualpath.bench.paper_cluster import (
     PREFILL_NODE_SHARE,
     SNIC_BANDWIDTH_GBPS,
 )
-from dualpath.flags import positive_int
-from dualpath.options import (
+from dualpath.cluster_options import (
     add_engines_per_node_argument,
-    add_json_argument,
     add_nodes_per_group_argument,
     add_read_path_argument,
-    add_repeats_argument,
-    add_seed_argument,
 )
+from dualpath.flags import positive_int
+from dualpath.options import add_json_argument, add_repeats_argument, add_seed_argument
 from dualpath.scheduler import (
     SCHEDULER_NAMES,
     EngineRole,

@@ -28,13 +28,9 @@ import msgpack
 import numpy as np
 
 from dualpath.bench.hardware import hardware_info
+from dualpath.cluster_options import add_transport_argument
 from dualpath.flags import positive_int
-from dualpath.options import (
-    add_json_argument,
-    add_repeats_argument,
-    add_seed_argument,
-    add_transport_argument,
-)
+from dualpath.options import add_json_argument, add_repeats_argument, add_seed_argument
 from dualpath.transfer.transport import (
     TRANSPORT_KINDS,
     BufferDescriptor,

@@ -7,16 +7,16 @@ import os
 from pathlib import Path
 
 from dualpath.cli.configs import engine_process_config
-from dualpath.flags import non_negative_int
-from dualpath.options import (
+from dualpath.cluster_options import (
     add_attention_quota_argument,
-    add_engine_arguments,
     add_engine_memory_arguments,
     add_heartbeat_argument,
     add_link_cap_arguments,
     add_mode_argument,
     add_transport_argument,
 )
+from dualpath.flags import non_negative_int
+from dualpath.options import add_engine_arguments
 
 
 def _control_endpoint(text: str) -> str:

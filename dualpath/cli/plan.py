@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from dualpath.cluster_options import add_mode_argument
 from dualpath.flags import positive_int
 from dualpath.options import (
     add_jobs_argument,
     add_json_argument,
-    add_mode_argument,
     add_no_progress_argument,
     add_profile_arguments,
     add_simulated_workload_arguments,

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dualpath.flags import non_negative_float, positive_float, positive_int
-from dualpath.options import (
+from dualpath.cluster_options import (
     add_attention_quota_argument,
     add_engine_memory_arguments,
     add_engines_per_node_argument,
@@ -33,6 +32,7 @@ from dualpath.options import (
     add_read_path_argument,
     add_transport_argument,
 )
+from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.server.config import GENERATION_CONFIG_MODES
 
 # Flags that exclude each other: the command line giving one drops the file's other.

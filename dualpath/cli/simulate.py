@@ -6,17 +6,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from dualpath.flags import positive_float
-from dualpath.options import (
+from dualpath.cluster_options import (
     DEFAULT_MODES,
     add_attention_quota_argument,
+    add_modes_argument,
+    add_nodes_argument,
+    add_read_path_argument,
+)
+from dualpath.flags import positive_float
+from dualpath.options import (
     add_jobs_argument,
     add_json_argument,
-    add_modes_argument,
     add_no_progress_argument,
-    add_nodes_argument,
     add_profile_arguments,
-    add_read_path_argument,
     add_seed_argument,
     add_simulated_workload_arguments,
     add_trace_argument,

@@ -7,16 +7,18 @@ import argparse
 import json
 
 from dualpath.cli.engine import add_engine_identity_arguments
-from dualpath.options import (
-    ENGINES_BLOCK_SIZE_HELP,
-    add_block_size_argument,
+from dualpath.cluster_options import (
     add_buffer_argument,
-    add_dtype_argument,
     add_heartbeat_argument,
     add_link_cap_arguments,
     add_mode_argument,
-    add_store_arguments,
     add_transport_argument,
+)
+from dualpath.options import (
+    ENGINES_BLOCK_SIZE_HELP,
+    add_block_size_argument,
+    add_dtype_argument,
+    add_store_arguments,
 )
 
 

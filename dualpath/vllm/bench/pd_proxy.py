@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from dualpath.options import add_listen_arguments
+from dualpath.cluster_options import add_listen_arguments
 
 # What the prefill instance is asked to do with the prompt's KV (vLLM's NixlConnector fields).
 REMOTE_DECODE_PARAMS = {

@@ -63,12 +63,12 @@ from dualpath.bench.spec import (
     workload_spec,
 )
 from dualpath.bench.validity import mark_validity, mode_problems
+from dualpath.cluster_options import add_kv_cache_argument
 from dualpath.flags import positive_float
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import (
     add_clones_argument,
-    add_kv_cache_argument,
     add_max_sessions_argument,
     add_model_argument,
     add_seed_argument,
