@@ -214,6 +214,13 @@ CASES = {
         "bench vs-vllm --model {model} --systems vllm-single,dualpath-9P9D",
         "--systems: unknown dualpath-9P9D",
     ),
+    "bench-vs-vllm/regime-and-kv-cache": Case(
+        "bench vs-vllm --model {model} --regime small --kv-cache-gb 1",
+        "--kv-cache-gb: --regime sizes every system's KV memory",
+    ),
+    "bench-vs-vllm/unknown-regime": Case(
+        "bench vs-vllm --model {model} --regime huge", "invalid choice: 'huge'"
+    ),
     "bench-vs-vllm/reserved-vllm-arg": Case(
         "bench vs-vllm --model {model} --vllm-arg block_size=16", "block_size"
     ),

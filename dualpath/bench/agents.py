@@ -19,7 +19,8 @@ the two requests, which held the original model's answer and the tool or user ti
 ``max_gap_s`` after it if given, or when turn i ends if that is later, since turn i+1's prompt
 holds turn i's answer. Real sessions pause for hours (``agentic_coding_dev``: a median gap of
 12 s, but 10% over a minute and one of 5.4 hours in the first 16 turns), so a cap keeps one
-such pause from holding a run.
+such pause from holding a run. With ``pause_s``, turn i+1 goes out no sooner than ``pause_s``
+after turn i *ended*: the agent's tools run on its answer (both rules may hold at once).
 """
 
 from __future__ import annotations
@@ -116,20 +117,24 @@ async def run_agents(
     stop_after_s: float | None = None,
     gap_scale: float | None = None,
     max_gap_s: float | None = None,
+    pause_s: float | None = None,
     clock: AgentClock | None = None,
 ) -> list[TurnRecord]:
     """Replay every session, each starting its ``arrival_s`` after the call; every turn's
     record, in completion order. An agent whose turn fails stops (later turns depend on it).
     With ``stop_after_s``, agents still running then are cancelled (their open requests
     disconnect, which cancels them on the server) and the records so far are returned. With
-    ``gap_scale``, turns keep the trace's gaps between requests, each at most ``max_gap_s``
-    (module docstring). The records' times and the gaps are on ``clock`` (default:
+    ``gap_scale``, turns keep the trace's gaps between requests, each at most ``max_gap_s``;
+    with ``pause_s``, each turn waits that long after the previous one's answer ended (module
+    docstring). The records' times and the gaps are on ``clock`` (default:
     ``MonotonicAgentClock``); only ``stop_after_s`` runs on the event loop's own clock."""
     clock = clock if clock is not None else MonotonicAgentClock()
     if gap_scale is not None and not gap_scale >= 0:
         raise ValueError(f"gap_scale must be >= 0, got {gap_scale}")
     if max_gap_s is not None and not max_gap_s >= 0:
         raise ValueError(f"max_gap_s must be >= 0, got {max_gap_s}")
+    if pause_s is not None and not pause_s >= 0:
+        raise ValueError(f"pause_s must be >= 0, got {pause_s}")
 
     def gap_of(turn: Turn) -> float | None:
         """Seconds from the previous request to this one's, at the least; None: no wait."""
@@ -164,6 +169,7 @@ async def run_agents(
                     start_s + session.arrival_s,
                     record,
                     gap_of,
+                    pause_s or 0.0,
                     clock,
                 )
                 for index, session in enumerate(sessions)
@@ -182,23 +188,26 @@ async def _run_agent(
     start_at_s: float,
     record: Callable[[TurnRecord], None],
     gap_of: Callable[[Turn], float | None],
+    pause_s: float,
     clock: AgentClock,
 ) -> None:
     await clock.sleep(max(0.0, start_at_s - clock.now_s()))
     prompt = session.first_prompt()
     generated: list[int] = []
-    sent_s = clock.now_s()
+    sent_s = ended_s = clock.now_s()
     for turn in range(session.num_turns):
         if turn:
             prompt = session.next_prompt(turn, prompt, generated)
             gap_s = gap_of(session.turns[turn])
+            send_at_s = ended_s + pause_s
             if gap_s is not None:
-                await clock.sleep(max(0.0, sent_s + gap_s - clock.now_s()))
+                send_at_s = max(send_at_s, sent_s + gap_s)
+            await clock.sleep(max(0.0, send_at_s - clock.now_s()))
         num_output_tokens = session.turns[turn].output_tokens
         result = await complete_turn(
             client, model, index, turn, prompt, num_output_tokens, clock=clock
         )
-        sent_s = result.record.arrival_s
+        sent_s, ended_s = result.record.arrival_s, result.record.finish_s
         record(result.record)
         if result.record.error is not None:
             return

@@ -160,12 +160,14 @@ def run_mode(
     stop_after_s: float | None = None,
     gap_scale: float | None = None,
     max_gap_s: float | None = None,
+    pause_s: float | None = None,
 ) -> dict:
     """Serve ``run``, replay ``workload`` against it, and return the mode's figures (with
     ``keep_records``, also every turn's ``TurnRecord`` under ``"_records"``). With
     ``stop_after_s`` the agents stop then; ``"is_complete"`` says whether every turn ran,
     ``"first_errors"`` what the first failed turns answered. ``gap_scale``, ``max_gap_s``: wait
-    the trace's gaps between turns, times this, at most that (``agents.run_agents``)."""
+    the trace's gaps between turns, times this, at most that; ``pause_s``: wait this long after
+    each answer (``agents.run_agents``)."""
     name = run.mode.replace("+", "-")
     memory_dir = _memory_dir() if mode_settings(run.mode).is_io_free else None
     store_dir = (memory_dir or work_dir) / f"kv-{name}"
@@ -184,6 +186,7 @@ def run_mode(
                     stop_after_s=stop_after_s,
                     gap_scale=gap_scale,
                     max_gap_s=max_gap_s,
+                    pause_s=pause_s,
                 )
             final = sampler.last
             process_cpu = cpu.stop()
@@ -207,10 +210,18 @@ def run_mode(
 
 
 def run_against_url(
-    url: str, model: str, workload: Workload, *, api_key: str | None, progress: bool = True
+    url: str,
+    model: str,
+    workload: Workload,
+    *,
+    api_key: str | None,
+    progress: bool = True,
+    pause_s: float | None = None,
 ) -> dict:
     """The agents against an already running OpenAI-compatible server; no link figures."""
-    records, tokens = _replay(url, workload, "url", progress, model=model, api_key=api_key)
+    records, tokens = _replay(
+        url, workload, "url", progress, model=model, api_key=api_key, pause_s=pause_s
+    )
     result = summarize_turns(records)
     result.update(link_figures({}, [], result["jct_s"]))
     result.update(completion(records, workload))
@@ -247,6 +258,7 @@ def _replay(
     stop_after_s: float | None = None,
     gap_scale: float | None = None,
     max_gap_s: float | None = None,
+    pause_s: float | None = None,
 ) -> tuple[list[TurnRecord], dict[str, str]]:
     total = sum(s.num_turns for s in workload.sessions)
     with tqdm(total=total, desc=f"{label:>15}", unit="turn", disable=not progress) as bar:
@@ -264,6 +276,7 @@ def _replay(
                 stop_after_s=stop_after_s,
                 gap_scale=gap_scale,
                 max_gap_s=max_gap_s,
+                pause_s=pause_s,
             )
         )
     failed = [r for r in records if r.error is not None]

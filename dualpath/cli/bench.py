@@ -44,9 +44,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         (
             "vs-vllm",
             "dualpath.vllm.bench.vllm_compare",
-            "one agentic replay against dualpath on vLLM engines (1P1D, 1P2D), vLLM's own P/D "
-            "of the same shapes (NixlConnector behind a proxy) and one vLLM instance: JCT, "
-            "TTFT, TPOT side by side (run from .venv-vllm)",
+            "real agent sessions against one vLLM instance (what a user would run instead), "
+            "dualpath on vLLM engines (1P1D, 1P2D) and on its own (1P2D), or vLLM's own P/D; "
+            "--regime small|beyond-memory sizes every system's KV memory by one rule: JCT, "
+            "TTFT, TPOT, hits, CPU side by side (run from .venv-vllm)",
         ),
     ):
         bench_sub.add_parser(name, help=help_text, description=help_text, module_name=module_name)

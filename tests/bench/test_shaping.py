@@ -135,7 +135,10 @@ def test_online_agents_can_keep_the_traces_gaps_between_turns() -> None:
         assert sent_s(gap_scale=0.1) == [0.0, 1.0, 1.0]
         assert sent_s() == [0.0, 0.0, 0.0]  # without gap_scale, back to back
         assert sent_s(gap_scale=1, max_gap_s=1) == [0.0, 1.0, 1.0]  # 10 s, capped at 1 s
-    assert len(server.requests) == 9  # each turn reached the server
+        # A pause after each answer (the agent's tools), alone and beside the trace's gaps.
+        assert sent_s(pause_s=2.0) == [0.0, 2.0, 4.0]
+        assert sent_s(gap_scale=0.1, pause_s=0.5) == [0.0, 1.0, 1.5]
+    assert len(server.requests) == 15  # each turn reached the server
 
 
 def test_the_servers_get_the_prompt_limit_the_workload_was_checked_against() -> None:

@@ -3,7 +3,9 @@
     served_cluster.py   DualPath inside vLLM servers on this host: one vLLM OpenAI server per
                         engine (``dualpath vllm-config``), ``dualpath serve --external-engines``
     served_run.py       a benchmark mode on such a cluster (``bench offline|online --vllm-servers``)
-    vllm_compare.py     ``bench vs-vllm``: one workload against vLLM alone, vLLM's P/D and ours
+    vllm_compare.py     ``bench vs-vllm``: real sessions against vLLM alone, vLLM's P/D and ours
+                        (``--regime``: ``dualpath/bench/regimes.py``)
+    vllm_systems.py     vLLM's own systems of ``vs-vllm``: one instance, or its P/D and proxy
     pd_proxy.py         the router in front of vLLM's own P/D pair (``vs-vllm``'s baseline)
     engine_bench.py     vLLM's engine in ``bench engine --engines ...,vllm``
 

@@ -1,58 +1,70 @@
-"""`dualpath bench vs-vllm`: dualpath on vLLM engines against vLLM's own serving, one replay.
+"""`dualpath bench vs-vllm`: dualpath against vLLM's own serving, on real agent sessions.
 
-    .venv-vllm/bin/dualpath bench vs-vllm --json results/vs_vllm.json
+    .venv-vllm/bin/dualpath bench vs-vllm --regime beyond-memory --json results/vs_vllm.json
 
 The same agentic replay (real sessions, every agent at once, no link caps) against each system
 in turn, one at a time, each on a fresh store and fresh processes:
 
-    dualpath-1P1D, dualpath-1P2D   ``dualpath serve --engine vllm --read-path pe`` of that shape:
-                                   our scheduler, store and transport, vLLM's engine in each
-                                   engine process (one core each, engine e on core e mod cores)
+    vllm-single                    one vLLM instance on every core (its threads bound to them),
+                                   prefix caching on: what a user would run instead of ours
+    dualpath-1P1D, dualpath-1P2D   ``dualpath serve --engine vllm`` of that shape (DualPath
+                                   mode): our scheduler, store and transport, vLLM's engine in
+                                   each engine process (``--threads`` each)
+    dualpath-native-1P2D           ``dualpath serve`` on our own engine, 1P2D
     vllm-pd-1P1D, vllm-pd-1P2D     vLLM's own prefill/decode disaggregation of the same shape:
                                    one ``vllm.entrypoints.openai.api_server`` per instance with
                                    its NixlConnector (``kv_buffer_device: cpu``), instance i on
                                    core i mod cores (``VLLM_CPU_OMP_THREADS_BIND``), fronted by
                                    ``pd_proxy`` as vLLM's docs describe
-    vllm-single                    one vLLM instance on every core (its threads bound to them),
-                                   its KV cache the size of the 1P1D shape's two engines' caches
+
+``--regime small|beyond-memory`` (``dualpath/bench/regimes.py``) sets the sessions, the pause
+after every answer and every system's KV memory by one rule: the same total KV memory for each
+system (vLLM alone all of it, our engines an equal share each), fitting every session's
+context (small) or half of what they need (beyond memory); its default systems are vllm-single
+and ours (vLLM engines 1P1D and 1P2D, native 1P2D). Without it, ``--kv-cache-gb`` per engine
+and per vLLM instance (the single instance twice that), the sessions back to back.
 
 Every vLLM instance and every engine of ours gets the same checkpoint, dtype (float32), block
-size (64), eager mode, prefix caching and per-engine KV cache (``--kv-cache-gb``). The figures
-depend on this host: its cores are shared by every process of a system and by the client.
+size (64), eager mode and prefix caching. The figures depend on this host: its cores are
+shared by every process of a system and by the client.
 
 JSON: ``modes`` (one entry per system, as the other benchmarks' modes, so the same summary
-and plots: each system's ``jct_s``, ``ttft_s``/``tpot_s`` percentiles, ``hit_ratio``, ``process_cpu``,
-``num_failed`` ...), ``ratios`` (``<ours>_vs_<theirs>_jct``: the other system's JCT over
-ours, above 1 when ours is faster; and ours over the single instance's), ``targets`` (faster
-than vLLM's P/D of the same shape; within 1.3x of the single instance). A failed request in
-any system makes the run invalid (exit 1, no ratios).
+and plots: each system's ``jct_s``, ``ttft_s``/``tpot_s`` percentiles, ``hit_ratio`` and
+``hit_ratio_of_bound``, ``recomputed_tokens``, ``store_read_bytes``, ``process_cpu`` with CPU
+seconds per process, ``num_failed`` ...), ``memory`` (the rule's figures), ``ratios``
+(``<ours>_vs_<theirs>_jct``: the other system's JCT over ours, above 1 when ours is faster),
+``targets``. A failed request in any system makes the run invalid (exit 1, no ratios).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from dualpath.bench.arguments import add_preset_argument
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import (
-    SERVED_MODEL_NAME,
     ModeRun,
-    run_against_url,
     run_mode,
     token_mismatches,
 )
 from dualpath.bench.offline import load_workload, workload_report
 from dualpath.bench.presets import PRESETS
-from dualpath.bench.process_cpu import ProcessCpu
+from dualpath.bench.regimes import (
+    REGIMES,
+    Regime,
+    RegimeMemory,
+    best_of_ours,
+    cpu_seconds,
+    legacy_targets,
+    regime_memory,
+    regime_targets,
+)
 from dualpath.bench.report import add_output_arguments, finish
-from dualpath.bench.server_process import ChildServer
 from dualpath.bench.spec import (
     BLOCK_SIZE_TOKENS,
     EngineSpec,
@@ -64,7 +76,7 @@ from dualpath.bench.spec import (
 )
 from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.cluster_options import add_kv_cache_argument
-from dualpath.flags import positive_float
+from dualpath.flags import non_negative_float, positive_float
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import (
@@ -81,270 +93,176 @@ from dualpath.vllm.args import (
     add_vllm_arg_argument,
     check_vllm_args,
     check_vllm_installed,
-    vllm_cpu_kv_memory,
 )
+from dualpath.vllm.bench.vllm_systems import run_vllm_system, system_nodes
+from dualpath.workload.stats import workload_stats
 
-SYSTEMS = ("dualpath-1P1D", "dualpath-1P2D", "vllm-pd-1P1D", "vllm-pd-1P2D", "vllm-single")
+SYSTEMS = (
+    "dualpath-1P1D",
+    "dualpath-1P2D",
+    "dualpath-native-1P2D",
+    "vllm-pd-1P1D",
+    "vllm-pd-1P2D",
+    "vllm-single",
+)
+# Without --regime: ours on vLLM engines against vLLM's P/D and the single instance.
+LEGACY_SYSTEMS = ("dualpath-1P1D", "dualpath-1P2D", "vllm-pd-1P1D", "vllm-pd-1P2D", "vllm-single")
+# With --regime: vLLM alone first (the reference of every ratio and of the tokens), then ours.
+REGIME_SYSTEMS = ("vllm-single", "dualpath-1P1D", "dualpath-1P2D", "dualpath-native-1P2D")
 # The replay when no flag reshapes it: the first 6 real agentic-coding sessions, 12 turns each,
 # at 8% of their length (contexts up to ~6K tokens of SmolLM2's 8K), all at once, no clones.
 DEFAULT_SHAPE = {"max_sessions": 6, "max_turns": 12, "length_scale": 0.08, "clones": 0}
-WITHIN_SINGLE = 1.3  # ours over the single instance's JCT, at most (the target)
-NIXL_SIDE_CHANNEL_BASE_PORT = 5600  # vLLM's default; instance i listens on base + i
 
 
-def _nodes(system: str) -> tuple[int, int]:
-    """(prefill, decode) instances of a ``*-<P>P<D>D`` system."""
-    shape = system.rsplit("-", 1)[1]
-    num_prefill, num_decode = shape.removesuffix("D").split("P")
-    return int(num_prefill), int(num_decode)
-
-
-def _core_set(cores: list[int]) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND``'s form of a core list: ``0,1`` (or one core)."""
-    return ",".join(str(core) for core in cores)
-
-
-@dataclass(frozen=True, slots=True)
-class VllmInstance:
-    """One ``vllm.entrypoints.openai.api_server`` of a vLLM system."""
-
-    cores: tuple[int, ...]
-    kv_cache_bytes: int  # vLLM gets exactly the blocks these bytes hold (``vllm_cpu_kv_memory``)
-    kv_transfer: bool  # with vLLM's NixlConnector (a P/D instance)
-    side_channel_port: int
-
-
-class VllmServer(ChildServer):
-    """vLLM's OpenAI-compatible server (its own CLI module) as a child process."""
-
-    name = "vLLM's api_server"
-
-    def __init__(
-        self,
-        model_dir: Path,
-        instance: VllmInstance,
-        *,
-        max_model_len: int,
-        full_block_bytes: int,
-        log_path: Path,
-    ) -> None:
-        kv_cache_gib, self.num_kv_blocks = vllm_cpu_kv_memory(
-            instance.kv_cache_bytes, full_block_bytes
-        )
-        super().__init__(
-            log_path=log_path,
-            env={
-                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-                "VLLM_CPU_OMP_THREADS_BIND": _core_set(list(instance.cores)),
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(instance.side_channel_port),
-            },
-        )
-        self.model_dir = model_dir
-        self.instance = instance
-        self.max_model_len = max_model_len
-
-    def argv(self, port: int) -> list[str]:
-        argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
-            "--served-model-name", SERVED_MODEL_NAME,
-            "--dtype", "float32",
-            "--block-size", str(BLOCK_SIZE_TOKENS),
-            "--num-gpu-blocks-override", str(self.num_kv_blocks),
-            "--max-model-len", str(self.max_model_len),
-            "--enforce-eager",
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",  # cached_tokens in usage, as ours reports it
-            "--seed", "0",
-            "--host", "127.0.0.1",
-            "--port", str(port),
-        ]  # fmt: skip
-        if self.instance.kv_transfer:
-            config = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-            argv += ["--kv-transfer-config", json.dumps({**config, "kv_buffer_device": "cpu"})]
-        return argv
-
-
-class ProxyServer(ChildServer):
-    """``pd_proxy`` in front of one prefill and N decode instances."""
-
-    name = "the P/D proxy"
-
-    def __init__(self, prefill_url: str, decode_urls: list[str], *, log_path: Path) -> None:
-        super().__init__(log_path=log_path)
-        self.prefill_url = prefill_url
-        self.decode_urls = decode_urls
-
-    def argv(self, port: int) -> list[str]:
-        argv = [sys.executable, "-m", "dualpath.vllm.bench.pd_proxy", "--prefill", self.prefill_url]
-        for url in self.decode_urls:
-            argv += ["--decode", url]
-        return argv + ["--port", str(port)]
-
-
-def _merge_cpu(parts: dict[str, dict]) -> dict:
-    """One ``process_cpu`` from each server's (``ProcessCpu.stop``), labels prefixed."""
-    cores = {
-        f"{name}/{label}": value
-        for name, cpu in parts.items()
-        for label, value in cpu["cores"].items()
-    }
-    client = max(cpu["client_cores"] for cpu in parts.values())
-    return {
-        "cores": cores,
-        "total_cores": round(sum(cores.values()) + client, 3),
-        "client_cores": client,
-        "machine_cores": os.cpu_count(),
-        "wall_s": max(cpu["wall_s"] for cpu in parts.values()),
-    }
-
-
-def run_vllm_system(
+def run_dualpath_system(
     system: str,
     workload,
-    *,
-    model_dir: Path,
-    max_model_len: int,
-    kv_cache_bytes: int,
+    spec: VsVllmSpec,
     work_dir: Path,
-    start_timeout_s: float,
+    *,
+    kv_cache_bytes: int,
+    max_model_len: int | None,
 ) -> dict:
-    """Serve ``system`` with vLLM alone, replay ``workload`` against it, return its figures."""
-    num_cores = os.cpu_count() or 1
-    log_dir = work_dir / f"logs-{system}"
-    config = read_config(model_dir / "config.json")
-    full_block_bytes = kv_layout(config, "float32", BLOCK_SIZE_TOKENS).full_block_bytes
-    servers: dict[str, ChildServer] = {}
-
-    def server(instance: VllmInstance, role: str) -> VllmServer:
-        return VllmServer(
-            model_dir,
-            instance,
-            max_model_len=max_model_len,
-            full_block_bytes=full_block_bytes,
-            log_path=log_dir / f"{role}.log",
-        )
-
-    if system == "vllm-single":
-        instance = VllmInstance(tuple(range(num_cores)), 2 * kv_cache_bytes, False, 0)
-        servers["single"] = server(instance, "single")
-    else:
-        num_prefill, num_decode = _nodes(system)
-        if num_prefill != 1:
-            raise ValueError(f"{system}: the proxy fronts one prefill instance")
-        for i, role in enumerate(["prefill", *(f"decode-{d}" for d in range(num_decode))]):
-            instance = VllmInstance(
-                (i % num_cores,), kv_cache_bytes, True, NIXL_SIDE_CHANNEL_BASE_PORT + i
-            )
-            servers[role] = server(instance, role)
-    with contextlib.ExitStack() as stack:
-        for server in servers.values():
-            server.launch()
-            stack.callback(server.stop)
-        for server in servers.values():
-            server.wait_ready(start_timeout_s)
-        if system == "vllm-single":
-            front = servers["single"]
-        else:
-            decoders = [s.url for role, s in servers.items() if role.startswith("decode")]
-            front = ProxyServer(servers["prefill"].url, decoders, log_path=log_dir / "proxy.log")
-            front.launch()
-            stack.callback(front.stop)
-            front.wait_ready(start_timeout_s)
-            servers["proxy"] = front
-        cpus = {role: ProcessCpu(server.pid).start() for role, server in servers.items()}
-        result = run_against_url(front.url, SERVED_MODEL_NAME, workload, api_key=None)
-        result["process_cpu"] = _merge_cpu({role: cpu.stop() for role, cpu in cpus.items()})
-    return result
-
-
-def run_dualpath_system(system: str, workload, spec: VsVllmSpec, work_dir: Path) -> dict:
-    """``dualpath serve --engine vllm --read-path pe`` of the system's shape, no link caps."""
+    """``dualpath serve`` of the system's shape and engine, DualPath mode, no link caps; each
+    engine ``kv_cache_bytes`` of KV memory."""
     nodes = system.rsplit("-", 1)[1]
+    is_native = system.startswith("dualpath-native-")
     run = ModeRun(
-        mode="basic",
+        mode="dualpath",
         model_dir=spec.run.model_dir,
         nodes=nodes,
         snic_bandwidth_gbps=0.0,
-        read_path="pe",
-        engine="vllm",
-        vllm_args=tuple(sorted(spec.run.engine.vllm_args)),
+        engine="native" if is_native else "vllm",
+        vllm_args=() if is_native else tuple(sorted(spec.run.engine.vllm_args)),
+        kv_cache_gb=kv_cache_bytes / 1e9,
         extra_serve_args=(
-            *("--kv-cache-gb", f"{spec.kv_cache_gb:g}"),
             *("--threads", str(spec.threads)),
+            *(("--max-model-len", str(max_model_len)) if max_model_len else ()),
         ),
     )
-    return run_mode(run, workload, work_dir=work_dir / system)
+    result = run_mode(run, workload, work_dir=work_dir / system, pause_s=spec.pause_s)
+    paths = result.get("path_bytes") or {}
+    result["store_read_bytes"] = sum(paths.values()) if paths else None
+    return result
 
 
-def compare(spec: VsVllmSpec, workload, work_dir: Path) -> dict:
+def _num_engines(system: str) -> int:
+    if system == "vllm-single":
+        return 1
+    num_prefill, num_decode = system_nodes(system)
+    return num_prefill + num_decode
+
+
+def kv_bytes_per_engine(system: str, spec: VsVllmSpec, memory: RegimeMemory | None) -> int:
+    """Each engine's (each vLLM instance's) KV memory: the regime's total shared equally, or
+    ``--kv-cache-gb`` (the single instance: twice that, the 1P1D shape's two engines')."""
+    if memory is not None:
+        return memory.per_engine_bytes(_num_engines(system))
+    per_engine = gb_to_bytes(spec.kv_cache_gb)
+    return 2 * per_engine if system == "vllm-single" else per_engine
+
+
+def compare(spec: VsVllmSpec, workload, work_dir: Path, memory: RegimeMemory | None = None) -> dict:
     """Each system's figures, the ratios and the targets (the report, before validity)."""
     model_dir = spec.run.model_dir
     config = read_config(model_dir / "config.json")
     systems = spec.run.modes
+    ideal = workload_stats(workload, block_size_tokens=BLOCK_SIZE_TOKENS).ideal_hit_ratio
+    max_model_len = memory.max_model_len_tokens if memory is not None else None
     results = {}
     for system in systems:
         print(f"== {system}", file=sys.stderr, flush=True)
+        kv_cache_bytes = kv_bytes_per_engine(system, spec, memory)
         if system.startswith("dualpath"):
-            results[system] = run_dualpath_system(system, workload, spec, work_dir)
+            result = run_dualpath_system(
+                system,
+                workload,
+                spec,
+                work_dir,
+                kv_cache_bytes=kv_cache_bytes,
+                max_model_len=max_model_len,
+            )
         else:
-            results[system] = run_vllm_system(
+            result = run_vllm_system(
                 system,
                 workload,
                 model_dir=model_dir,
-                max_model_len=config.max_position_embeddings,
-                kv_cache_bytes=gb_to_bytes(spec.kv_cache_gb),
+                max_model_len=max_model_len or config.max_position_embeddings,
+                kv_cache_bytes=kv_cache_bytes,
                 work_dir=work_dir,
                 start_timeout_s=spec.start_timeout_s,
+                pause_s=spec.pause_s,
             )
+            result["store_read_bytes"] = None  # vLLM keeps no store
+        result["kv_cache_bytes_per_engine"] = kv_cache_bytes
+        result["recomputed_tokens"] = result["prompt_tokens"] - result["cached_tokens"]
+        result["hit_ratio_of_bound"] = result["hit_ratio"] / ideal if ideal else None
+        result["process_cpu_s"] = cpu_seconds(result.get("process_cpu"))
+        results[system] = result
     reference = results[systems[0]]["tokens"]
     for result in results.values():
-        # Informational: systems may part at a near tie (a cached and an uncached prefill
-        # need not be bit-exact in vLLM), and an agent's later prompts then differ too.
+        # Systems may part at a near tie (a cached and an uncached prefill need not be
+        # bit-exact in vLLM), and an agent's later prompts then differ too.
         result["token_mismatches"] = token_mismatches(result.pop("tokens"), reference)
-    ratios: dict[str, float] = {}
-    targets: dict[str, bool] = {}
-    for ours in (s for s in systems if s.startswith("dualpath")):
-        shape = ours.rsplit("-", 1)[1]
-        jct = results[ours]["jct_s"]
-        theirs = f"vllm-pd-{shape}"
-        if theirs in results:
-            ratios[f"{ours}_vs_{theirs}_jct"] = results[theirs]["jct_s"] / jct
-            targets[f"{ours}_faster_than_{theirs}"] = results[theirs]["jct_s"] > jct
-        if "vllm-single" in results:
-            ratio = jct / results["vllm-single"]["jct_s"]
-            ratios[f"{ours}_over_vllm-single_jct"] = ratio
-            targets[f"{ours}_within_{WITHIN_SINGLE:g}x_vllm-single"] = ratio <= WITHIN_SINGLE
-    return {"modes": results, "ratios": ratios, "targets": targets}
+    if memory is None:
+        ratios, targets = legacy_targets(results)
+    else:
+        ratios, targets = regime_targets(spec.regime, results, ideal)
+    return {
+        "modes": results,
+        "best_system": best_of_ours(results),
+        "ratios": ratios,
+        "targets": targets,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--regime",
+        choices=sorted(REGIMES),
+        default=None,
+        help="compare in this regime (dualpath/bench/regimes.py): "
+        + "; ".join(f"{name}: {r.description}" for name, r in sorted(REGIMES.items()))
+        + ". Sets the sessions, --pause-s and every system's KV memory (the same total for "
+        "each: vLLM alone all of it, our engines an equal share each); the shape flags below "
+        "still override the sessions (default: none, the sessions back to back)",
+    )
+    parser.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
-        help=f"comma-separated systems to run, in order (of {', '.join(SYSTEMS)}; default all); "
-        "token agreement is counted against the first",
+        default=None,
+        help=f"comma-separated systems to run, in order (of {', '.join(SYSTEMS)}; default "
+        f"with --regime {','.join(REGIME_SYSTEMS)}, else {','.join(LEGACY_SYSTEMS)}); tokens "
+        "and ratios are counted against vllm-single",
     )
     add_model_argument(parser)
     add_preset_argument(parser, default="agentic")
     add_seed_argument(parser)
     add_trace_argument(parser)
-    max_sessions, clones = DEFAULT_SHAPE["max_sessions"], DEFAULT_SHAPE["clones"]
-    add_max_sessions_argument(parser, default=max_sessions, default_help=str(max_sessions))
+    add_max_sessions_argument(
+        parser, default=None, default_help=f"the regime's, else {DEFAULT_SHAPE['max_sessions']}"
+    )
     add_trace_shape_arguments(
         parser,
-        defaults={**DEFAULT_SHAPE, "gen_scale": None},
+        defaults={"length_scale": None, "max_turns": None, "gen_scale": None},
         default_help={
-            "length_scale": f"{DEFAULT_SHAPE['length_scale']}, contexts up to ~6K tokens",
-            "max_turns": str(DEFAULT_SHAPE["max_turns"]),
+            "length_scale": f"the regime's, else {DEFAULT_SHAPE['length_scale']}, contexts up "
+            "to ~6K tokens",
+            "max_turns": f"the regime's, else {DEFAULT_SHAPE['max_turns']}",
             "gen_scale": "the preset's",
         },
     )
-    add_clones_argument(parser, default=clones, default_help=str(clones))
+    add_clones_argument(parser, default=0, default_help="0")
+    parser.add_argument(
+        "--pause-s",
+        type=non_negative_float,
+        default=None,
+        help="seconds each session pauses after every answer before its next turn, for its "
+        "tools (default: the regime's, else 0)",
+    )
     add_kv_cache_argument(
         parser,
-        default=1.0,
-        default_help="1",
+        default=None,
+        default_help="1 without --regime; refused with it (its rule sizes every system)",
         detail=" and per vLLM instance (the single instance gets twice this): vLLM's "
         "--num-gpu-blocks-override of that many bytes' blocks, in as many whole GiB of "
         "VLLM_CPU_KVCACHE_SPACE as it takes (an integer in vLLM 0.32), as serve --engine "
@@ -352,8 +270,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_threads_argument(
         parser,
-        default=1,
-        default_help="1",
+        default=None,
+        default_help="every core with --regime, else 1",
         detail=" of ours (serve --threads; engine e on cores e*threads ...: with as many "
         "threads as cores every engine may use every core)",
     )
@@ -370,7 +288,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dualpath.model.default import resolve_model_dir
 
-    systems = modes_of(args.systems, "")
+    regime = REGIMES[args.regime] if args.regime else None
+    if regime is not None and args.kv_cache_gb is not None:
+        raise ValueError(
+            "--kv-cache-gb: --regime sizes every system's KV memory by its rule; give one of them"
+        )
+    systems = modes_of(args.systems, ",".join(REGIME_SYSTEMS if regime else LEGACY_SYSTEMS))
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise ValueError(
@@ -380,18 +303,31 @@ def main(args: argparse.Namespace) -> int:
     vllm_args = dict(args.vllm_arg or ())
     check_vllm_args(vllm_args)
     check_vllm_installed()
+    _apply_regime(args, regime, systems)
     spec = vs_vllm_spec(args, resolve_model_dir(args.model, tiny=False))
     shape = spec.run.workload.shape(PRESETS[args.preset])
     workload = load_workload(shape, model_dir=spec.run.model_dir, seed=args.seed)
+    memory = None
+    if regime is not None:
+        config = read_config(spec.run.model_dir / "config.json")
+        memory = regime_memory(
+            regime,
+            workload,
+            full_block_bytes=kv_layout(config, "float32", BLOCK_SIZE_TOKENS).full_block_bytes,
+            block_size_tokens=BLOCK_SIZE_TOKENS,
+        )
     with tempfile.TemporaryDirectory(prefix="dualpath-vs-vllm-") as tmp:
-        compared = compare(spec, workload, Path(tmp))
+        compared = compare(spec, workload, Path(tmp), memory)
     report = {
         "benchmark": "vs-vllm",
+        "regime": args.regime,
         "preset": args.preset,
         "seed": args.seed,
         "model": str(spec.run.model_dir),
-        "kv_cache_gb_per_engine": spec.kv_cache_gb,
+        "memory": None if memory is None else asdict(memory),
+        "kv_cache_gb_per_engine": spec.kv_cache_gb if memory is None else None,
         "threads_per_engine": spec.threads,
+        "pause_s": spec.pause_s,
         # Set for every process the benchmark starts (OpenMP's idle threads spin or sleep).
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "hardware": hardware_info(),
@@ -400,7 +336,27 @@ def main(args: argparse.Namespace) -> int:
     }
     problems = [p for system, r in report["modes"].items() for p in mode_problems(system, r)]
     mark_validity(report, problems)
-    return finish(report, args, "vs_vllm")
+    return finish(report, args, f"vs_vllm_{args.regime}" if args.regime else "vs_vllm")
+
+
+def _apply_regime(args: argparse.Namespace, regime: Regime | None, systems) -> None:
+    """Fill the flags left unset from ``regime`` (or the defaults without one)."""
+    shape = (
+        {"max_sessions": regime.max_sessions, "max_turns": regime.max_turns,
+         "length_scale": regime.length_scale}
+        if regime is not None
+        else {key: DEFAULT_SHAPE[key] for key in ("max_sessions", "max_turns", "length_scale")}
+    )  # fmt: skip
+    for key, value in shape.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.pause_s is None:
+        args.pause_s = regime.pause_s if regime is not None else 0.0
+    if args.kv_cache_gb is None and regime is None:
+        args.kv_cache_gb = 1.0
+    if args.threads is None:
+        args.threads = (os.cpu_count() or 1) if regime is not None else 1
+    args.systems = ",".join(systems)
 
 
 def vs_vllm_spec(args: argparse.Namespace, model_dir: Path) -> VsVllmSpec:
@@ -413,7 +369,9 @@ def vs_vllm_spec(args: argparse.Namespace, model_dir: Path) -> VsVllmSpec:
             engine=EngineSpec(engine="vllm", vllm_args=tuple(dict(args.vllm_arg or ()).items())),
             output=output_spec(args),
         ),
-        kv_cache_gb=args.kv_cache_gb,
+        kv_cache_gb=args.kv_cache_gb or 0.0,
         threads=args.threads,
         start_timeout_s=args.start_timeout_s,
+        regime=args.regime,
+        pause_s=args.pause_s,
     )
