@@ -71,6 +71,11 @@ class EngineConfig:
     # torch intra-op threads for this process; None = torch's default. Engines sharing a host
     # want 1 each: on an oversubscribed CPU every OpenMP barrier waits a scheduler tick.
     num_threads: int | None = None
+    # A decode engine's torch threads instead (None: num_threads). A DE steps small batches,
+    # where an OpenMP fork-join costs more than a second thread gains, and on a host whose
+    # engines share cores its threads take them from the PE's prefill (measured: docs/vllm-
+    # engine.md, "Against vLLM alone").
+    num_decode_threads: int | None = None
     # Upper bound of running sequences in one forward step.
     max_num_seqs: int = 64
     # Upper bound of tokens in one forward step; longer prompts are prefilled in chunks.
@@ -105,6 +110,10 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be > 0 or None, got {self.num_threads}")
+        if self.num_decode_threads is not None and self.num_decode_threads <= 0:
+            raise ValueError(
+                f"num_decode_threads must be > 0 or None, got {self.num_decode_threads}"
+            )
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
@@ -124,6 +133,13 @@ class EngineConfig:
                 f"vllm_prefill_batching must be one of {VLLM_PREFILL_BATCHING}, "
                 f"got {self.vllm_prefill_batching!r}"
             )
+
+    def for_role(self, role: str) -> EngineConfig:
+        """This config as an engine of ``role`` ("prefill" or "decode") runs it: a decode
+        engine's ``num_threads`` is ``num_decode_threads`` where that is set."""
+        if role != "decode" or self.num_decode_threads is None:
+            return self
+        return dataclasses.replace(self, num_threads=self.num_decode_threads)
         if self.vllm_prefill_batching != "vllm" and self.engine != "vllm":
             raise ValueError(
                 "vllm_prefill_batching is what a vLLM prefill engine hands vLLM: give it with "

@@ -53,6 +53,7 @@ def test_parse_node_shape_rejects(shape: str) -> None:
         (EngineConfig, {"dtype": "int8"}, "dtype"),
         (EngineConfig, {"device": "tpu"}, "device"),
         (EngineConfig, {"block_size_tokens": 0}, "block_size_tokens"),
+        (EngineConfig, {"num_decode_threads": 0}, "num_decode_threads"),
         (KVStoreConfig, {"capacity_bytes": 0}, "capacity_bytes"),
         (SchedulerConfig, {"read_path": "both"}, "read_path"),
         (SchedulerConfig, {"z_factor": 0.9}, "z_factor"),
@@ -61,6 +62,13 @@ def test_parse_node_shape_rejects(shape: str) -> None:
 def test_configs_reject_bad_values(cls, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)
+
+
+def test_a_decode_engine_runs_its_own_thread_count_where_one_is_set() -> None:
+    config = EngineConfig(num_threads=2, num_decode_threads=1)
+    assert config.for_role("decode").num_threads == 1
+    assert config.for_role("prefill") is config
+    assert EngineConfig(num_threads=2).for_role("decode").num_threads == 2
 
 
 def test_configs_are_frozen() -> None:
@@ -123,6 +131,7 @@ def _non_default_configs() -> dict[type, dict]:
         num_io_threads=3,
         max_pending_write_bytes=1 << 21,
         num_threads=2,
+        num_decode_threads=1,
         max_num_seqs=9,
         max_num_batched_tokens=1000,
         max_model_len=4096,

@@ -227,6 +227,7 @@ def engine_config(args: argparse.Namespace, dtype: str, model_dir: Path):  # -> 
         kv_cache_bytes=gb_to_bytes(args.kv_cache_gb),
         max_model_len=args.max_model_len,
         num_threads=args.threads,
+        num_decode_threads=getattr(args, "decode_threads", None),  # serve's alone
         max_num_batched_tokens=args.max_num_batched_tokens,
         **kind,
     )

@@ -113,6 +113,15 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         "already charged to the NIC it crosses",
     )
     add_engine_memory_arguments(group)
+    group.add_argument(
+        "--decode-threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads per decode engine instead of --threads (default: --threads). "
+        "A DE steps small batches, where a second thread gains less than its fork-join costs; "
+        "where engines share cores, `--threads <cores> --decode-threads 1` leaves them to "
+        "the PE's prefill",
+    )
     add_transport_argument(group)
     group.add_argument(
         "--scheduler-endpoint",

@@ -244,7 +244,7 @@ class LocalCluster:
             scheduler_endpoint=self.coordinator.endpoint,
             model_dir=self.model_dir,
             store=self.store_config,
-            engine=self.engine_config,
+            engine=self.engine_config.for_role(role),
             cluster=self.cluster,
             scheduler=self.scheduler_config,
             transport=self.transport,

@@ -76,7 +76,7 @@ from dualpath.bench.spec import (
 )
 from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.cluster_options import add_kv_cache_argument
-from dualpath.flags import non_negative_float, positive_float
+from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import (
@@ -137,6 +137,7 @@ def run_dualpath_system(
         kv_cache_gb=kv_cache_bytes / 1e9,
         extra_serve_args=(
             *("--threads", str(spec.threads)),
+            *(("--decode-threads", str(spec.decode_threads)) if spec.decode_threads else ()),
             *(("--max-model-len", str(max_model_len)) if max_model_len else ()),
         ),
     )
@@ -276,6 +277,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "threads as cores every engine may use every core)",
     )
     parser.add_argument(
+        "--decode-threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads per decode engine of ours (serve --decode-threads; default: "
+        "1 with --regime, where a DE's small decode batches gain less from a second thread "
+        "than the PE's prefill loses to it; else --threads)",
+    )
+    parser.add_argument(
         "--start-timeout-s",
         type=positive_float,
         default=600.0,
@@ -327,6 +336,7 @@ def main(args: argparse.Namespace) -> int:
         "memory": None if memory is None else asdict(memory),
         "kv_cache_gb_per_engine": spec.kv_cache_gb if memory is None else None,
         "threads_per_engine": spec.threads,
+        "threads_per_decode_engine": spec.decode_threads or spec.threads,
         "pause_s": spec.pause_s,
         # Set for every process the benchmark starts (OpenMP's idle threads spin or sleep).
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -356,6 +366,8 @@ def _apply_regime(args: argparse.Namespace, regime: Regime | None, systems) -> N
         args.kv_cache_gb = 1.0
     if args.threads is None:
         args.threads = (os.cpu_count() or 1) if regime is not None else 1
+    if args.decode_threads is None and regime is not None:
+        args.decode_threads = 1
     args.systems = ",".join(systems)
 
 
@@ -371,6 +383,7 @@ def vs_vllm_spec(args: argparse.Namespace, model_dir: Path) -> VsVllmSpec:
         ),
         kv_cache_gb=args.kv_cache_gb or 0.0,
         threads=args.threads,
+        decode_threads=args.decode_threads,
         start_timeout_s=args.start_timeout_s,
         regime=args.regime,
         pause_s=args.pause_s,
