@@ -162,12 +162,35 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.bar(modes, [run["modes"][m]["jct_s"] for m in modes], color="#4472c4")
     axis.set_ylabel("JCT (s)")
-    axis.set_title(f"{run['benchmark']} · {run.get('preset')}")
+    regime = run.get("regime")
+    axis.set_title(f"{run['benchmark']} · {regime or run.get('preset')}")
     figure.tight_layout()
     path = out_dir / f"{stem}_jct.png"
     figure.savefig(path, dpi=120)
     plt.close(figure)
     written.append(path)
+    if regime:  # bench vs-vllm --regime: each system's first-token latency and hits too
+        figure, (ttft_axis, hit_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
+        for q, color in (("p50", "#4472c4"), ("p90", "#a5a5a5")):
+            ttft_axis.bar(
+                [f"{m}\n{q}" for m in modes],
+                [run["modes"][m]["ttft_s"][q] for m in modes],
+                color=color,
+                label=q,
+            )
+        ttft_axis.set_ylabel("TTFT (s)")
+        ttft_axis.tick_params(axis="x", labelsize=7, labelrotation=30)
+        hit_axis.bar(modes, [run["modes"][m]["hit_ratio"] for m in modes], color="#4472c4")
+        hit_axis.axhline(run["workload"]["ideal_hit_ratio"], color="k", ls="--", label="bound")
+        hit_axis.set_ylabel("prompt tokens cached")
+        hit_axis.tick_params(axis="x", labelsize=7, labelrotation=30)
+        hit_axis.legend()
+        figure.suptitle(f"{run['benchmark']} · {regime}")
+        figure.tight_layout()
+        path = out_dir / f"{stem}_latency.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
     timelines = {m: r["snic_timeline"] for m, r in run["modes"].items() if r.get("snic_timeline")}
     if timelines:
         figure, axes = plt.subplots(

@@ -65,7 +65,12 @@ def test_the_beyond_memory_sessions_need_more_than_the_memory_and_fit_the_runnin
 
 
 def _result(jct_s: float, ttft_p50_s: float, hit_ratio: float = 0.8) -> dict:
-    return {"jct_s": jct_s, "ttft_s": {"p50": ttft_p50_s}, "hit_ratio": hit_ratio}
+    return {
+        "jct_s": jct_s,
+        "ttft_s": {"p50": ttft_p50_s},
+        "hit_ratio": hit_ratio,
+        "token_mismatches": 0,
+    }
 
 
 def test_the_regime_targets_judge_ours_best_system_against_vllm_alone() -> None:
@@ -79,6 +84,7 @@ def test_the_regime_targets_judge_ours_best_system_against_vllm_alone() -> None:
     assert ratios["dualpath-1P2D_vs_vllm-single_jct"] == 2.5
     assert ratios["dualpath-1P1D_over_vllm-single_ttft_p50"] == 3.0
     assert targets == {
+        "same_tokens_on_every_system": True,
         "best_2.2x_faster_than_vllm-single": True,
         "best_hits_within_2_points_of_bound": True,  # 0.78 of 0.80
     }
@@ -87,12 +93,37 @@ def test_the_regime_targets_judge_ours_best_system_against_vllm_alone() -> None:
     _, targets = regime_targets("small", results, ideal_hit_ratio=0.8)
     # 0.4x vLLM alone's JCT passes; 2.5x its TTFT p50 does not.
     assert targets == {
+        "same_tokens_on_every_system": True,
         "best_within_1.05x_vllm-single_jct": True,
         "best_ttft_p50_within_2x_vllm-single": False,
     }
+    results["dualpath-1P1D"]["token_mismatches"] = 1  # one turn parted from vLLM alone's
+    _, targets = regime_targets("beyond-memory", results, ideal_hit_ratio=0.80)
+    assert targets["same_tokens_on_every_system"] is False
 
 
 def test_cpu_seconds_are_each_processes_cores_over_the_wall_time() -> None:
     cpu = {"cores": {"serve": 0.5, "engine-0": 1.25}, "client_cores": 0.1, "wall_s": 10.0}
     assert cpu_seconds(cpu) == {"serve": 5.0, "engine-0": 12.5, "client": 1.0}
     assert cpu_seconds(None) is None
+
+
+def test_a_regime_run_plots_each_systems_first_token_latency_and_hits(tmp_path) -> None:
+    from dualpath.bench.report import write_plots
+
+    modes = {
+        name: {**_result(jct, ttft), "ttft_s": {"p50": ttft, "p90": 2 * ttft}}
+        for name, jct, ttft in (("vllm-single", 100.0, 4.0), ("dualpath-1P2D", 40.0, 1.0))
+    }
+    report = {
+        "benchmark": "vs-vllm",
+        "regime": "beyond-memory",
+        "workload": {"ideal_hit_ratio": 0.8},
+        "modes": modes,
+    }
+    written = write_plots(report, tmp_path, "vs_vllm_beyond-memory")
+    assert [p.name for p in written] == [
+        "vs_vllm_beyond-memory_jct.png",
+        "vs_vllm_beyond-memory_latency.png",
+    ]
+    assert all(p.stat().st_size > 0 for p in written)

@@ -9,7 +9,8 @@ in turn, one at a time, each on a fresh store and fresh processes:
                                    prefix caching on: what a user would run instead of ours
     dualpath-1P1D, dualpath-1P2D   ``dualpath serve --engine vllm`` of that shape (DualPath
                                    mode): our scheduler, store and transport, vLLM's engine in
-                                   each engine process (``--threads`` each)
+                                   each engine process (``--threads`` each, ``--decode-threads``
+                                   each DE: with --regime every core, and 1)
     dualpath-native-1P2D           ``dualpath serve`` on our own engine, 1P2D
     vllm-pd-1P1D, vllm-pd-1P2D     vLLM's own prefill/decode disaggregation of the same shape:
                                    one ``vllm.entrypoints.openai.api_server`` per instance with
@@ -75,7 +76,7 @@ from dualpath.bench.spec import (
     workload_spec,
 )
 from dualpath.bench.validity import mark_validity, mode_problems
-from dualpath.cluster_options import add_kv_cache_argument
+from dualpath.cluster_options import add_kv_cache_argument, add_transport_argument
 from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
@@ -135,6 +136,7 @@ def run_dualpath_system(
         engine="native" if is_native else "vllm",
         vllm_args=() if is_native else tuple(sorted(spec.run.engine.vllm_args)),
         kv_cache_gb=kv_cache_bytes / 1e9,
+        transport=spec.run.engine.transport,
         extra_serve_args=(
             *("--threads", str(spec.threads)),
             *(("--decode-threads", str(spec.decode_threads)) if spec.decode_threads else ()),
@@ -290,6 +292,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="how long a vLLM instance may take to start (default 600)",
     )
+    add_transport_argument(parser)
     add_vllm_arg_argument(parser, where="for dualpath serve's vLLM engines (not vLLM's own)")
     add_output_arguments(parser)
 
@@ -335,6 +338,7 @@ def main(args: argparse.Namespace) -> int:
         "model": str(spec.run.model_dir),
         "memory": None if memory is None else asdict(memory),
         "kv_cache_gb_per_engine": spec.kv_cache_gb if memory is None else None,
+        "transport": spec.run.engine.transport,
         "threads_per_engine": spec.threads,
         "threads_per_decode_engine": spec.decode_threads or spec.threads,
         "pause_s": spec.pause_s,
@@ -378,7 +382,11 @@ def vs_vllm_spec(args: argparse.Namespace, model_dir: Path) -> VsVllmSpec:
             model_dir=model_dir,
             workload=workload_spec(args),
             modes=modes_of(args.systems, ""),
-            engine=EngineSpec(engine="vllm", vllm_args=tuple(dict(args.vllm_arg or ()).items())),
+            engine=EngineSpec(
+                engine="vllm",
+                vllm_args=tuple(dict(args.vllm_arg or ()).items()),
+                transport=args.transport,
+            ),
             output=output_spec(args),
         ),
         kv_cache_gb=args.kv_cache_gb or 0.0,
