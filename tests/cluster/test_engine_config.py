@@ -41,7 +41,7 @@ def test_the_launcher_sends_each_engine_its_whole_configs(
         heartbeat_timeout_s=9.0,
     )
     store = KVStoreConfig(root_dir=tmp_path / "kv", verify_checksums=False, fsync_writes=True)
-    engine = EngineConfig(num_threads=1, max_num_seqs=7, num_io_threads=2)
+    engine = EngineConfig(num_threads=2, num_decode_threads=1, max_num_seqs=7, num_io_threads=2)
     scheduler = SchedulerConfig(attention_quota_s=QUOTA_S, prefill_tokens_per_s=1000.0)
     local = LocalCluster(
         cluster,
@@ -53,8 +53,14 @@ def test_the_launcher_sends_each_engine_its_whole_configs(
     )
     try:
         sent = local.engine_process_config("prefill", 0, 0)
+        decode = local.engine_process_config("decode", 1, 1)
     finally:
         local.close()
+    # A DE runs its own thread count (serve --decode-threads); everything else is the same.
+    assert decode.engine == EngineConfig(
+        num_threads=1, num_decode_threads=1, max_num_seqs=7, num_io_threads=2
+    )
+    assert _engine_side(decode, monkeypatch).engine.num_threads == 1
     got = _engine_side(sent, monkeypatch)
     assert got == sent
     assert (got.cluster, got.store, got.engine, got.scheduler) == (
