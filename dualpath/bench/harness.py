@@ -161,13 +161,15 @@ def run_mode(
     gap_scale: float | None = None,
     max_gap_s: float | None = None,
     pause_s: float | None = None,
+    metrics_period_s: float = 0.5,
 ) -> dict:
     """Serve ``run``, replay ``workload`` against it, and return the mode's figures (with
     ``keep_records``, also every turn's ``TurnRecord`` under ``"_records"``). With
     ``stop_after_s`` the agents stop then; ``"is_complete"`` says whether every turn ran,
     ``"first_errors"`` what the first failed turns answered. ``gap_scale``, ``max_gap_s``: wait
     the trace's gaps between turns, times this, at most that; ``pause_s``: wait this long after
-    each answer (``agents.run_agents``)."""
+    each answer (``agents.run_agents``). ``metrics_period_s``: how often ``/metrics`` is
+    scraped for the SNICs' timeline (the final counters are read at the end either way)."""
     name = run.mode.replace("+", "-")
     memory_dir = _memory_dir() if mode_settings(run.mode).is_io_free else None
     store_dir = (memory_dir or work_dir) / f"kv-{name}"
@@ -176,7 +178,7 @@ def run_mode(
         servers = start_servers(run, store_dir, log_dir)
         try:
             cpu = servers.process_cpu().start()
-            with MetricsSampler(servers.url, period_s=0.5) as sampler:
+            with MetricsSampler(servers.url, period_s=metrics_period_s) as sampler:
                 records, tokens = _replay(
                     servers.url,
                     workload,
