@@ -9,7 +9,8 @@ instance, where the sessions' KV fits its memory and where it outgrows it.
 sessions themselves: their *contexts' need* C is the KV of every session's final context (its
 last prompt and answer, in whole blocks), what keeping every session resident takes; the
 *running need* R is the KV of the longest single request, four times over (a batch of the
-longest requests). ``small``: M = 1.5 x C, every context fits and nothing need be evicted.
+longest requests). ``small``: M = 1.5 x C (and never under R, for a few short sessions), every
+context fits and nothing need be evicted.
 ``beyond-memory``: M = C / 2, between R and C (checked): the running requests fit, the
 sessions' contexts do not, so a session back from its tools finds part of its prefix evicted
 from an engine's memory; only a store beside it still holds that KV. vLLM alone gets M; our
@@ -114,7 +115,9 @@ def regime_memory(
     contexts = contexts_blocks * full_block_bytes
     running = RUNNING_REQUESTS * longest_blocks * full_block_bytes
     total = int(regime.memory_over_contexts * contexts)
-    if regime.memory_over_contexts < 1 and not running <= total < contexts:
+    if regime.memory_over_contexts >= 1:  # the running batch fits too (few, short sessions)
+        total = max(total, running)
+    elif not running <= total < contexts:
         raise ValueError(
             f"regime {regime.name}: {total / 1e9:.3f} GB of KV memory is not between the "
             f"running requests' need ({running / 1e9:.3f} GB) and the contexts' "

@@ -34,7 +34,9 @@ def test_the_memory_rule_counts_final_contexts_and_the_longest_request_in_whole_
     )
     assert small.contexts_kv_bytes == 13 * BLOCK_BYTES
     assert small.running_kv_bytes == RUNNING_REQUESTS * 10 * BLOCK_BYTES
-    assert small.total_kv_bytes == int(1.5 * 13 * BLOCK_BYTES)  # every context fits
+    # 1.5 x the contexts' 13 blocks is under the running batch's 40: the batch's, so that an
+    # engine's share holds the longest request.
+    assert small.total_kv_bytes == small.running_kv_bytes
     assert small.per_engine_bytes(3) == small.total_kv_bytes // 3
     assert small.max_model_len_tokens == 11 * BLOCK  # the longest request and one block
     # Half the contexts' 13 blocks is under four of the longest request's 10: not this regime.
@@ -45,6 +47,15 @@ def test_the_memory_rule_counts_final_contexts_and_the_longest_request_in_whole_
             full_block_bytes=BLOCK_BYTES,
             block_size_tokens=BLOCK,
         )
+
+
+def test_the_small_regime_gives_one_and_a_half_times_the_contexts_need() -> None:
+    workload = Workload(tuple(_session(f"s{i}", [100, 50], 10) for i in range(20)), "test")
+    memory = regime_memory(
+        REGIMES["small"], workload, full_block_bytes=BLOCK_BYTES, block_size_tokens=BLOCK
+    )
+    assert memory.contexts_kv_bytes == 20 * 3 * BLOCK_BYTES
+    assert memory.total_kv_bytes == int(1.5 * memory.contexts_kv_bytes)  # above the batch's
 
 
 def test_the_beyond_memory_sessions_need_more_than_the_memory_and_fit_the_running_batch() -> None:
