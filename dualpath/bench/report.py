@@ -147,6 +147,14 @@ def write_outputs(
             print(f"wrote {path}")
 
 
+def _save(plt, figure, path: Path) -> Path:  # noqa: ANN001 (matplotlib's, imported lazily)
+    """``figure`` laid out and written to ``path`` as a PNG, then closed."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
     """JCT by mode, and for a rho sweep the measured speedup against the ideal one."""
     import matplotlib
@@ -164,11 +172,7 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
     axis.set_ylabel("JCT (s)")
     regime = run.get("regime")
     axis.set_title(f"{run['benchmark']} · {regime or run.get('preset')}")
-    figure.tight_layout()
-    path = out_dir / f"{stem}_jct.png"
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    written.append(path)
+    written.append(_save(plt, figure, out_dir / f"{stem}_jct.png"))
     if regime:  # bench vs-vllm --regime: each system's first-token latency and hits too
         figure, (ttft_axis, hit_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
         for q, color in (("p50", "#4472c4"), ("p90", "#a5a5a5")):
@@ -186,11 +190,7 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
         hit_axis.tick_params(axis="x", labelsize=7, labelrotation=30)
         hit_axis.legend()
         figure.suptitle(f"{run['benchmark']} · {regime}")
-        figure.tight_layout()
-        path = out_dir / f"{stem}_latency.png"
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        written.append(path)
+        written.append(_save(plt, figure, out_dir / f"{stem}_latency.png"))
     timelines = {m: r["snic_timeline"] for m, r in run["modes"].items() if r.get("snic_timeline")}
     if timelines:
         figure, axes = plt.subplots(
@@ -207,11 +207,7 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
         axes[0, 0].legend(fontsize=7, loc="upper right")
         axes[-1, 0].set_xlabel("time (s)")
         figure.suptitle("per-SNIC throughput")
-        figure.tight_layout()
-        path = out_dir / f"{stem}_snic.png"
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        written.append(path)
+        written.append(_save(plt, figure, out_dir / f"{stem}_snic.png"))
     probed = {m: r["probes"] for m, r in run["modes"].items() if len(r.get("probes", ())) > 1}
     if probed:
         figure, (ttft_axis, tpot_axis) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -226,11 +222,7 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
         ttft_axis.set(xlabel="agents per second", ylabel="p90 TTFT (s)")
         tpot_axis.set(xlabel="agents per second", ylabel="p90 TPOT (ms)")
         ttft_axis.legend(fontsize=8)
-        figure.tight_layout()
-        path = out_dir / f"{stem}_latency_vs_aps.png"
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        written.append(path)
+        written.append(_save(plt, figure, out_dir / f"{stem}_latency_vs_aps.png"))
     swept = [r for r in runs if r.get("rho") is not None and "dualpath_vs_basic_jct" in r["ratios"]]
     if len(swept) > 1:
         rhos = [r["rho"] for r in swept]
@@ -240,11 +232,7 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
         axis.set_xlabel("ρ (hit-KV demand / SNIC cap)")
         axis.set_ylabel("DualPath speedup over Basic")
         axis.legend()
-        figure.tight_layout()
-        path = out_dir / f"{stem}_rho.png"
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        written.append(path)
+        written.append(_save(plt, figure, out_dir / f"{stem}_rho.png"))
     return written
 
 
