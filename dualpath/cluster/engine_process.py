@@ -16,7 +16,8 @@ itself hears the scheduler's ``Heartbeat``s between its units of work.
 
 It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler
 (``EXIT_SCHEDULER_LOST``: no answer to its hello, silence for ``heartbeat_timeout_s`` seen
-between units of work, or the scheduler no longer knowing it, having declared it dead), and
+between units of work, or the scheduler no longer knowing it, having declared it dead; also
+when its transport cannot start, as on a host whose network is down), and
 (Linux) when its parent dies.
 Whoever supervises it (``dualpath serve``, or ``dualpath engine`` itself: ``engine_processes``)
 starts it again after a lost scheduler: a fresh engine rejoins under its id, with nothing of
@@ -45,7 +46,7 @@ from dualpath.control.codec import encode
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.capacity import role_buffer_bytes
 from dualpath.engine.role import RoleEngine
-from dualpath.errors import TransferTimeout
+from dualpath.errors import TransferError, TransferTimeout
 from dualpath.lifetime import die_with_parent, ignore_stop_signals
 from dualpath.model.identity import checkpoint_kv_identity, kv_identity, vllm_device
 from dualpath.model.loader import LoadedModel, load_model
@@ -98,7 +99,14 @@ def run_engine(config: EngineProcessConfig, token: str) -> int:
     ``EXIT_SCHEDULER_LOST`` when the scheduler was lost."""
     die_with_parent()
     signal.signal(signal.SIGTERM, _raise_stop)
-    process = EngineProcess(config, token)
+    try:
+        process = EngineProcess(config, token)
+    except TransferError as exc:
+        # Its transport could not start: the host's network is down (UCX finds no usable
+        # device while the link is cut). Not a configuration refused (exit 2, never started
+        # again): a host cut off rejoins once it is back, as after a lost scheduler.
+        logger.error("engine %d: %s: exiting", config.engine_id, exc)
+        return EXIT_SCHEDULER_LOST
     exit_code = 1  # a crash, unless run() returns
     try:
         exit_code = process.run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from dualpath.cluster.engine_processes import (
     EngineProcesses,
     openmp_env,
 )
-from dualpath.config import EngineConfig, EngineProcessConfig
+from dualpath.config import EngineConfig, EngineProcessConfig, config_to_dict
 
 HANG_GUARD_S = 60.0  # only a bug waits this long
 
@@ -103,3 +104,35 @@ def test_an_engine_outlives_the_thread_that_asked_for_it(tmp_path: Path) -> None
         assert processes.first_exited() is None, pid
     finally:
         processes.terminate(timeout_s=HANG_GUARD_S)
+
+
+def test_an_engine_whose_transport_cannot_start_exits_to_be_started_again(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """On a host whose link is cut, UCX finds no usable device and the NIXL agent cannot be
+    created: the engine must exit as after a lost scheduler (started again until the host is
+    back), not as a configuration refused (never started again)."""
+    config = EngineProcessConfig(
+        role="decode", engine_id=3, node_id=1, scheduler_endpoint="tcp://127.0.0.1:1",
+        model_dir=tiny_model_dir, engine=EngineConfig(num_threads=1),
+    )  # fmt: skip
+    code = (
+        "import json, sys\n"
+        "from dualpath.cluster import engine_process\n"
+        "from dualpath.config import config_from_dict, EngineProcessConfig\n"
+        "from dualpath.errors import TransferError\n"
+        "def no_device(*args, **kwargs):\n"
+        "    raise TransferError(\"creating NIXL agent 'engine-3': no usable devices\")\n"
+        "engine_process.create_transport = no_device\n"
+        "config = config_from_dict(EngineProcessConfig, json.loads(sys.stdin.read()))\n"
+        "sys.exit(engine_process.run_engine(config, 'token'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(config_to_dict(config)),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    assert done.returncode == EXIT_SCHEDULER_LOST, done.stderr[-2000:]
+    assert "no usable devices: exiting" in done.stderr
