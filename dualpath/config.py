@@ -133,6 +133,11 @@ class EngineConfig:
                 f"vllm_prefill_batching must be one of {VLLM_PREFILL_BATCHING}, "
                 f"got {self.vllm_prefill_batching!r}"
             )
+        if self.vllm_prefill_batching != "vllm" and self.engine != "vllm":
+            raise ValueError(
+                "vllm_prefill_batching is what a vLLM prefill engine hands vLLM: give it with "
+                "engine 'vllm'"
+            )
 
     def for_role(self, role: str) -> EngineConfig:
         """This config as an engine of ``role`` ("prefill" or "decode") runs it: a decode
@@ -140,11 +145,6 @@ class EngineConfig:
         if role != "decode" or self.num_decode_threads is None:
             return self
         return dataclasses.replace(self, num_threads=self.num_decode_threads)
-        if self.vllm_prefill_batching != "vllm" and self.engine != "vllm":
-            raise ValueError(
-                "vllm_prefill_batching is what a vLLM prefill engine hands vLLM: give it with "
-                "engine 'vllm'"
-            )
 
 
 SCHEDULER_NAMES = ("dualpath", "round_robin")

@@ -54,6 +54,7 @@ def test_parse_node_shape_rejects(shape: str) -> None:
         (EngineConfig, {"device": "tpu"}, "device"),
         (EngineConfig, {"block_size_tokens": 0}, "block_size_tokens"),
         (EngineConfig, {"num_decode_threads": 0}, "num_decode_threads"),
+        (EngineConfig, {"vllm_prefill_batching": "quota"}, "give it with engine 'vllm'"),
         (KVStoreConfig, {"capacity_bytes": 0}, "capacity_bytes"),
         (SchedulerConfig, {"read_path": "both"}, "read_path"),
         (SchedulerConfig, {"z_factor": 0.9}, "z_factor"),
