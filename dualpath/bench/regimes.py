@@ -50,18 +50,24 @@ class Regime:
     """One regime: the sessions replayed and the memory rule (module docstring)."""
 
     name: str
-    description: str
     max_sessions: int
     max_turns: int
     length_scale: float
     pause_s: float  # after every answer, before the session's next turn
     memory_over_contexts: float  # M = this x the contexts' need C
 
+    @property
+    def description(self) -> str:
+        fit = "every context fits" if self.memory_over_contexts >= 1 else "the contexts outgrow it"
+        return (
+            f"{self.max_sessions} real sessions x {self.max_turns} turns at once, "
+            f"M = {self.memory_over_contexts:g} x C ({fit})"
+        )
+
 
 REGIMES = {
     "small": Regime(
         name="small",
-        description="6 real sessions x 12 turns at once; every context fits (M = 1.5 x C)",
         max_sessions=6,
         max_turns=12,
         length_scale=0.05,
@@ -70,8 +76,6 @@ REGIMES = {
     ),
     "beyond-memory": Regime(
         name="beyond-memory",
-        description="24 real sessions x 8 turns at once; the contexts need twice the KV "
-        "memory (M = C / 2)",
         max_sessions=24,
         max_turns=8,
         length_scale=0.05,

@@ -110,9 +110,9 @@ SYSTEMS = (
 LEGACY_SYSTEMS = ("dualpath-1P1D", "dualpath-1P2D", "vllm-pd-1P1D", "vllm-pd-1P2D", "vllm-single")
 # With --regime: vLLM alone first (the reference of every ratio and of the tokens), then ours.
 REGIME_SYSTEMS = ("vllm-single", "dualpath-1P1D", "dualpath-1P2D", "dualpath-native-1P2D")
+METRICS_PERIOD_S = 5.0  # ours' /metrics scrapes (the final counters are read at the end)
 # The replay when no flag reshapes it: the first 6 real agentic-coding sessions, 12 turns each,
 # at 8% of their length (contexts up to ~6K tokens of SmolLM2's 8K), all at once, no clones.
-METRICS_PERIOD_S = 5.0  # ours' /metrics scrapes (the final counters are read at the end)
 DEFAULT_SHAPE = {"max_sessions": 6, "max_turns": 12, "length_scale": 0.08, "clones": 0}
 
 
@@ -244,7 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma-separated systems to run, in order (of {', '.join(SYSTEMS)}; default "
         f"with --regime {','.join(REGIME_SYSTEMS)}, else {','.join(LEGACY_SYSTEMS)}); tokens "
-        "and ratios are counted against vllm-single",
+        "are counted against the first, ratios against vllm-single and vLLM's P/D",
     )
     add_model_argument(parser)
     add_preset_argument(parser, default="agentic")
