@@ -21,6 +21,19 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default=DEFAULT_PRESET, help="which preset (default: tiny)")
     _add_out_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    p.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        metavar="DIR",
+        help="use this checkpoint's tokenizer.json (a real model's, with ChatML's tokens) "
+        "instead of training one; the vocabulary takes its size",
+    )
+    p.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        metavar="N",
+        help="the checkpoint's context in tokens (default: the preset's)",
+    )
     p.set_defaults(func=_run_make_model)
 
 
@@ -28,7 +41,14 @@ def _run_make_model(args: argparse.Namespace) -> int:
     from dualpath.model.make import make_model
 
     try:
-        path = make_model(args.preset, args.out, seed=args.seed, overwrite=args.force)
+        path = make_model(
+            args.preset,
+            args.out,
+            seed=args.seed,
+            overwrite=args.force,
+            tokenizer_from=args.tokenizer_from,
+            max_position_embeddings=args.max_position_embeddings,
+        )
     except FileExistsError as exc:
         raise ValueError(f"--out {args.out} already exists; pass --force to replace it") from exc
     print(f"wrote preset {args.preset!r} to {path}")

@@ -11,6 +11,7 @@ generation_config.json) and they are loaded by the same loader.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -84,11 +85,26 @@ def init_weights(model: LayerwiseModel, preset: Preset, seed: int) -> None:
                 param.copy_(std * torch.randn(param.shape, generator=gen))
 
 
-def make_model(preset_name: str, out_dir: Path, *, seed: int = 0, overwrite: bool = False) -> Path:
+def make_model(
+    preset_name: str,
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+    tokenizer_from: Path | None = None,
+    max_position_embeddings: int | None = None,
+) -> Path:
     """Write the preset's checkpoint to ``out_dir`` atomically (temp dir + rename).
 
-    Raises ``ValueError`` for an unknown preset and ``FileExistsError`` when ``out_dir`` exists
-    and ``overwrite`` is false. Concurrent writers are safe: exactly one rename wins.
+    ``tokenizer_from``: a checkpoint directory whose ``tokenizer.json`` (a real model's, e.g.
+    the embedded SmolLM2's) replaces the trained one; the vocabulary is then its size, and it
+    must have the ChatML tokens the chat template writes. ``max_position_embeddings``: the
+    context, instead of the preset's (a long-context checkpoint for protocol tests: random
+    weights attend over any length).
+
+    Raises ``ValueError`` for an unknown preset or a tokenizer without ChatML's tokens and
+    ``FileExistsError`` when ``out_dir`` exists and ``overwrite`` is false. Concurrent writers
+    are safe: exactly one rename wins.
     """
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
@@ -96,7 +112,16 @@ def make_model(preset_name: str, out_dir: Path, *, seed: int = 0, overwrite: boo
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite to replace it)")
     preset = PRESETS[preset_name]
-    write_dir_atomically(out_dir, lambda tmp: _write_checkpoint(preset, tmp, seed))
+    if max_position_embeddings is not None:
+        if max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be >= 1, got {max_position_embeddings}")
+        preset = dataclasses.replace(preset, max_position_embeddings=max_position_embeddings)
+    if tokenizer_from is None:
+        tokenizer = train_tokenizer(preset.vocab_size)
+    else:
+        tokenizer = _checkpoint_tokenizer(Path(tokenizer_from))
+        preset = dataclasses.replace(preset, vocab_size=tokenizer.get_vocab_size())
+    write_dir_atomically(out_dir, lambda tmp: _write_checkpoint(preset, tmp, seed, tokenizer))
     logger.info("wrote preset %r (seed %d) to %s", preset_name, seed, out_dir)
     return out_dir
 
@@ -147,8 +172,23 @@ def ensure_model(preset_name: str, out_dir: Path, *, seed: int = 0) -> Path:
         raise
 
 
-def _write_checkpoint(preset: Preset, out: Path, seed: int) -> None:
-    tokenizer = train_tokenizer(preset.vocab_size)
+def _checkpoint_tokenizer(model_dir: Path) -> Tokenizer:
+    """``model_dir``'s tokenizer; ``ValueError`` unless it has ChatML's tokens."""
+    path = model_dir / "tokenizer.json"
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own Exception type for unreadable files
+        raise ValueError(f"--tokenizer-from {model_dir}: cannot read {path}: {exc}") from exc
+    missing = [t for t in ("<|im_start|>", EOS_TOKEN) if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise ValueError(
+            f"--tokenizer-from {model_dir}: its tokenizer lacks {', '.join(missing)}, which "
+            "the checkpoint's ChatML chat template writes"
+        )
+    return tokenizer
+
+
+def _write_checkpoint(preset: Preset, out: Path, seed: int, tokenizer: Tokenizer) -> None:
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     raw_config = preset_config(preset, tokenizer.get_vocab_size(), eos_id)
     config = config_from_dict(raw_config)
