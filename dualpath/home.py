@@ -1,4 +1,5 @@
-"""The data directory: where the default models, the KV store and the servers' logs live.
+"""The data directory: where the default models, the KV store, the stored responses of the
+API and the servers' logs live.
 
 It is ``$DUALPATH_HOME``, or ``~/.cache/dualpath`` when that is unset. The command line and
 the benchmarks share these defaults, so they are here, below both.
@@ -26,3 +27,8 @@ def tiny_model_dir() -> Path:
 
 def default_kv_store_dir() -> Path:
     return data_home() / "kv"
+
+
+def default_responses_dir() -> Path:
+    """Where ``dualpath serve`` keeps the responses of /v1/responses."""
+    return data_home() / "responses"

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from dualpath.cli.configs import engine_config, store_config
-from dualpath.home import data_home, default_kv_store_dir
+from dualpath.home import data_home, default_kv_store_dir, default_responses_dir
 from dualpath.model.default import resolve_model_dir
 from dualpath.options import add_engine_arguments
 from dualpath.units import gb_to_bytes
@@ -22,8 +22,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve an OpenAI-compatible API from a one-host PD-disaggregated cluster",
         description="Start the scheduler and the HTTP API in this process and every engine as "
-        "its own process, then serve /v1/completions, /v1/chat/completions, /v1/models, "
-        "/tokenize, /detokenize, /health, /metrics and /version until SIGINT or SIGTERM. "
+        "its own process, then serve /v1/completions, /v1/chat/completions, /v1/responses, "
+        "/v1/models, /tokenize, /detokenize, /health, /metrics and /version until SIGINT or "
+        "SIGTERM. "
         "Without flags: the embedded SmolLM2-135M-Instruct (converted on first use), the store under "
         "$DUALPATH_HOME/kv, 1 prefill and 2 decode engines, no link caps, 127.0.0.1:8000.",
     )
@@ -122,6 +123,9 @@ def _serve_server_config(s: argparse.Namespace, model_dir: Path):  # -> ServerCo
         engine_start_timeout_s=_engine_start_timeout_s(s),
         shutdown_timeout_s=s.shutdown_timeout_s,
         generation_config=s.generation_config,
+        responses_dir=s.responses_dir or default_responses_dir(),
+        responses_max_count=s.responses_max_count,
+        responses_max_bytes=gb_to_bytes(s.responses_max_gb),
     )
 
 
@@ -156,4 +160,5 @@ def _serve_cluster_config(s: argparse.Namespace):  # -> ClusterConfig
         control_endpoint=s.scheduler_endpoint,
         heartbeat_timeout_s=s.heartbeat_timeout_s,
         persist_wait_s=s.persist_wait_s,
+        session_retention_s=s.session_retention_s,
     )

@@ -88,6 +88,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "(default auto)",
     )
     http.add_argument(
+        "--responses-dir",
+        type=Path,
+        default=None,
+        help="where /v1/responses keeps the responses it stores (store: true, OpenAI's "
+        "default) for GET, DELETE and previous_response_id, across restarts "
+        "(default: $DUALPATH_HOME/responses)",
+    )
+    http.add_argument(
+        "--responses-max-count",
+        type=positive_int,
+        default=10_000,
+        help="stored responses kept at most; the oldest are evicted beyond (default 10000)",
+    )
+    http.add_argument(
+        "--responses-max-gb",
+        type=positive_float,
+        default=1.0,
+        help="size of the stored responses at most, GB (1e9 bytes): each keeps its whole "
+        "conversation; the oldest are evicted beyond (default 1)",
+    )
+    http.add_argument(
         "--shutdown-timeout-s",
         type=positive_float,
         default=10.0,
@@ -162,6 +183,16 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         help="a request whose cached prefix stops at a block a decode engine is still "
         "writing to the store (an agent's next turn) waits up to this long for the write "
         "instead of recomputing from there; 0 never waits (default 5)",
+    )
+    group.add_argument(
+        "--session-retention-s",
+        type=non_negative_float,
+        default=300.0,
+        help="a request naming an agent session (X-Session-Id, X-Dynamo-Session-ID or the "
+        "body's session_id) goes to the decode engine of the session's last turn while it has "
+        "room, and that engine keeps the session's KV blocks in the store, ahead of other "
+        "blocks under capacity pressure, for this long after each turn; 0 turns sessions off "
+        "(default 300: an idle prefix's lifetime in Anthropic's and OpenAI's prompt caches)",
     )
     group.add_argument(
         "--prefill-tokens-per-s",

@@ -11,6 +11,8 @@ uvicorn, one asyncio loop); every engine is its own process. Modules, outside in
     app.py          the FastAPI app: lifespan (starts and closes the cluster), /health, /metrics
     middleware.py   request ids, arrival times, HTTP metrics; the request-size limit
     routes.py       /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize
+    anthropic_*.py  /v1/messages, Anthropic's API: requests as chat messages, its bodies and
+                    events, its errors, and forwarding it as a chat request
     generation.py   one API call's engine requests: events in, text deltas out
     forwarding.py   the same routes when the engines are vLLM servers: requests forwarded to them
     forwarded_*.py  one forwarded call: placements, the relayed stream, going on elsewhere

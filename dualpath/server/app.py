@@ -21,11 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dualpath import __version__
+from dualpath.server.anthropic_routes import build_anthropic_router
 from dualpath.server.cluster_metrics import link_totals
 from dualpath.server.context import ServerState, ServingContext
 from dualpath.server.errors import install_error_handlers
 from dualpath.server.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from dualpath.server.openapi import install_openapi
+from dualpath.server.responses_routes import build_responses_router
 from dualpath.server.routes import build_router
 from dualpath.vllm.router.forwarding import build_forwarding_router
 from dualpath.vllm.router.vllm_servers import VLLMServers
@@ -56,6 +58,8 @@ def build_app(
     # First: in forwarding mode its routes take the generation paths (``forwarding.py``).
     app.include_router(build_forwarding_router(context, servers))
     app.include_router(build_router(context))
+    app.include_router(build_anthropic_router(context, servers))
+    app.include_router(build_responses_router(context, servers))
     _add_operational_routes(app, context)
     install_openapi(
         app,

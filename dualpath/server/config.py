@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 GENERATION_CONFIG_MODES = ("auto", "none")
 
@@ -36,6 +37,13 @@ class ServerConfig:
     # "auto": requests that omit temperature, top_p, top_k (or, in chat, max_tokens) get the
     # checkpoint's generation_config.json values, as in vLLM; "none": ours (OpenAI's).
     generation_config: str = "auto"
+    # Where POST /v1/responses keeps its responses (``response_store.py``): a directory, or
+    # None to keep them in memory only (lost on exit; ``cli.py`` gives serve a directory).
+    responses_dir: Path | None = None
+    # Kept responses beyond either bound evict the oldest. Each keeps its whole conversation,
+    # so an agent session of many turns weighs more than its last turn.
+    responses_max_count: int = 10_000
+    responses_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -48,6 +56,8 @@ class ServerConfig:
             "max_waiting_requests",
             "max_request_bytes",
             "max_num_generations_per_request",
+            "responses_max_count",
+            "responses_max_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -51,6 +51,8 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self.text = ""  # handed out so far
         self.is_finished = False
+        # The stop string the text was cut at (set by ``finish``; None if none was met).
+        self.stop_string: str | None = None
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the text that can no longer change (possibly empty)."""
@@ -82,9 +84,12 @@ class IncrementalDetokenizer:
             token_ids = token_ids[:-1]
         final = self._decoder.decode(token_ids)
         if finish_reason == "stop":
-            ends = [final.find(s) for s in self._stop if s in final]
-            if ends:
-                final = final[: min(ends)]
+            # The engine stops at the first stop string completed: the one that starts first
+            # (of two starting there, the shorter).
+            found = [(final.find(s), len(s), s) for s in self._stop if s in final]
+            if found:
+                start, _, self.stop_string = min(found)
+                final = final[:start]
         if not final.startswith(self.text):
             # Cannot happen for tokenizers whose decode is a concatenation of tokens' bytes;
             # the client already has self.text, so say so rather than contradict it.

@@ -84,7 +84,14 @@ class ErrorJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
+def log_error(error: APIError) -> None:
+    """Every error answer in the log (INFO; the access log line beside it has the request id):
+    what a client was told, for the operator whose agent stopped on it."""
+    logger.info("answered %d: %s", error.status, error.message)
+
+
 def error_response(error: APIError) -> JSONResponse:
+    log_error(error)
     body = error_body(error.status, error.message, param=error.param, code=error.code)
     return ErrorJSONResponse(body, status_code=error.status, headers=error.headers)
 

@@ -10,7 +10,8 @@ knows and what the error handlers change, so it is post-processed once, then cac
 - bounds that depend on the served model are added by property name, wherever the property
   appears (``max_tokens`` below the context length, token ids inside the vocabulary, ...);
 - FastAPI's 422 is replaced by the 400 the error handlers answer, and every other status a
-  route can answer is listed, each error with the ``ErrorResponse`` body (OpenAI's shape).
+  route can answer is listed, each error with the ``ErrorResponse`` body (OpenAI's shape;
+  Anthropic's, ``AnthropicErrorResponse``, on the Messages API's paths).
 
 A schema that says exactly what is accepted is what lets a schema-driven fuzzer
 (tests/server/test_fuzz.py) tell a server bug from a request the server was right to refuse.
@@ -29,6 +30,8 @@ Schema = dict[str, Any]
 
 _COMPONENTS_REF = "#/components/schemas/"
 _ERROR_RESPONSE = "ErrorResponse"
+_ANTHROPIC_ERROR_RESPONSE = "AnthropicErrorResponse"
+ANTHROPIC_PATH_PREFIX = "/v1/messages"  # anthropic_routes.py: errors in Anthropic's shape
 _SECURITY_SCHEME = "bearer"
 # The operational routes (app.py): no API key, no error body of ours.
 _OPEN_PATHS = ("/health", "/metrics", "/version")
@@ -55,10 +58,30 @@ ERROR_RESPONSE_SCHEMA: Schema = {
     "additionalProperties": False,
 }
 
+ANTHROPIC_ERROR_RESPONSE_SCHEMA: Schema = {
+    "title": _ANTHROPIC_ERROR_RESPONSE,
+    "description": "Anthropic's error shape: the body of every error the Messages API answers.",
+    "type": "object",
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            "required": ["type", "message"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["type", "error"],
+    "additionalProperties": False,
+}
+
 _SSE_EVENT_SCHEMA: Schema = {
     "title": "ServerSentEvent",
     "description": "One event of a stream: its data is a JSON chunk (or an ErrorResponse "
-    "body when the generation fails mid-stream), and the last event's is [DONE].",
+    "body when the generation fails mid-stream), and the last event's is [DONE]; on "
+    "/v1/responses, a JSON event with its type and sequence_number, the last "
+    "response.completed (or response.failed); on /v1/messages, Anthropic's events, each "
+    "named by an event line, the last message_stop (or error).",
     "type": "object",
     "properties": {"data": {"type": "string"}},
     "required": ["data"],
@@ -69,7 +92,7 @@ _ERROR_DESCRIPTIONS = {
     "400": "Invalid request: a field out of its bounds, an unknown field, or an unsupported "
     "combination (``param`` names the field)",
     "401": "Missing or wrong API key",
-    "404": "The model is not served here",
+    "404": "The model is not served here, or the stored response named does not exist",
     "413": "The request body exceeds the server's limit",
     "429": "The waiting queue is full: retry later",
     "500": "An engine request failed",
@@ -139,13 +162,15 @@ def _post_process(schema: Schema, bounds: _PropertyBounds, is_api_key_required: 
     component_schemas.pop("HTTPValidationError", None)
     component_schemas.pop("ValidationError", None)
     component_schemas[_ERROR_RESPONSE] = copy.deepcopy(ERROR_RESPONSE_SCHEMA)
+    component_schemas[_ANTHROPIC_ERROR_RESPONSE] = copy.deepcopy(ANTHROPIC_ERROR_RESPONSE_SCHEMA)
     if is_api_key_required:
         components["securitySchemes"] = {_SECURITY_SCHEME: {"type": "http", "scheme": "bearer"}}
     for path, method_to_operation in schema.get("paths", {}).items():
         for operation in method_to_operation.values():
             body = _request_body_schema(operation, component_schemas)
             is_keyed = is_api_key_required and path not in _OPEN_PATHS
-            _document_responses(operation, path, body, is_keyed=is_keyed)
+            parameters = operation.get("parameters", [])
+            _document_responses(operation, path, body, parameters, is_keyed=is_keyed)
             if is_keyed:
                 operation["security"] = [{_SECURITY_SCHEME: []}]
     return schema
@@ -154,15 +179,17 @@ def _post_process(schema: Schema, bounds: _PropertyBounds, is_api_key_required: 
 # --- responses ------------------------------------------------------------------------------------
 
 
-def _error_statuses(body: Schema | None, *, is_keyed: bool) -> list[str]:
-    """The error statuses an operation can answer, from its request body's schema."""
+def _error_statuses(body: Schema | None, parameters: list[Schema], *, is_keyed: bool) -> list[str]:
+    """The error statuses an operation can answer, from its request body's schema and its
+    parameters."""
     statuses = []
-    if body is not None:
+    if body is not None or any(p.get("in") == "query" for p in parameters):
         statuses.append("400")  # validation (errors.py) and the routes' own checks
     if is_keyed:
         statuses.append("401")
     properties = (body or {}).get("properties", {})
-    if "model" in properties:
+    # A model not served, or (a path parameter) the stored object it names not found.
+    if "model" in properties or any(p.get("in") == "path" for p in parameters):
         statuses.append("404")
     if body is not None:
         statuses.append("413")  # BodySizeLimitMiddleware, before any parsing
@@ -174,16 +201,16 @@ def _error_statuses(body: Schema | None, *, is_keyed: bool) -> list[str]:
 
 
 def _document_responses(
-    operation: Schema, path: str, body: Schema | None, *, is_keyed: bool
+    operation: Schema, path: str, body: Schema | None, parameters: list[Schema], *, is_keyed: bool
 ) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
-    for status in _error_statuses(body, is_keyed=is_keyed):
+    is_anthropic = path.startswith(ANTHROPIC_PATH_PREFIX)
+    error_ref = _COMPONENTS_REF + (_ANTHROPIC_ERROR_RESPONSE if is_anthropic else _ERROR_RESPONSE)
+    for status in _error_statuses(body, parameters, is_keyed=is_keyed):
         responses[status] = {
             "description": _ERROR_DESCRIPTIONS[status],
-            "content": {
-                "application/json": {"schema": {"$ref": _COMPONENTS_REF + _ERROR_RESPONSE}}
-            },
+            "content": {"application/json": {"schema": {"$ref": error_ref}}},
         }
     for status, response in _OPERATIONAL_RESPONSES.get(path, {}).items():
         responses[status] = copy.deepcopy(response)
@@ -230,6 +257,7 @@ class _PropertyBounds:
             "model": lambda s: _set_on(s, "string", {"enum": served_model_names}),
             "max_tokens": lambda s: _tighten(s, "integer", maximum=max_new_tokens),
             "max_completion_tokens": lambda s: _tighten(s, "integer", maximum=max_new_tokens),
+            "max_output_tokens": lambda s: _tighten(s, "integer", maximum=max_new_tokens),
             "min_tokens": lambda s: _tighten(s, "integer", maximum=max_new_tokens),
             # n choices x prompts generations per request.
             "n": lambda s: _tighten(s, "integer", maximum=max_num_generations_per_request),

@@ -45,6 +45,18 @@ def test_stop_string_cuts_the_text_and_is_never_streamed(tokenizer: Tokenizer) -
     streamed += detokenizer.finish("stop")
     assert streamed == "alpha beta "
     assert detokenizer.text == "alpha beta "
+    assert detokenizer.stop_string == "STOP"  # Anthropic's stop_sequence
+
+
+def test_the_stop_string_met_is_the_first_in_the_text(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode("one two three")
+    for stop, expected in [(("three", "two"), "two"), (("two thr", "two"), "two")]:
+        detokenizer = IncrementalDetokenizer(tokenizer, stop=stop)
+        assert "".join(stream(detokenizer, token_ids, "stop")) == "one "
+        assert detokenizer.stop_string == expected
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=("zzz",))
+    stream(detokenizer, token_ids, "stop")  # stopped by a token: no stop string met
+    assert detokenizer.stop_string is None
 
 
 def test_a_final_stop_token_is_not_text_but_stays_a_token(tokenizer: Tokenizer) -> None:

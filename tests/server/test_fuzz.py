@@ -5,10 +5,11 @@ checks each answer against it.
     .venv/bin/pytest -q -s tests/server/test_fuzz.py    # -s prints the statuses per route
     make fuzz    # the same with DUALPATH_FUZZ_EXAMPLES=500: a deeper search, not in `make test`
 
-It fails on a 5xx; an error body not in OpenAI's shape; a status or media type the schema does
-not document; a request the schema forbids that is accepted anyway; a keyed route that answers
-without the key; an undeclared method not answered 405 with ``Allow``; a request with no answer
-within REQUEST_TIMEOUT_S; and, after the fuzz, an engine that is no longer alive.
+It fails on a 5xx; an error body not in OpenAI's shape (Anthropic's on /v1/messages); a status
+or media type the schema does not document; a request the schema forbids that is accepted
+anyway; a keyed route that answers without the key; an undeclared method not answered 405 with
+``Allow``; a request with no answer within REQUEST_TIMEOUT_S; and, after the fuzz, an engine
+that is no longer alive.
 
 Not checked: that every request the schema allows succeeds (schemathesis'
 ``positive_data_acceptance``). JSON Schema cannot state the rules across fields (the prompt and
@@ -154,9 +155,14 @@ def _send_and_check(case: schemathesis.Case, log: FuzzLog) -> None:
         log.duration_s += time.monotonic() - start_s
     log.count(case.path, response.status_code)
     status = str(response.status_code)
-    if 400 <= response.status_code < 500 and not _has_openai_error_shape(response):
+    # The Messages API answers in Anthropic's shape, but for what fails before its routes: a
+    # method it has no route for (405, from the router), a body over the limit (413).
+    is_anthropic = case.path.startswith("/v1/messages") and response.status_code not in (405, 413)
+    has_shape = _has_anthropic_error_shape if is_anthropic else _has_openai_error_shape
+    if 400 <= response.status_code < 500 and not has_shape(response):
         body = response.text[:500]
-        log.fail(label, "not OpenAI's error shape", status, f"{body}\n\n{case.as_curl_command()}")
+        shape = "Anthropic's" if is_anthropic else "OpenAI's"
+        log.fail(label, f"not {shape} error shape", status, f"{body}\n\n{case.as_curl_command()}")
     checks = [getattr(schemathesis.checks, name) for name in CHECK_NAMES]
     try:
         case.validate_response(response, checks=checks)
@@ -179,6 +185,21 @@ def _has_openai_error_shape(response: requests.Response) -> bool:
         and set(body["error"]) == ERROR_KEYS
         and isinstance(body["error"]["message"], str)
         and isinstance(body["error"]["type"], str)
+    )
+
+
+def _has_anthropic_error_shape(response: requests.Response) -> bool:
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return (
+        isinstance(body, dict)
+        and set(body) == {"type", "error"}
+        and body["type"] == "error"
+        and isinstance(body["error"], dict)
+        and set(body["error"]) == {"type", "message"}
+        and all(isinstance(value, str) for value in body["error"].values())
     )
 
 

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
+from dualpath.server.anthropic_responses import error_body as anthropic_error_body
+from dualpath.server.anthropic_routes import build_anthropic_router
 from dualpath.server.config import ServerConfig
 from dualpath.server.errors import error_body
 from dualpath.server.openapi import install_openapi
@@ -94,6 +96,32 @@ def test_errors_have_openai_shape_and_422_is_gone() -> None:
     assert set(error["required"]) == set(error_body(400, "bad")["error"])
     assert error["properties"]["param"] == {"anyOf": [{"type": "string"}, {"type": "null"}]}
     assert error["additionalProperties"] is False
+
+
+def test_the_messages_api_documents_its_errors_in_anthropics_shape() -> None:
+    context = SimpleNamespace(config=ServerConfig(served_model_name=MODEL, api_key="key"))
+    app = FastAPI()
+    app.include_router(build_anthropic_router(context, servers=None))  # read per request
+    install(app)
+    schema = app.openapi()
+    documented = {
+        path: set(methods["post"]["responses"]) for path, methods in schema["paths"].items()
+    }
+    assert documented == {
+        "/v1/messages": {"200", "400", "401", "404", "413", "429", "500", "503"},
+        "/v1/messages/count_tokens": {"200", "400", "401", "404", "413"},
+    }
+    anthropic_ref = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
+    for methods in schema["paths"].values():
+        for status, response in methods["post"]["responses"].items():
+            if status != "200":
+                assert response["content"] == {"application/json": {"schema": anthropic_ref}}
+    error = schema["components"]["schemas"]["AnthropicErrorResponse"]
+    body = anthropic_error_body(400, "bad")
+    assert set(error["required"]) == set(body)
+    assert set(error["properties"]["error"]["required"]) == set(body["error"])
+    max_tokens = schema["components"]["schemas"]["MessagesRequest"]["properties"]["max_tokens"]
+    assert max_tokens["maximum"] == MAX_MODEL_LEN - 1
 
 
 def test_streams_are_documented_on_generation_routes() -> None:
