@@ -17,15 +17,20 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 
 if TYPE_CHECKING:
-    from dualpath.engine.llm import LLM, RequestOutput
+    from dualpath.engine.llm import LLM
+    from dualpath.engine.output import RequestOutput
     from dualpath.types import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LLM", "RequestOutput"):
-        from dualpath.engine import llm
+    if name == "LLM":
+        from dualpath.engine.llm import LLM
 
-        return getattr(llm, name)
+        return LLM
+    if name == "RequestOutput":
+        from dualpath.engine.output import RequestOutput
+
+        return RequestOutput
     if name == "SamplingParams":
         from dualpath.types import SamplingParams
 

@@ -13,6 +13,7 @@ refused by name.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -344,6 +345,11 @@ class ClusterConfig:
     # A request whose hit prefix stops at a block a DE is still writing waits for the write,
     # at most this long after the writing request finished (0: never wait, recompute).
     persist_wait_s: float = 5.0
+    # An agent session (a request's session id) stays on its DE, and its blocks in the store
+    # against capacity pressure, for this long after its last turn (0: sessions off). 300 s
+    # as Anthropic's and OpenAI's prompt caches keep an idle prefix: agents pace their tool
+    # calls to it.
+    session_retention_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("num_prefill_nodes", "num_decode_nodes", "engines_per_node"):
@@ -363,6 +369,10 @@ class ClusterConfig:
         _require_positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
         if self.persist_wait_s < 0:
             raise ValueError(f"persist_wait_s must be >= 0, got {self.persist_wait_s}")
+        if not 0 <= self.session_retention_s < math.inf:
+            raise ValueError(
+                f"session_retention_s must be finite and >= 0, got {self.session_retention_s}"
+            )
 
     @property
     def node_shape(self) -> str:

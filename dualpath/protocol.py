@@ -119,6 +119,14 @@ class Assignment:
     # from these same bytes; False: the DE reads at once, the PE relies on no DE-side block
     # its engine holds (no PE -> scheduler -> DE round trip before the DE's reads).
     is_prefill_held_sent: bool = False
+    # The tenant namespace of the prompt's KV (``types.RequestScope``): both engines key the
+    # blocks they read and persist under it (``kv.hashing``), and a vLLM engine gets it with
+    # the request, so its own prefix cache keeps tenants apart too. None: the shared one.
+    cache_salt: str | None = None
+    # The request continues an agent session: its DE keeps the blocks it reads and writes in
+    # its store for this long after the request (``KVStore.retain``), each turn extending it.
+    # A duration, not a deadline: each engine times it on its own clock. 0: no session.
+    session_retention_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_packed(self.prompt_token_ids):

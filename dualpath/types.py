@@ -65,6 +65,43 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+# vLLM's rule for a cache salt: it becomes part of store keys and of paths in some stores.
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\0")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestScope:
+    """Who a request belongs to beyond its tokens.
+
+    ``cache_salt``: the tenant namespace its KV is keyed in; a request reads only blocks
+    written under the same salt (None: the shared namespace). ``session_id``: the agent
+    session it continues (None: none named).
+    """
+
+    cache_salt: str | None = None
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        check_cache_salt(self.cache_salt)
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """``ValueError`` unless ``cache_salt`` is None or a salt vLLM would also take."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string if given")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS or _CACHE_SALT_FORBIDDEN_CHARS & set(cache_salt):
+        raise ValueError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters and must not "
+            "contain '@', '/', '\\' or NUL"
+        )
+
+
+NO_SCOPE = RequestScope()
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     token_id: int

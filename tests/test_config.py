@@ -50,6 +50,8 @@ def test_parse_node_shape_rejects(shape: str) -> None:
         (TrafficConfig, {"kv_weight": 0}, "starves"),
         (ClusterConfig, {"mode": "turbo"}, "unknown mode"),
         (ClusterConfig, {"engines_per_node": 0}, "engines_per_node"),
+        (ClusterConfig, {"session_retention_s": -1.0}, "session_retention_s"),
+        (ClusterConfig, {"session_retention_s": float("inf")}, "session_retention_s"),
         (EngineConfig, {"dtype": "int8"}, "dtype"),
         (EngineConfig, {"device": "tpu"}, "device"),
         (EngineConfig, {"block_size_tokens": 0}, "block_size_tokens"),
@@ -116,6 +118,7 @@ def _non_default_configs() -> dict[type, dict]:
         control_endpoint="tcp://10.0.0.1:5555",
         heartbeat_timeout_s=7.0,
         persist_wait_s=1.5,
+        session_retention_s=60.0,
     )
     store = dict(
         root_dir=Path("/mnt/kv"),

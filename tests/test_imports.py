@@ -16,6 +16,7 @@ TORCH_FREE = (
     "dualpath.kv.layout",
     "dualpath.kv.hashing",
     "dualpath.kv.store",
+    "dualpath.kv.block_file",
     "dualpath.kv.file_store",
     "dualpath.kv.block_pool",
     "dualpath.model.presets",

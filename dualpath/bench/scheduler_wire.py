@@ -140,6 +140,9 @@ class _DrawnHitStore(KVStore):
     def write(self, key: str, full_block: object) -> bool:
         raise RuntimeError("caller bug: the wire bench's store only answers lookups")
 
+    def retain(self, keys: Sequence[str], retention_s: float) -> None:
+        raise RuntimeError("caller bug: the wire bench's store only answers lookups")
+
     def stats(self) -> StoreStats:
         return StoreStats(lookups=self._num_lookups)
 

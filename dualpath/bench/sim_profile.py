@@ -91,7 +91,7 @@ def _engine_decode_s(loaded, num_seqs: int, num_cached: int, num_threads: int) -
     """Median time of one decode step of the real engine loop (``LLMEngine.step``: schedule,
     forward, sample, bookkeeping) with ``num_seqs`` sequences of ``num_cached`` tokens."""
     from dualpath.config import EngineConfig, KVStoreConfig
-    from dualpath.engine.llm import LLMEngine
+    from dualpath.engine.llm_engine import LLMEngine
     from dualpath.types import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(num_threads=num_threads), KVStoreConfig())

@@ -44,7 +44,8 @@ from tqdm import tqdm
 
 from dualpath.bench.hardware import hardware_info
 from dualpath.flags import positive_int
-from dualpath.kv.file_store import FileKVStore, block_file_path
+from dualpath.kv.block_file import block_file_path
+from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.hashing import block_keys, model_fingerprint
 from dualpath.kv.layout import KVLayout
 from dualpath.options import (

@@ -37,6 +37,7 @@ from dualpath.cluster.lifecycle import RequestLifecycle
 from dualpath.cluster.membership import EngineState, Membership
 from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.cluster.request_state import RequestState
+from dualpath.cluster.sessions import Sessions
 from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import ControlServer
 from dualpath.kv.store import KVStore
@@ -57,7 +58,7 @@ from dualpath.protocol import (
     TokenUpdate,
 )
 from dualpath.scheduler import make_cluster_topology, make_scheduler
-from dualpath.types import SamplingParams
+from dualpath.types import NO_SCOPE, RequestScope, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,10 @@ class ClusterSnapshot:
     # Why no request can be served (no live engine of a role, or the scheduler loop died), or
     # None when requests can be served (or engines are still joining).
     unavailable_reason: str | None = None
+    # Agent sessions seen within the retention time, and the placements of session requests
+    # by outcome ("first", "same_de", "moved": ``cluster.sessions``), since the start.
+    num_active_sessions: int = 0
+    session_affinity: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_ready(self) -> bool:
@@ -167,6 +172,7 @@ class Coordinator:
             place=self.fetches.submit,
             suspect=self.fetches.suspect,
             retry_after_s=cluster.heartbeat_timeout_s,
+            sessions=Sessions(cluster.session_retention_s),
         )
         self.fetches.assign = self.requests.assign
         lifecycle = self.requests
@@ -193,9 +199,14 @@ class Coordinator:
 
     # --- the serving side (any thread) ------------------------------------------------------
 
-    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        scope: RequestScope = NO_SCOPE,
+    ) -> int:
         """Queue a request (token ids already validated); returns its id. Thread-safe."""
-        return self.requests.submit(prompt_token_ids, params)
+        return self.requests.submit(prompt_token_ids, params, scope)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (the caller's id) wherever it is (the loop thread)."""
@@ -280,6 +291,8 @@ class Coordinator:
             engine_urls=self.membership.engine_urls(),
             busy_engines=self.membership.busy_engines(),
             unavailable_reason=self.unavailable_reason,
+            num_active_sessions=self.requests.sessions.num_active(now_s),
+            session_affinity=dict(self.requests.sessions.outcome_to_num_placements),
         )
 
     # --- the loop (one thread) --------------------------------------------------------------

@@ -80,6 +80,7 @@ _REPORTED_STORE_STATS = (
     "writes",
     "write_bytes",
     "evictions",
+    "retained_evictions",
     "corrupt_blocks",
     "missing_on_read",
     "write_errors",

@@ -53,8 +53,11 @@ class PromptHits:
         self._lock = threading.Lock()
         self._hung: Future | None = None  # a lookup past its timeout, still running
 
-    def block_keys(self, prompt_token_ids: array.array) -> list[BlockKey]:
-        """Keys of the whole blocks a hit may cover (none without a store)."""
+    def block_keys(
+        self, prompt_token_ids: array.array, cache_salt: str | None = None
+    ) -> list[BlockKey]:
+        """Keys of the whole blocks a hit may cover, in ``cache_salt``'s namespace (none
+        without a store)."""
         if self.store is None:
             return []
         max_blocks = (len(prompt_token_ids) - 1) // self.block_size
@@ -62,6 +65,7 @@ class PromptHits:
             prompt_token_ids[: max_blocks * self.block_size],
             self.block_size,
             self.identity.fingerprint,
+            cache_salt=cache_salt,
         )
 
     def num_cached_tokens(self, keys: list[BlockKey]) -> int:

@@ -47,7 +47,7 @@ from dualpath.kv.layout import KVLayout
 from dualpath.model.identity import checkpoint_kv_identity, vllm_device
 from dualpath.protocol import DECODE, PREFILL, RequestEvent
 from dualpath.transfer.links import check_pd_ratio
-from dualpath.types import SamplingParams
+from dualpath.types import NO_SCOPE, RequestScope, SamplingParams
 from dualpath.units import gbps_to_bytes_per_s
 from dualpath.vllm.args import check_engine_kind
 
@@ -358,8 +358,10 @@ class LocalCluster:
         params: SamplingParams,
         *,
         on_event: EventListener | None = None,
+        scope: RequestScope = NO_SCOPE,
     ) -> int:
         """Queue a request; returns its id. Thread-safe; ``ValueError`` for a bad request.
+        ``scope``: its tenant's cache salt and its agent session, if named.
 
         ``ClusterUnavailable`` once the scheduler loop has died.
 
@@ -375,7 +377,7 @@ class LocalCluster:
         if self._loop_error is not None:
             raise ClusterUnavailable(self._loop_error)
         arrival_s = time.monotonic()
-        request_id = self.coordinator.submit(prompt_token_ids, params)
+        request_id = self.coordinator.submit(prompt_token_ids, params, scope)
         if on_event is None:
             self._arrivals[request_id] = arrival_s
             return request_id

@@ -7,6 +7,9 @@ finished, failed or placed again (SPEC §2, §6, §8). Every event for the calle
 **Persist waits.** A request whose hit prefix stops at a block a DE is still writing (an agent's
 next turn, sent the moment the last one finished) waits for that write rather than being placed
 with a short hit (``dualpath.cluster.persisting``).
+
+**Sessions.** A request of an agent session prefers the DE of the session's last turn, and its
+DE keeps the session's blocks in its store for the retention time (``dualpath.cluster.sessions``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.cluster.replacement import DelayedPlacements, retry_after_failure
 from dualpath.cluster.request_state import Delays, RequestState, may_place_again, needs_engine
+from dualpath.cluster.sessions import Sessions
 from dualpath.control.codec import check_encodable, encode
 from dualpath.errors import PeerUnavailable
 from dualpath.protocol import (
@@ -37,7 +41,7 @@ from dualpath.protocol import (
     pack_token_ids,
 )
 from dualpath.scheduler import LoadPlan, SchedulerRequest
-from dualpath.types import SamplingParams, sampling_params_to_dict
+from dualpath.types import NO_SCOPE, RequestScope, SamplingParams, sampling_params_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +56,16 @@ class RequestLifecycle:
         place: Callable[[SchedulerRequest], None],
         suspect: Callable[[int], None],
         retry_after_s: float,
+        sessions: Sessions | None = None,
     ) -> None:
+        """``sessions``: the agent sessions' DEs (None: sessions off)."""
         self.membership = membership
         self.hits = hits
         self.persisting = persisting
         self._place = place  # into the policy's FIFO
         self._suspect = suspect  # an engine a transfer failed with: placed on no more for now
         self.retry_after_s = retry_after_s
+        self.sessions = Sessions(0.0) if sessions is None else sessions
         self.clock = membership.clock
         self._requests: dict[int, RequestState] = {}
         # Caller's id -> current placement's id, for re-placed requests only.
@@ -75,7 +82,12 @@ class RequestLifecycle:
 
     # --- the serving side (any thread) --------------------------------------------------------
 
-    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        scope: RequestScope = NO_SCOPE,
+    ) -> int:
         """Queue a request (token ids already validated); returns its id. The prompt is packed
         and its store keys hashed here, on the caller's thread, not in the loop."""
         token_ids = pack_token_ids(prompt_token_ids)
@@ -84,7 +96,7 @@ class RequestLifecycle:
         sampling = sampling_params_to_dict(params)
         check_encodable(sampling, "sampling parameters")
         request_id = next(self._request_ids)
-        state = RequestState(request_id, request_id, token_ids, params, sampling, 0)
+        state = RequestState(request_id, request_id, token_ids, params, sampling, 0, scope=scope)
         self._look_up_hit(state)
         self._submissions.put(state)
         return request_id
@@ -92,7 +104,7 @@ class RequestLifecycle:
     def _look_up_hit(self, state: RequestState) -> None:
         """How much of what the request prefills the store holds now, and the keys of its
         blocks while a write it may wait for could be under way (any thread)."""
-        keys = self.hits.block_keys(state.prompt_token_ids)
+        keys = self.hits.block_keys(state.prompt_token_ids, state.scope.cache_salt)
         state.num_cached_tokens = self.hits.num_cached_tokens(keys)
         state.block_keys = keys if self.persisting.is_enabled else None
 
@@ -151,6 +163,9 @@ class RequestLifecycle:
                 num_prompt_tokens=len(state.prompt_token_ids),
                 num_cached_tokens=state.num_cached_tokens,
                 max_num_output_tokens=max(1, state.params.max_tokens - state.num_output_tokens),
+                preferred_decode_engine_id=self.sessions.decode_engine_of(
+                    state.scope.session_id, self.clock()
+                ),
             )
         )
 
@@ -203,6 +218,8 @@ class RequestLifecycle:
             decode_engine_id=de,
             num_output_tokens=state.num_output_tokens,
             is_prefill_held_sent=self._is_prefill_held_sent(pe, plan),
+            cache_salt=state.scope.cache_salt,
+            session_retention_s=self.sessions.retention_s_of(state.scope.session_id),
         )
         try:
             data = encode(assignment)  # once: both engines get the same bytes
@@ -217,6 +234,7 @@ class RequestLifecycle:
             self._fail(request_id, f"engine unavailable at assignment: {exc}")
             return
         self.num_assigned += 1
+        self.sessions.on_assigned(state.scope.session_id, de, self.clock())
         self._forward_if_served(state, pe, de)
 
     def _is_prefill_held_sent(self, pe: int, plan: LoadPlan) -> bool:
@@ -285,6 +303,7 @@ class RequestLifecycle:
             self._emit(state, msg.token_ids, msg.finish_reason, msg.logprobs, now_s)
         if msg.finish_reason is not None:
             self._pop(msg.request_id)
+            self.sessions.on_finished(state.scope.session_id, now_s)
             if msg.persisting_keys and state.decode_engine_id is not None:
                 self.persisting.add(
                     msg.request_id, state.decode_engine_id, msg.persisting_keys, now_s
@@ -398,7 +417,8 @@ class RequestLifecycle:
     def engine_lost(self, engine_id: int, why: str) -> None:
         """Every request that still needs the dead engine is placed again or fails (see the
         module docstring); so are those waiting for its writes, and, with no engine of a role
-        left, every request that needs one fails."""
+        left, every request that needs one fails. Its sessions start afresh elsewhere."""
+        self.sessions.engine_lost(engine_id)
         for request_id, request in list(self._requests.items()):
             if needs_engine(request, engine_id):
                 if request.is_forwarded:  # the front door places it again from its stream

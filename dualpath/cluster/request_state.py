@@ -8,7 +8,7 @@ from typing import Any
 
 from dualpath.kv.hashing import BlockKey
 from dualpath.protocol import pack_token_ids
-from dualpath.types import SamplingParams
+from dualpath.types import NO_SCOPE, RequestScope, SamplingParams
 
 # How many times one request may be placed: the first placement and re-placements after the
 # loss of an engine (a request that keeps landing on dying engines fails in the end).
@@ -48,6 +48,7 @@ class RequestState:
     # Placed on a vLLM server DE: the front door forwards it and streams its tokens; a lost
     # placement is handed back to the front door (``RequestEvent.is_engine_lost``).
     is_forwarded: bool = False
+    scope: RequestScope = NO_SCOPE  # its tenant's cache salt and its agent session
 
     def go_on_from_output(self) -> None:
         """The next placement prefills the prompt and every token sent so far, and goes on

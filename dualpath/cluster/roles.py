@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.decode import DecodeEngine
-from dualpath.engine.llm import LLMEngine
+from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillEngine
 from dualpath.engine.profile import profile_layer_time
 from dualpath.engine.remote_buffer import TransportStaging

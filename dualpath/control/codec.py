@@ -32,8 +32,9 @@ import msgpack
 # transfer failed (peer_engine_id). 5: engines send EngineHeartbeats over a send-only socket
 # (Hello.is_send_only); a PE says whether it reports what its engine holds
 # (EngineInfo.reports_prefill_held), an Assignment whether the DE waits for it
-# (Assignment.is_prefill_held_sent).
-PROTOCOL_VERSION = 5
+# (Assignment.is_prefill_held_sent). 6: an Assignment carries the request's cache salt
+# (Assignment.cache_salt), and its agent session's retention (session_retention_s).
+PROTOCOL_VERSION = 6
 
 T = TypeVar("T")
 

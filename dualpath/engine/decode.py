@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
 from dualpath.engine.courier import KVCourier, KVTransfer, LoadSource, StepTransfer
-from dualpath.engine.llm import LLMEngine
+from dualpath.engine.llm_engine import LLMEngine
+from dualpath.engine.session_blocks import SessionBlocks
 from dualpath.kv.hashing import BlockKey, block_keys
 from dualpath.protocol import (
     Assignment,
@@ -100,6 +101,7 @@ class DecodeEngine:
         self.requests: dict[int, DecodeRequest] = {}
         self._num_cached_tokens: dict[int, int] = {}
         self._persisting = PersistingRequests(self._pending_writes)
+        self._sessions = SessionBlocks(self.store)
 
     def add(self, assignment: Assignment) -> None:
         params = sampling_params_from_dict(assignment.sampling)
@@ -107,8 +109,14 @@ class DecodeEngine:
         self.engine.validate_request(prompt, params)
         self.buffer.check_fits(-(-len(prompt) // self.block_size))
         hit_tokens = assignment.num_hit_blocks * self.block_size
-        keys = block_keys(prompt[:hit_tokens], self.block_size, self.engine.fingerprint)
+        keys = block_keys(
+            prompt[:hit_tokens],
+            self.block_size,
+            self.engine.fingerprint,
+            cache_salt=assignment.cache_salt,
+        )
         request = DecodeRequest(assignment, params, keys)
+        self._sessions.on_assigned(assignment, keys)
         self.requests[request.request_id] = request
         num_slots = -(-request.num_prompt_tokens // self.block_size)
         self.store_reads.add(request, num_slots, self._start_reads)
@@ -153,6 +161,7 @@ class DecodeEngine:
                 num_cached_tokens=done.num_cached_tokens,
                 fill_blocks=lambda table, request=request: self._fill(request, table),
                 num_output_tokens=request.assignment.num_output_tokens,
+                cache_salt=request.assignment.cache_salt,
             )
             if not is_adopted:
                 return  # FIFO: later prompts wait behind this one
@@ -187,6 +196,7 @@ class DecodeEngine:
         if out is not None:
             self._num_cached_tokens.pop(request_id, None)
             persisting = self._persisting.add(request_id, out.written_block_keys)
+            self._sessions.on_finished(request_id, out.written_block_keys)
         return TokenUpdate(
             request_id,
             tuple(token_ids),
@@ -206,6 +216,7 @@ class DecodeEngine:
         return self._persisting.poll()
 
     def cancel(self, request_id: int) -> None:
+        self._sessions.forget(request_id)
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.store_reads.release(request)

@@ -156,6 +156,7 @@ class PrefillEngine:
                 prompt[: assignment.num_hit_blocks * self.block_size],
                 self.block_size,
                 self.identity.fingerprint,
+                cache_salt=assignment.cache_salt,
             ),
         )
         self.requests[request.request_id] = request

@@ -45,8 +45,10 @@ class Sequence:
     num_cached_tokens: int = 0
     num_computed_tokens: int = 0
     num_persisted_blocks: int = 0
-    # Chained keys of this sequence's full blocks, computed as the blocks fill.
+    # Chained keys of this sequence's full blocks, computed as the blocks fill, in the
+    # tenant namespace ``cache_salt`` names (``kv.hashing``; None: the shared one).
     block_keys: list[BlockKey] = field(default_factory=list)
+    cache_salt: str | None = None
     is_admitted_once: bool = False
     num_preemptions: int = 0
     finish_reason: str | None = None
@@ -85,5 +87,10 @@ class Sequence:
             )
         if num_blocks > len(self.block_keys):  # all_token_ids is a new list each time
             extend_block_keys(
-                self.block_keys, self.all_token_ids, num_blocks, block_size, fingerprint
+                self.block_keys,
+                self.all_token_ids,
+                num_blocks,
+                block_size,
+                fingerprint,
+                cache_salt=self.cache_salt,
             )

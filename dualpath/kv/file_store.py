@@ -1,16 +1,7 @@
 """``FileKVStore``: the ``KVStore`` (``store.py``) that keeps one plain file per Full Block on a
-local directory or any distributed POSIX mount (NFS, CephFS, GlusterFS, 3FS). Layout on disk::
-
-    root_dir/<fingerprint>/namespace.json          human-readable description, never read back
-    root_dir/<fingerprint>/<key[:2]>/<key>.kvb     one Full Block: header + payload
-    root_dir/<fingerprint>/<key[:2]>/.<key>.<pid>.<random>.tmp   a write in progress
-
-Block file = 68-byte little-endian header, then the Full Block's bytes ``[L, bs, bpt]``:
-
-    offset  0  magic b"DPKV"       4  format version u32    8  fingerprint (16 raw bytes)
-           24  block key (16)     40  num_layers u32       44  block_size_tokens u32
-           48  bytes_per_token_per_layer u32               52  payload length u64
-           60  xxh3_64 of the payload u64                  68  payload
+local directory or any distributed POSIX mount (NFS, CephFS, GlusterFS, 3FS). The layout on
+disk, the block file's header and the atomic write live in ``block_file.py``; this module holds
+the store object: its index of the directory, LRU eviction, retention and statistics.
 
 Sharing rules (several engine processes may share one directory, each with its own store
 object): writes go to a temp file and are published with ``os.replace``, so a block file is
@@ -25,24 +16,28 @@ reads it to the end (POSIX keeps the inode alive); a reader racing the unlink ge
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
 import logging
 import os
-import secrets
-import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from dualpath.config import KVStoreConfig
 from dualpath.errors import BlockNotFound, CorruptBlock, KVStoreError, StoreWriteError
-from dualpath.kv.hashing import FORMAT_VERSION, BlockKey, key_to_bytes
+from dualpath.kv.block_file import (
+    BLOCK_FILE_SUFFIX,
+    TMP_SUFFIX,
+    BlockFileFormat,
+    ensure_namespace_file,
+    payload_checksum,
+    publish_block_file,
+    same_file,
+)
+from dualpath.kv.hashing import BlockKey, key_to_bytes
 from dualpath.kv.layout import BlockBuffer, KVLayout
 from dualpath.kv.store import (
     STAT_NAMES,
@@ -55,15 +50,6 @@ from dualpath.kv.store import (
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DPKV"
-_HEADER = struct.Struct("<4sI16s16sIIIQQ")
-HEADER_BYTES = _HEADER.size
-_KEY_OFFSET = 24  # see the header diagram in the module docstring
-_CHECKSUM_OFFSET = 60
-assert HEADER_BYTES == _CHECKSUM_OFFSET + 8, "header offsets out of step with its struct"
-BLOCK_FILE_SUFFIX = ".kvb"
-_TMP_SUFFIX = ".tmp"
-NAMESPACE_FILE = "namespace.json"
 # A temp file this old belongs to a writer that died; a live write takes milliseconds.
 _STALE_TMP_AGE_S = 3600.0
 # Refresh a used block's mtime (the LRU order other processes' scans see) at most this often:
@@ -84,6 +70,8 @@ class FileKVStore(KVStore):
     it the least-recently-used blocks are deleted after each write, and at start-up if the
     directory is already over budget. Blocks other processes wrote join the budget once this
     object sees them, so the directory can overshoot by blocks nobody here has looked up yet.
+    Retained blocks (``retain``) are this object's marks, like its LRU order: a session's
+    blocks are kept by the engines that served it, the ones that write (and so evict) them.
     An eviction racing a rewrite of the same key can leave the index naming a deleted file
     (there are no locks on disk); ``read`` then raises ``BlockNotFound`` and drops the key.
     """
@@ -97,26 +85,16 @@ class FileKVStore(KVStore):
         capacity_bytes: int | None = None,
         verify_checksums: bool = True,
         fsync_writes: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` (seconds) times retention (``retain``; mtimes use the wall clock)."""
         self.layout = layout
         self.fingerprint = fingerprint
-        self._fingerprint_bytes = key_to_bytes(fingerprint, what="fingerprint")
+        self._format = BlockFileFormat(layout, fingerprint)
         # Cached: read() is on the hot path and these are computed properties.
         self._full_block_shape = layout.full_block_shape
         self._full_block_bytes = layout.full_block_bytes
-        self._block_file_bytes = HEADER_BYTES + self._full_block_bytes
-        # The header of every block file here, split around its key (and minus its checksum).
-        expected_header = _HEADER.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            self._fingerprint_bytes,
-            bytes(16),
-            *self._full_block_shape,
-            self._full_block_bytes,
-            0,
-        )
-        self._header_head = expected_header[:_KEY_OFFSET]
-        self._header_tail = expected_header[_KEY_OFFSET + 16 : _CHECKSUM_OFFSET]
+        self._block_file_bytes = self._format.block_file_bytes
         if capacity_bytes is not None and capacity_bytes < self._block_file_bytes:
             raise ValueError(
                 f"capacity_bytes {capacity_bytes} cannot hold one block file of "
@@ -125,8 +103,12 @@ class FileKVStore(KVStore):
         self._verify_checksums = verify_checksums
         self._fsync_writes = fsync_writes
         self._namespace_dir = os.path.join(os.fspath(root_dir), fingerprint)
+        self._clock = clock
         self._lock = threading.Lock()
-        self._index: LruIndex[_FileEntry] = LruIndex(capacity_bytes)
+        self._index: LruIndex[_FileEntry] = LruIndex(
+            capacity_bytes,
+            max_num_retained_keys=(capacity_bytes or 0) // self._block_file_bytes or 1,
+        )
         self._stat_name_to_count = dict.fromkeys(STAT_NAMES, 0)
         self._is_closed = False
         try:
@@ -135,7 +117,7 @@ class FileKVStore(KVStore):
             raise StoreWriteError(
                 f"cannot create store namespace {self._namespace_dir}: {exc}"
             ) from exc
-        self._ensure_namespace_file()
+        ensure_namespace_file(self._namespace_dir, layout, fingerprint)
         self._load_index()
 
     @classmethod
@@ -208,7 +190,9 @@ class FileKVStore(KVStore):
         except OSError as exc:
             raise KVStoreError(f"cannot open block {key} at {path}: {exc}") from exc
         try:
-            problem = self._read_block_file(fd, key_bytes, payload)
+            problem = self._format.read(
+                fd, key_bytes, payload, verify_checksum=self._verify_checksums
+            )
             if problem is not None:
                 self._delete_corrupt(key, path, fd, problem)
         except OSError as exc:
@@ -229,17 +213,9 @@ class FileKVStore(KVStore):
             with self._lock:
                 self._count("duplicate_writes")
             return False
-        header = _HEADER.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            self._fingerprint_bytes,
-            key_bytes,
-            *self._full_block_shape,
-            self._full_block_bytes,
-            xxhash.xxh3_64_intdigest(payload),
-        )
+        header = self._format.pack_header(key_bytes, payload_checksum([payload]))
         try:
-            self._publish_file(key, header, payload)
+            publish_block_file(self._namespace_dir, key, header, payload, fsync=self._fsync_writes)
         except OSError as exc:
             with self._lock:
                 self._count("write_errors")
@@ -252,10 +228,19 @@ class FileKVStore(KVStore):
             self._index.touch(key)
             self._count("writes")
             self._count("write_bytes", self._full_block_bytes)
-            evicted = self._index.evict_over_capacity(keep=key)
+            evicted, num_retained = self._index.evict_over_capacity(keep=key, now_s=self._clock())
             self._count("evictions", len(evicted))
+            self._count("retained_evictions", num_retained)
         self._unlink_evicted(evicted)
         return True
+
+    def retain(self, keys: Sequence[BlockKey], retention_s: float) -> None:
+        self._check_open()
+        for key in keys:
+            key_to_bytes(key)
+        now_s = self._clock()
+        with self._lock:
+            self._index.retain(keys, now_s + retention_s, now_s)
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -338,7 +323,7 @@ class FileKVStore(KVStore):
         with self._lock:
             for mtime_s, key, size_bytes in found:
                 self._index.add(key, _FileEntry(size_bytes, mtime_s))
-            evicted = self._index.evict_over_capacity()
+            evicted, _ = self._index.evict_over_capacity()  # (nothing is retained yet)
             self._count("evictions", len(evicted))
             total_bytes = self._index.total_bytes
         self._unlink_evicted(evicted)
@@ -350,7 +335,7 @@ class FileKVStore(KVStore):
         """``(mtime_s, key, size_bytes)`` of a sound-looking block file; cleans up the rest."""
         name = entry.name
         try:
-            if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+            if name.startswith(".") and name.endswith(TMP_SUFFIX):
                 if now_s - entry.stat().st_mtime > _STALE_TMP_AGE_S:
                     os.unlink(entry.path)
                 return None
@@ -382,51 +367,14 @@ class FileKVStore(KVStore):
             except OSError as exc:
                 logger.warning("could not evict block %s: %s", key, exc)
 
-    # -- file I/O ------------------------------------------------------------------------------
-
-    def _read_block_file(
-        self, fd: int, key_bytes: bytes, payload: Sequence[np.ndarray]
-    ) -> str | None:
-        """Read header and payload (straight into ``payload``'s arrays, in order); what is
-        wrong, or ``None``."""
-        header = bytearray(HEADER_BYTES)
-        num_read = _preadv_full(fd, [header, *payload], self._block_file_bytes)
-        if num_read < HEADER_BYTES:
-            return f"file is {num_read} bytes, shorter than the {HEADER_BYTES}-byte header"
-        # Fast path: every header field but the checksum is known; compare them in one go.
-        if header[:_CHECKSUM_OFFSET] == self._header_head + key_bytes + self._header_tail:
-            checksum = int.from_bytes(header[_CHECKSUM_OFFSET:], "little")
-            if num_read != self._block_file_bytes:
-                return f"file is {num_read} bytes, expected {self._block_file_bytes}"
-            if self._verify_checksums and _checksum(payload) != checksum:
-                return "payload checksum mismatch"
-            return None
-        return self._header_problem(header, key_bytes)
-
-    def _header_problem(self, header: bytearray, key_bytes: bytes) -> str:
-        """Which header field is wrong (the slow path, for the error message)."""
-        magic, version, fingerprint, key_in_header, *shape, payload_bytes, _checksum = (
-            _HEADER.unpack(header)
-        )
-        if magic != MAGIC:
-            return f"bad magic {magic!r}"
-        if version != FORMAT_VERSION:
-            return f"format version {version}, expected {FORMAT_VERSION}"
-        if fingerprint != self._fingerprint_bytes:
-            return f"fingerprint {fingerprint.hex()}, expected {self.fingerprint}"
-        if key_in_header != key_bytes:
-            return f"header names block {key_in_header.hex()}"
-        if tuple(shape) != self._full_block_shape:
-            return f"shape {tuple(shape)}, expected {self._full_block_shape}"
-        assert payload_bytes != self._full_block_bytes, "the fast path accepts this header"
-        return f"payload length {payload_bytes}, expected {self._full_block_bytes}"
+    # -- damaged files -------------------------------------------------------------------------
 
     def _delete_corrupt(self, key: str, path: str, fd: int, problem: str) -> None:
         """Delete the damaged file ``fd`` was opened from, count it, raise ``CorruptBlock``."""
         is_gone = False
         try:
             # Only unlink the file we read: a writer may have replaced it meanwhile.
-            if _same_file(os.fstat(fd), os.stat(path)):
+            if same_file(os.fstat(fd), os.stat(path)):
                 os.unlink(path)
                 is_gone = True
         except FileNotFoundError:
@@ -440,70 +388,6 @@ class FileKVStore(KVStore):
         logger.warning("deleted corrupt block %s (%s): %s", key, path, problem)
         raise CorruptBlock(f"block {key} at {path} was corrupt and has been dropped: {problem}")
 
-    def _publish_file(self, key: str, header: bytes, payload: np.ndarray) -> None:
-        """Write a temp file in the block's directory and rename it into place.
-
-        On any error the temp file is removed, so no partial block is ever visible.
-        """
-        fanout_dir = f"{self._namespace_dir}/{key[:2]}"
-        tmp_path = f"{fanout_dir}/.{key}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        try:
-            fd = os.open(tmp_path, flags, 0o644)
-        except FileNotFoundError:
-            os.makedirs(fanout_dir, exist_ok=True)  # first block of this fan-out dir
-            fd = os.open(tmp_path, flags, 0o644)
-        try:
-            try:
-                _pwritev_full(fd, [header, payload])
-                if self._fsync_writes:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp_path, self._block_path(key))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
-            raise
-        if self._fsync_writes:
-            _fsync_dir(fanout_dir)
-
-    def _ensure_namespace_file(self) -> None:
-        """(Re)write ``namespace.json`` if missing or not what we would write. Never trusted."""
-        path = os.path.join(self._namespace_dir, NAMESPACE_FILE)
-        info = {
-            "note": "informational only: dualpath never reads this file back",
-            "fingerprint": self.fingerprint,
-            "format_version": FORMAT_VERSION,
-            "num_layers": self.layout.num_layers,
-            "block_size_tokens": self.layout.block_size_tokens,
-            "bytes_per_token_per_layer": self.layout.bytes_per_token_per_layer,
-            "header_bytes": HEADER_BYTES,
-            "block_file_bytes": self._block_file_bytes,
-        }
-        try:
-            with open(path, encoding="utf-8") as file:
-                if json.load(file) == info:
-                    return
-        except (OSError, ValueError):
-            pass  # missing or damaged: rewrite below
-        tmp_path = f"{path}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
-        try:
-            with open(tmp_path, "w", encoding="utf-8") as file:
-                json.dump(info, file, indent=2)
-                file.write("\n")
-            os.replace(tmp_path, path)
-        except OSError as exc:
-            # A read-only mount can still serve reads; the file is only documentation.
-            logger.warning("could not write %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
-
-
-def block_file_path(root_dir: Path, fingerprint: str, key: BlockKey) -> Path:
-    """Where ``FileKVStore`` keeps ``key``'s file: for tools, tests and benchmarks only."""
-    return Path(root_dir) / fingerprint / key[:2] / f"{key}{BLOCK_FILE_SUFFIX}"
-
 
 def _is_key(text: str) -> bool:
     try:
@@ -511,72 +395,3 @@ def _is_key(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _checksum(payload: Sequence[np.ndarray]) -> int:
-    """xxh3-64 of the payload's bytes in order (streamed: the same as of their concatenation)."""
-    if len(payload) == 1:
-        return xxhash.xxh3_64_intdigest(payload[0])
-    hasher = xxhash.xxh3_64()
-    for part in payload:
-        hasher.update(part)
-    return hasher.intdigest()
-
-
-def _byte_views(buffers: Sequence[bytes | bytearray | np.ndarray]) -> list[memoryview]:
-    return [memoryview(buffer).cast("B") for buffer in buffers]
-
-
-def _preadv_full(fd: int, buffers: Sequence[bytearray | np.ndarray], num_wanted: int) -> int:
-    """Fill ``buffers`` (``num_wanted`` bytes in all) from offset 0, in one syscall if possible.
-
-    Returns the bytes read; fewer than ``num_wanted`` only at end of file.
-    """
-    num_read = os.preadv(fd, buffers, 0)
-    if num_read == num_wanted:
-        return num_read  # the usual case: one syscall
-    views = _advance(_byte_views(buffers), num_read)
-    while views:
-        num_new = os.preadv(fd, views, num_read)
-        if num_new == 0:
-            break
-        num_read += num_new
-        views = _advance(views, num_new)
-    return num_read
-
-
-def _pwritev_full(fd: int, buffers: Sequence[bytes | np.ndarray]) -> None:
-    views = _byte_views(buffers)
-    num_written = 0
-    while views:
-        num_new = os.pwritev(fd, views, num_written)
-        if num_new == 0:
-            raise OSError(errno.EIO, f"write made no progress after {num_written} bytes")
-        num_written += num_new
-        views = _advance(views, num_new)
-
-
-def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
-    """Drop the first ``num_bytes`` bytes (after a short read or write)."""
-    while views and num_bytes >= len(views[0]):
-        num_bytes -= len(views[0])
-        views = views[1:]
-    if num_bytes:
-        views = [views[0][num_bytes:], *views[1:]]
-    return views
-
-
-def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _fsync_dir(path: str) -> None:
-    """Persist a rename; best effort, since some network file systems refuse directory fsync."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        logger.debug("fsync of directory %s failed: %s", path, exc)

@@ -12,6 +12,22 @@ the store holds::
 The model fingerprint namespaces every key: two checkpoints that differ in weights,
 architecture, KV dtype, block size or format version never share a block. All hashes are
 xxh3_128, written as 32 lowercase hex characters. No torch.
+
+**Cache salts** (vLLM's ``cache_salt``, a tenant's namespace) start a prompt's chain at a root
+of their own, and every key after follows from it::
+
+    unsalted   k0 = H(fingerprint, 0x00 + 16 zero bytes,       t0..t63)
+    salted     k0 = H(fingerprint, 0x02 + xxh3_128(salt utf-8), t0..t63)
+    any        k1 = H(fingerprint, 0x01 + k0,                   t64..t127)
+
+so a salted prompt shares no key with the same tokens unsalted or under another salt, while
+the prompts of one salt still share their common prefix. The parent field is 17 bytes in all
+three forms and its tag byte says which form it is, so a salted root's field never equals a
+child's (whatever block key it holds) nor the plain root's, whatever the salt. Unsalted keys are those of format 1
+unchanged: a store written before salts existed stays readable. The store's layout (one
+directory per fingerprint, the fingerprint in each block's header) does not see salts. The
+separation is as strong as xxh3_128 is collision-free, which is not a cryptographic
+guarantee (``docs/serving.md``, "Tenants").
 """
 
 from __future__ import annotations
@@ -36,9 +52,11 @@ BlockKey = str  # 32 lowercase hex characters: an xxh3_128 digest
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
 _DIGEST_CHUNK_BYTES = 1 << 20  # 1 MiB: big enough to stream at disk speed, small enough for RAM
 _MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as little-endian uint32
-# One tag byte keeps "no parent" apart from any 16-byte parent digest.
+# One tag byte keeps "no parent" apart from any 16-byte parent digest, and a salt's root
+# apart from both (module docstring).
 _ROOT_TAG = b"\x00" + bytes(16)
 _CHILD_TAG = b"\x01"
+_SALTED_ROOT_TAG = b"\x02"
 assert array.array("I").itemsize == 4, "token hashing assumes a 4-byte C unsigned int"
 
 
@@ -104,14 +122,34 @@ def key_to_bytes(key: str, *, what: str = "block key") -> bytes:
     return bytes.fromhex(key)
 
 
-def chain_key(parent: BlockKey | None, token_ids: Sequence[int], fingerprint: str) -> BlockKey:
-    """Key of the Full Block holding ``token_ids``; ``parent=None`` for a prompt's first block."""
+def chain_key(
+    parent: BlockKey | None,
+    token_ids: Sequence[int],
+    fingerprint: str,
+    *,
+    cache_salt: str | None = None,
+) -> BlockKey:
+    """Key of the Full Block holding ``token_ids``; ``parent=None`` for a prompt's first block,
+    chained to ``cache_salt``'s root if one is given (``_parent_tag``)."""
     token_bytes = _token_bytes(token_ids)
     if not token_bytes:
         raise ValueError("a block needs at least one token id")
-    parent_tag = _ROOT_TAG if parent is None else _CHILD_TAG + key_to_bytes(parent)
+    parent_tag = _parent_tag(parent, cache_salt)
     fingerprint_bytes = key_to_bytes(fingerprint, what="fingerprint")
     return xxhash.xxh3_128_hexdigest(fingerprint_bytes + parent_tag + token_bytes)
+
+
+def _parent_tag(parent: BlockKey | None, cache_salt: str | None) -> bytes:
+    """The 17 bytes a block's key hashes for what comes before it: its parent's key, else the
+    plain root, else (salted) the salt's root. A parent already carries the salt of its
+    chain, so ``cache_salt`` only matters for a first block."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+    if parent is not None:
+        return _CHILD_TAG + key_to_bytes(parent)
+    if cache_salt is None:
+        return _ROOT_TAG
+    return _SALTED_ROOT_TAG + xxhash.xxh3_128_digest(cache_salt.encode("utf-8"))
 
 
 def block_keys(
@@ -119,16 +157,20 @@ def block_keys(
     block_size_tokens: int,
     fingerprint: str,
     parent: BlockKey | None = None,
+    *,
+    cache_salt: str | None = None,
 ) -> list[BlockKey]:
     """Keys of every full block of ``token_ids``, block i chained to block i-1.
 
-    ``parent`` is the key of the block just before ``token_ids`` (to extend a known prefix).
-    A partial tail block gets no key. Equal to calling ``chain_key`` block by block.
+    ``parent`` is the key of the block just before ``token_ids`` (to extend a known prefix);
+    ``cache_salt`` the tenant namespace the chain starts in when there is none (module
+    docstring). A partial tail block gets no key. Equal to calling ``chain_key`` block by
+    block.
     """
     if block_size_tokens <= 0:
         raise ValueError(f"block_size_tokens must be > 0, got {block_size_tokens}")
     fingerprint_bytes = key_to_bytes(fingerprint, what="fingerprint")
-    parent_tag = _ROOT_TAG if parent is None else _CHILD_TAG + key_to_bytes(parent)
+    parent_tag = _parent_tag(parent, cache_salt)
     token_bytes = _token_bytes(token_ids)
     block_bytes = 4 * block_size_tokens
     keys: list[BlockKey] = []
@@ -172,12 +214,15 @@ def extend_block_keys(
     num_blocks: int,
     block_size_tokens: int,
     fingerprint: str,
+    *,
+    cache_salt: str | None = None,
 ) -> None:
-    """Extend ``keys``, the keys of the first ``len(keys)`` full blocks of ``token_ids``, to
-    its first ``num_blocks``: a growing sequence's chain, each key computed once (what both
-    engines persist a block under as it fills)."""
+    """Extend ``keys``, the keys of the first ``len(keys)`` full blocks of ``token_ids`` under
+    ``cache_salt``, to its first ``num_blocks``: a growing sequence's chain, each key computed
+    once (what both engines persist a block under as it fills)."""
     if num_blocks <= len(keys):
         return
     start = len(keys) * block_size_tokens
     tokens = token_ids[start : num_blocks * block_size_tokens]
-    keys.extend(block_keys(tokens, block_size_tokens, fingerprint, keys[-1] if keys else None))
+    parent = keys[-1] if keys else None
+    keys.extend(block_keys(tokens, block_size_tokens, fingerprint, parent, cache_salt=cache_salt))

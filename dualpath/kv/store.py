@@ -5,16 +5,19 @@ model fingerprint.
 plain file per Full Block on a local directory or any distributed POSIX mount, and
 ``MemoryKVStore`` here is an in-process dict with the same semantics, the fake for tests of
 code that uses a ``KVStore`` (the ``oracle`` mode uses a ``FileKVStore`` too, on /dev/shm in
-the benchmarks). Both keep their index in the same LRU order (``LruIndex``).
+the benchmarks). Both keep their index in the same LRU order (``LruIndex``), and both keep an
+agent session's blocks against capacity pressure while the session may come back
+(``retain``; ``retention.py`` says how).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -23,6 +26,7 @@ import numpy as np
 from dualpath.errors import BlockNotFound
 from dualpath.kv.hashing import BlockKey, key_to_bytes
 from dualpath.kv.layout import BlockBuffer, KVLayout
+from dualpath.kv.retention import RetainedKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,8 @@ class StoreStats:
     corrupt_blocks: int = 0  # damaged blocks found (and deleted)
     missing_on_read: int = 0  # reads of blocks that were gone (evicted or deleted elsewhere)
     write_errors: int = 0  # writes that raised StoreWriteError
+    # Of ``evictions``: blocks evicted while retained (``retain``), nothing else being left.
+    retained_evictions: int = 0
 
 
 STAT_NAMES = tuple(field.name for field in dataclasses.fields(StoreStats))
@@ -97,6 +103,14 @@ class KVStore(ABC):
         """
 
     @abstractmethod
+    def retain(self, keys: Sequence[BlockKey], retention_s: float) -> None:
+        """Keep ``keys`` against capacity pressure for ``retention_s`` from now (an agent
+        session's blocks, ``retention.py``): eviction passes them over while it has anything
+        else to evict. Keys need not be present yet (a block still being written). May
+        repeat: a later deadline extends an earlier one. A no-op for a store without a
+        capacity: it evicts nothing."""
+
+    @abstractmethod
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""
 
@@ -119,12 +133,15 @@ _EntryT = TypeVar("_EntryT", bound=_Sized)
 
 
 class LruIndex(Generic[_EntryT]):
-    """Keys in least-recently-used-first order with their sizes. Not thread-safe by itself."""
+    """Keys in least-recently-used-first order with their sizes, and the retained ones
+    (``retention.py``). Not thread-safe by itself."""
 
-    def __init__(self, capacity_bytes: int | None) -> None:
+    def __init__(self, capacity_bytes: int | None, *, max_num_retained_keys: int = 1) -> None:
+        """``max_num_retained_keys``: at most this many marks (e.g. the capacity in blocks)."""
         self.capacity_bytes = capacity_bytes
         self.total_bytes = 0
         self._key_to_entry: OrderedDict[str, _EntryT] = OrderedDict()
+        self._retained = RetainedKeys(max_num_retained_keys)
 
     def __contains__(self, key: str) -> bool:
         return key in self._key_to_entry
@@ -153,31 +170,66 @@ class LruIndex(Generic[_EntryT]):
             self._key_to_entry.move_to_end(key)
         return entry
 
-    def evict_over_capacity(self, *, keep: str | None = None) -> list[str]:
-        """Remove least-recently-used keys until within capacity, never ``keep``."""
+    def retain(self, keys: Sequence[str], until_s: float, now_s: float) -> None:
+        """Pass ``keys`` over in eviction until ``until_s`` (``KVStore.retain``); nothing to
+        do for an index without a capacity, which never evicts."""
+        if self.capacity_bytes is None:
+            return
+        self._retained.expire(now_s)
+        self._retained.retain(keys, until_s)
+
+    @property
+    def num_retained_keys(self) -> int:
+        """Marks held (retained keys, present or not, some maybe expired)."""
+        return len(self._retained)
+
+    def evict_over_capacity(
+        self, *, keep: str | None = None, now_s: float = 0.0
+    ) -> tuple[list[str], int]:
+        """Remove least-recently-used keys until within capacity, never ``keep``, passing
+        over the keys retained beyond ``now_s``; if only those are left, the least recently
+        used of them go too. The keys removed, and how many of them were retained."""
         evicted: list[str] = []
         if self.capacity_bytes is None:
-            return evicted
-        candidates = iter(list(self._key_to_entry))
-        while self.total_bytes > self.capacity_bytes:
-            key = next(candidates, None)
-            if key is None:
+            return evicted, 0
+        retained = self._retained
+        passed_over: list[str] = []
+        for key in list(self._key_to_entry):
+            if self.total_bytes <= self.capacity_bytes:
+                return evicted, 0
+            if key == keep:
+                continue
+            if retained and retained.is_retained(key, now_s):
+                passed_over.append(key)
+                continue
+            self.pop(key)
+            evicted.append(key)
+        num_retained = 0
+        for key in passed_over:  # capacity is a hard bound: retained blocks, oldest first
+            if self.total_bytes <= self.capacity_bytes:
                 break
-            if key != keep:
-                self.pop(key)
-                evicted.append(key)
-        return evicted
+            self.pop(key)
+            retained.discard(key)
+            evicted.append(key)
+            num_retained += 1
+        return evicted, num_retained
 
 
 class MemoryKVStore(KVStore):
     """An in-process dict with ``FileKVStore``'s semantics (the same LRU eviction, errors and
     statistics): the fake for tests of code that uses a ``KVStore``.
 
-    ``capacity_bytes`` counts payload bytes (``full_block_bytes`` per block).
+    ``capacity_bytes`` counts payload bytes (``full_block_bytes`` per block); ``clock``
+    (seconds) times retention (``retain``).
     """
 
     def __init__(
-        self, layout: KVLayout, fingerprint: str, *, capacity_bytes: int | None = None
+        self,
+        layout: KVLayout,
+        fingerprint: str,
+        *,
+        capacity_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         key_to_bytes(fingerprint, what="fingerprint")
         if capacity_bytes is not None and capacity_bytes < layout.full_block_bytes:
@@ -187,8 +239,12 @@ class MemoryKVStore(KVStore):
             )
         self.layout = layout
         self.fingerprint = fingerprint
+        self._clock = clock
         self._lock = threading.Lock()
-        self._index: LruIndex[_MemoryEntry] = LruIndex(capacity_bytes)
+        self._index: LruIndex[_MemoryEntry] = LruIndex(
+            capacity_bytes,
+            max_num_retained_keys=(capacity_bytes or 0) // layout.full_block_bytes or 1,
+        )
         self._stat_name_to_count = dict.fromkeys(STAT_NAMES, 0)
         self._is_closed = False
 
@@ -241,9 +297,18 @@ class MemoryKVStore(KVStore):
                 return False
             self._stat_name_to_count["writes"] += 1
             self._stat_name_to_count["write_bytes"] += len(data)
-            evicted = self._index.evict_over_capacity(keep=key)
+            evicted, num_retained = self._index.evict_over_capacity(keep=key, now_s=self._clock())
             self._stat_name_to_count["evictions"] += len(evicted)
+            self._stat_name_to_count["retained_evictions"] += num_retained
         return True
+
+    def retain(self, keys: Sequence[BlockKey], retention_s: float) -> None:
+        for key in keys:
+            key_to_bytes(key)
+        now_s = self._clock()
+        with self._lock:
+            self._check_open()
+            self._index.retain(keys, now_s + retention_s, now_s)
 
     def remove(self, key: BlockKey) -> bool:
         """Drop ``key`` as if another process had deleted it; ``False`` if absent."""

@@ -70,6 +70,12 @@ class ClusterView:
         self._group_id_to_index = {
             group.spec.group_id: group for group in self.prefill_groups + self.decode_groups
         }
+        # Each DE's (group index, position in its group): where a preferred DE is found.
+        self.decode_engine_id_to_place = {
+            engine_id: (group.index, position)
+            for group in self.decode_groups
+            for position, engine_id in enumerate(group.spec.engine_ids)
+        }
 
     def _index_groups(self, role: EngineRole) -> tuple[GroupIndex, ...]:
         return tuple(
@@ -152,9 +158,16 @@ class ClusterView:
         return plan
 
     def check_request(self, request: SchedulerRequest) -> None:
-        """``ValueError`` unless the request's hit is whole Full Blocks (SPEC §3)."""
+        """``ValueError`` unless the request's hit is whole Full Blocks (SPEC §3) and its
+        preferred DE, if any, is a decode engine of the topology."""
         if request.num_cached_tokens % self.block_size_tokens:
             raise ValueError(
                 f"request {request.request_id}: num_cached_tokens {request.num_cached_tokens} "
                 f"is not a multiple of block_size_tokens {self.block_size_tokens}"
+            )
+        preferred = request.preferred_decode_engine_id
+        if preferred is not None and preferred not in self.decode_engine_id_to_place:
+            raise ValueError(
+                f"request {request.request_id}: preferred_decode_engine_id {preferred} is not "
+                "a decode engine"
             )

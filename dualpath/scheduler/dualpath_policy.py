@@ -18,6 +18,12 @@ Choices SPEC leaves open, made here:
   plus what phase 2 placed since; a group that has not reported yet counts as idle.
 * A DE's ``tok_e`` grows by ``len_r`` (prompt + max output), the same ``len_r`` as Z and the
   memory gate. Phase 2 computes R and Z once per fetch.
+* A request with a preferred DE (its agent session's: ``SchedulerRequest``) goes in phase 1
+  to that DE's group while the DE is in service, and in phase 2 to that DE if its memory
+  gate admits it, whatever Z says (the session's KV stays on the DE's store); otherwise step
+  (3) chooses in the group, and if no DE of the group has room, the request goes back to the
+  front of the global queue without its preference (a group of one DE must not hold it
+  while others have room), for the next fetch's phase 1.
 * Ties: Algorithm 1 gives equal ``tok_e`` to the engine listed first; phase 2 prefers min
   ``seq_e``, then min ``tok_e``, then the engine listed first; its fallback min ``tok_e``,
   then the engine listed first; phase 1 the group listed first.
@@ -258,14 +264,18 @@ class DualPathScheduler:
         num_groups = len(loads)
         while global_queue:
             entry = global_queue.popleft()
-            least = 0
-            least_load = loads[0]
-            for index in range(1, num_groups):
-                load = loads[index]
-                if load < least_load:
-                    least, least_load = index, load
+            least = -1
+            if entry[0].preferred_decode_engine_id is not None:
+                least = self._preferred_place(entry[0])[0]
+            if least < 0:
+                least = 0
+                least_load = loads[0]
+                for index in range(1, num_groups):
+                    load = loads[index]
+                    if load < least_load:
+                        least, least_load = index, load
             group_queues[least].append(entry)
-            loads[least] = least_load + entry[3]
+            loads[least] += entry[3]
         for index in range(num_groups):
             queued_tokens[index] = loads[index] - group_tokens[index]
 
@@ -293,9 +303,28 @@ class DualPathScheduler:
         request_ids, prefill_engine_ids, decode_engine_ids, load_plans = [], [], [], []
         while queue:
             request, prefill_engine_id, prefill_node, num_tokens, num_blocks = queue[0]
-            position = _choose_decode_engine(
-                engines, added_seqs, added_tokens, added_blocks, num_tokens, num_blocks, z_tokens
-            )
+            position = -1
+            if request.preferred_decode_engine_id is not None:
+                preferred_group, preferred = self._preferred_place(request)
+                if (
+                    preferred_group == group.index
+                    and engines[preferred].num_free_kv_blocks - added_blocks[preferred]
+                    >= num_blocks
+                ):
+                    position = preferred  # its session's DE, which has room for it
+            if position < 0:
+                position = _choose_decode_engine(
+                    engines,
+                    added_seqs,
+                    added_tokens,
+                    added_blocks,
+                    num_tokens,
+                    num_blocks,
+                    z_tokens,
+                )
+            if position < 0 and request.preferred_decode_engine_id is not None:
+                self._release_preferred(group.index)
+                continue
             if position < 0:
                 break  # step (4): no DE has room for the head request; the fetch ends
             queue.popleft()
@@ -316,6 +345,32 @@ class DualPathScheduler:
             tuple(decode_engine_ids),
             tuple(load_plans),
         )
+
+    def _release_preferred(self, group_index: int) -> None:
+        """The head of the group's queue came for its preferred DE, and no DE of the group has
+        room for it: it goes back to the front of the global queue without its preference,
+        for the next fetch's phase 1 to place it as any other."""
+        request, prefill_engine_id, prefill_node, num_tokens, num_blocks = (
+            self._decode_group_queues[group_index].popleft()
+        )
+        self._decode_group_queued_tokens[group_index] -= num_tokens
+        released = SchedulerRequest(
+            request.request_id,
+            request.num_prompt_tokens,
+            request.num_cached_tokens,
+            request.max_num_output_tokens,
+        )
+        self._decode_global_queue.appendleft(
+            (released, prefill_engine_id, prefill_node, num_tokens, num_blocks)
+        )
+
+    def _preferred_place(self, request: SchedulerRequest) -> tuple[int, int]:
+        """(DE group index, position in it) of the request's preferred DE while it is in
+        service; (-1, -1) for a lost one (``withdraw_engine``)."""
+        engine_id = request.preferred_decode_engine_id
+        if engine_id is None or engine_id in self._dead_engine_ids:
+            return -1, -1
+        return self._cluster.decode_engine_id_to_place[engine_id]
 
     def _z_tokens(
         self,

@@ -31,6 +31,10 @@ class SchedulerRequest:
     num_cached_tokens: int
     # Generation budget; with the prompt it sizes the request's DE memory (SPEC §6, len_r).
     max_num_output_tokens: int
+    # The DE to place it on if that DE is in service and its memory gate admits the request
+    # (the DE of its agent session's last turn: ``dualpath.cluster.sessions``); else, and for
+    # None, the policy's own choice.
+    preferred_decode_engine_id: int | None
 
     def __init__(
         self,
@@ -38,6 +42,7 @@ class SchedulerRequest:
         num_prompt_tokens: int,
         num_cached_tokens: int,
         max_num_output_tokens: int,
+        preferred_decode_engine_id: int | None = None,
     ) -> None:
         if num_prompt_tokens <= 0:
             raise ValueError(
@@ -57,6 +62,7 @@ class SchedulerRequest:
         object.__setattr__(self, "num_prompt_tokens", num_prompt_tokens)
         object.__setattr__(self, "num_cached_tokens", num_cached_tokens)
         object.__setattr__(self, "max_num_output_tokens", max_num_output_tokens)
+        object.__setattr__(self, "preferred_decode_engine_id", preferred_decode_engine_id)
 
     @property
     def num_new_tokens(self) -> int:

@@ -8,6 +8,8 @@ takes the next DE in cluster order. Neither choice looks at load. Fitted into th
 * a DE group's fetch places its requests FIFO while the chosen DE has room for the head request
   (``len_r`` in Full Blocks, as SPEC §6's memory gate); the first that does not fit ends the
   fetch and everything behind it waits (head-of-line blocking, as a Basic DE queue would);
+* a request with a preferred DE in service (its agent session's: ``SchedulerRequest``) takes
+  that DE instead, out of turn, and waits for its room as any other;
 * the read plan is fixed at DE placement by the configured planner; Basic uses ``read_path="pe"``,
   the ablation's "+dual path" step ``read_path="round_robin"`` (PE side, DE side, in turn per
   node pair, ignoring the queues: ``load_planner.py``).
@@ -128,9 +130,15 @@ class RoundRobinScheduler:
         request_ids, prefill_engine_ids = [], []
         while queue:
             request, prefill_engine_id = queue.popleft()
-            index, _ = self._next_live(self._decode_engines, self._next_decode)
-            decode_engine_id, decode_group_index = self._decode_engines[index]
-            self._next_decode = (index + 1) % len(self._decode_engines)
+            preferred = request.preferred_decode_engine_id
+            if preferred is not None and preferred not in self._dead_engine_ids:
+                # Its session's DE, out of turn (the turn does not move).
+                decode_engine_id = preferred
+                decode_group_index = self._cluster.decode_engine_id_to_place[preferred][0]
+            else:
+                index, _ = self._next_live(self._decode_engines, self._next_decode)
+                decode_engine_id, decode_group_index = self._decode_engines[index]
+                self._next_decode = (index + 1) % len(self._decode_engines)
             self._decode_group_queues[decode_group_index].append(
                 (request, prefill_engine_id, decode_engine_id)
             )

@@ -172,6 +172,22 @@ class ClusterCollector(Collector):
                 [str(engine_id), role], snapshot.engine_id_to_num_requests.get(engine_id, 0)
             )
         yield held
+        yield _gauge(
+            "dualpath_sessions_active",
+            "Agent sessions (requests naming a session id) seen within --session-retention-s: "
+            "those whose decode engine the scheduler remembers.",
+            snapshot.num_active_sessions,
+        )
+        affinity = CounterMetricFamily(
+            "dualpath_session_affinity",
+            "Placements of session requests by decode engine: 'same_de' = the engine of the "
+            "session's last turn, 'moved' = another (that one was full or lost), 'first' = none "
+            "remembered (a new or forgotten session).",
+            labels=["outcome"],
+        )
+        for outcome, count in snapshot.session_affinity.items():
+            affinity.add_metric([outcome], count)
+        yield affinity
         yield CounterMetricFamily(
             "dualpath_scheduler_reports",
             "Load reports received from engines and group leaders (every 10 ms from a busy "
@@ -272,7 +288,13 @@ class ClusterCollector(Collector):
         yield occupancy
         engine_totals = {
             name: sum(c.get(f"store_{name}", 0) for c in snapshot.link_bytes.values())
-            for name in ("evictions", "corrupt_blocks", "write_errors", "missing_on_read")
+            for name in (
+                "evictions",
+                "retained_evictions",
+                "corrupt_blocks",
+                "write_errors",
+                "missing_on_read",
+            )
         }
         stats = self._store_stats()
         # Hits and misses are the scheduler's lookups: the cluster's hit/miss decisions.
@@ -291,6 +313,11 @@ class ClusterCollector(Collector):
         # plus the scheduler's own.
         for name, help_text in (
             ("evictions", "Blocks evicted to stay within the store's capacity."),
+            (
+                "retained_evictions",
+                "Of those, blocks of agent sessions evicted within --session-retention-s: "
+                "nothing else was left to evict.",
+            ),
             ("corrupt_blocks", "Damaged blocks found (and deleted, then recomputed)."),
             ("write_errors", "Block writes that failed (the store kept serving)."),
             ("missing_on_read", "Reads of blocks that were gone (evicted or deleted elsewhere)."),

@@ -28,7 +28,7 @@ from dualpath.server.context import ServingContext
 from dualpath.server.detokenizer import IncrementalDetokenizer
 from dualpath.server.errors import APIError
 from dualpath.server.metrics import GenerationTimes
-from dualpath.types import SamplingParams, TokenLogprob
+from dualpath.types import NO_SCOPE, RequestScope, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,12 @@ class Generation:
         *,
         arrival_s: float,
         request_id: str,
+        scope: RequestScope = NO_SCOPE,
     ) -> None:
-        """``params[i][j]`` is choice j of prompt i (choice index ``i * len(params[i]) + j``)."""
+        """``params[i][j]`` is choice j of prompt i (choice index ``i * len(params[i]) + j``);
+        ``scope``: the request's cache salt and session (``server.scope.request_scope``)."""
         self.context = context
+        self.scope = scope
         self.prompts = prompts
         self.arrival_s = arrival_s
         self.request_id = request_id
@@ -153,6 +156,7 @@ class Generation:
                     self.prompts[choice.prompt_index],
                     choice.params,
                     on_event=lambda event, i=choice.index: _hand_over(loop, self._queue, i, event),
+                    scope=self.scope,
                 )
 
     def abort(self, reason: str) -> None:
@@ -264,6 +268,7 @@ class Generation:
             ),
             num_prompt_tokens=len(self.prompts[choice.prompt_index]),
             num_cached_tokens=choice.num_cached_tokens,
+            is_session=self.scope.session_id is not None,
         )
 
     # --- totals -----------------------------------------------------------------------------

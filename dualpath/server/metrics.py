@@ -149,6 +149,23 @@ class ServerMetrics:
             "was lost (vLLM servers), of finished generations.",
             registry=r,
         )
+        # Generations of requests that name an agent session (X-Session-Id and the like).
+        self.session_requests = Counter(
+            "dualpath_session_requests",
+            "Finished generations of requests naming an agent session.",
+            registry=r,
+        )
+        self.session_prompt_tokens = Counter(
+            "dualpath_session_prompt_tokens",
+            "Prompt tokens of finished generations of session requests.",
+            registry=r,
+        )
+        self.session_cached_tokens = Counter(
+            "dualpath_session_cached_tokens",
+            "Prompt tokens of finished generations of session requests whose KV was loaded "
+            "from the store (their store hits, in tokens).",
+            registry=r,
+        )
         self.generation_tokens = with_vllm_names(
             Counter("dualpath_generation_tokens", "Generated tokens.", registry=r)
         )
@@ -186,12 +203,18 @@ class ServerMetrics:
         num_prompt_tokens: int,
         num_cached_tokens: int,
         num_replaced_hit_tokens: int = 0,
+        is_session: bool = False,
     ) -> None:
         """``num_cached_tokens``: the store hits of the generation's (first) placement;
-        ``num_replaced_hit_tokens``: those of the placements made again after it."""
+        ``num_replaced_hit_tokens``: those of the placements made again after it;
+        ``is_session``: its request names an agent session."""
         self.generations.labels(finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_prompt_tokens.inc(num_cached_tokens)
+        if is_session:
+            self.session_requests.inc()
+            self.session_prompt_tokens.inc(num_prompt_tokens)
+            self.session_cached_tokens.inc(num_cached_tokens)
         self.replaced_hit_tokens.inc(num_replaced_hit_tokens)
         self.generation_tokens.inc(times.num_output_tokens)
         if times.first_token_s is None:

@@ -66,6 +66,10 @@ class _GenerationRequest(_Strict):
     min_tokens: int = Field(default=0, ge=0, le=MAX_WIRE_INT)
     stop_token_ids: list[TokenId] | None = None
     return_token_ids: bool = False
+    # The tenant namespace of the prompt's KV (``server.scope``); vLLM's field.
+    cache_salt: str | None = None
+    # The agent session the request continues (vLLM's field; or a header, ``server.scope``).
+    session_id: str | None = None
 
     def check_supported(self) -> None:
         """400 for fields we accept syntactically but cannot honour."""

@@ -34,6 +34,7 @@ from dualpath.server.responses import (
     sse,
     usage_chunk,
 )
+from dualpath.server.scope import request_scope
 from dualpath.server.tool_calls import ToolCallParser
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -187,8 +188,14 @@ async def _generate(
     params = _params_per_choice(context, body, prompts, is_chat=is_chat)
     context.check_serving()  # again: engines may have been lost while the prompt was read
     request_id = request.state.request_id
+    scope = request_scope(request, cache_salt=body.cache_salt, session_id=body.session_id)
     generation = Generation(
-        context, prompts, params, arrival_s=request.state.arrival_s, request_id=request_id
+        context,
+        prompts,
+        params,
+        arrival_s=request.state.arrival_s,
+        request_id=request_id,
+        scope=scope,
     )
     await generation.start()
     meta = ResponseMeta(

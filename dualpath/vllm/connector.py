@@ -116,6 +116,8 @@ class PlanView:
     # The prompt the placement was made for (a vLLM server checks the request it got); None:
     # not checked (the engine added the request itself).
     prompt_token_ids: tuple[int, ...] | None = None
+    # The cache salt it was placed with, its blocks read under (checked with the prompt).
+    cache_salt: str | None = None
 
     @classmethod
     def of(cls, transfer: KVTransfer, prompt_token_ids: tuple[int, ...] | None = None) -> PlanView:
@@ -259,7 +261,8 @@ class ConnectorScheduler:
         )
 
     def _blocks_to_persist(self, tracked: _Tracked, num_reached: int) -> tuple:
-        """(key, block) of every block full after this step and not persisted yet."""
+        """(key, block) of every block full after this step and not persisted yet, keyed in
+        the request's tenant namespace: vLLM's ``cache_salt`` ("" is none, as vLLM has it)."""
         persist_from_block = tracked.view.persist_from_block
         if persist_from_block is None or not self.persists:
             return ()
@@ -271,6 +274,7 @@ class ConnectorScheduler:
             num_reached // self.block_size,
             self.block_size,
             self.host.fingerprint,
+            cache_salt=tracked.request.cache_salt or None,
         )
         first = max(num_keyed, persist_from_block)
         return tuple((keys[i], tracked.block_ids[i]) for i in range(first, len(keys)))

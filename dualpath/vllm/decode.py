@@ -16,6 +16,7 @@ from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
 from dualpath.engine.courier import KVTransfer, LoadSource
 from dualpath.engine.decode import PersistingRequests
 from dualpath.engine.role import PeerMessage, RoleLoad, Send
+from dualpath.engine.session_blocks import SessionBlocks
 from dualpath.kv.hashing import block_keys
 from dualpath.kv.store import KVStore
 from dualpath.protocol import (
@@ -28,7 +29,7 @@ from dualpath.protocol import (
     TokenUpdate,
 )
 from dualpath.types import sampling_params_from_dict
-from dualpath.vllm.engine import logprobs_of, vllm_sampling_params, with_plan
+from dualpath.vllm.engine import logprobs_of, vllm_prompt, vllm_sampling_params, with_plan
 
 if TYPE_CHECKING:  # the role runs without vLLM's imports where its engine is given (tests)
     from dualpath.vllm.connector import ConnectorHost
@@ -81,18 +82,25 @@ class VllmDecodeRole:
         self.num_kv_blocks = self._block_pool.num_gpu_blocks
         self.requests: dict[int, _DecodeRequest] = {}
         self._persisting = PersistingRequests(self._pending_writes)
+        self._sessions = SessionBlocks(host.store)
 
     def add(self, assignment: Assignment) -> None:
         prompt = list(assignment.prompt_token_ids)
         num_slots = -(-len(prompt) // self.block_size)
         self.buffer.check_fits(num_slots)
         first, end = assignment.num_prefill_side_blocks, assignment.num_hit_blocks
-        keys = block_keys(prompt[: end * self.block_size], self.block_size, self.host.fingerprint)
+        keys = block_keys(
+            prompt[: end * self.block_size],
+            self.block_size,
+            self.host.fingerprint,
+            cache_salt=assignment.cache_salt,
+        )
         request = _DecodeRequest(
             assignment, sampling_params_from_dict(assignment.sampling), keys[first:end]
         )
         if not assignment.is_prefill_held_sent:  # the PE tells nothing: read at once
             request.num_held_by_prefill = 0
+        self._sessions.on_assigned(assignment, keys)
         self.requests[request.request_id] = request
         self.store_reads.add(request, num_slots, self._start_reads)
 
@@ -125,6 +133,7 @@ class VllmDecodeRole:
         """The DE is only ever the remote side."""
 
     def cancel(self, request_id: int) -> None:
+        self._sessions.forget(request_id)
         request = self.requests.pop(request_id, None)
         if request is None:
             return
@@ -156,9 +165,11 @@ class VllmDecodeRole:
                 max_tokens=max(1, request.params.max_tokens - num_before),
                 min_tokens=max(0, request.params.min_tokens - num_before),
             )
+            # Salted, vLLM's prefix cache keeps the request's blocks in its tenant's namespace,
+            # and the connector persists them under its salt (``connector.py``).
             self.engine.add_request(
                 str(request.request_id),
-                {"prompt_token_ids": [*prompt, done.first_token_id]},
+                vllm_prompt([*prompt, done.first_token_id], cache_salt=assignment.cache_salt),
                 with_plan(params, request.request_id),
             )
 
@@ -210,6 +221,7 @@ class VllmDecodeRole:
             del self.requests[request_id]
             plan = self.host.plans.pop(request_id)
             persisting = self._persisting.add(request_id, tuple(plan.persisted_keys))
+            self._sessions.on_finished(request_id, plan.persisted_keys)
         return TokenUpdate(
             request_id,
             tuple(token_ids),

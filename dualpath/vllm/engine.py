@@ -3,7 +3,7 @@ inside it (``connector.py``), bound to its cores; and the requests we give it.
 
     engine = build_engine(VllmEngineSpec(model_dir, engine_key="engine-3", cores=(1,)))
     params = vllm_sampling_params(SamplingParams(), max_tokens=16, min_tokens=0)
-    engine.add_request("7", {"prompt_token_ids": ids}, with_plan(params, 7))
+    engine.add_request("7", vllm_prompt(ids, cache_salt=None), with_plan(params, 7))
     outputs = engine.step()
 
 vLLM's CPU build ignores ``VLLM_CPU_OMP_THREADS_BIND`` in-process and fixes torch's thread
@@ -144,6 +144,15 @@ def logprobs_of(output: Any, token_ids: list[int]) -> list | None:
     return result
 
 
+def vllm_prompt(token_ids: Sequence[int], *, cache_salt: str | None) -> dict[str, Any]:
+    """vLLM's token-id prompt, salted with ``cache_salt`` if one is given: vLLM's prefix cache
+    then keeps it apart as it keeps the store's blocks apart (``kv.hashing``)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
+
+
 def with_plan(vllm_params: Any, request_id: int) -> Any:
     """``vllm_params`` naming the ``KVPlan`` the connector follows for the request."""
     from dualpath.vllm.connector import REQUEST_ID_PARAM  # lazy as every vLLM import here
@@ -156,13 +165,14 @@ class PrefixCacheProbe:
     """How many leading full blocks of a prompt vLLM's own prefix cache holds right now: the
     blocks a PE need not read from the store (vLLM will not ask its connector for them).
 
-    It hashes the prompt's blocks the way vLLM's engine does for a plain token-id request (no
-    LoRA, multimodal input, cache salt or prompt embeddings: our requests carry none) and looks
-    each up in vLLM's block pool. A look-up alone does not keep the blocks: vLLM may evict one
-    before the request is scheduled (the connector then finds a smaller local hit than planned
-    and loads nothing: vLLM recomputes, slower, never wrong). So a PE ``pin``s what it counts
-    on: the blocks stay in vLLM's cache (a reference each, as a running request holds them)
-    until it ``unpin``s them, at most ``max_pinned_fraction`` of vLLM's blocks at once."""
+    It hashes the prompt's blocks the way vLLM's engine does for a token-id request, salted
+    or not (no LoRA, multimodal input or prompt embeddings: our requests carry none), and
+    looks each up in vLLM's block pool. A look-up alone does not keep the blocks: vLLM may
+    evict one before the request is scheduled (the connector then finds a smaller local hit
+    than planned and loads nothing: vLLM recomputes, slower, never wrong). So a PE ``pin``s
+    what it counts on: the blocks stay in vLLM's cache (a reference each, as a running request
+    holds them) until it ``unpin``s them, at most ``max_pinned_fraction`` of vLLM's blocks at
+    once."""
 
     def __init__(self, engine: Any) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -176,28 +186,39 @@ class PrefixCacheProbe:
         self._hash = get_hash_fn_by_name(config.prefix_caching_hash_algo)
         self.num_pinned = 0  # blocks pinned and not unpinned (with multiplicity)
 
-    def block_hashes(self, token_ids: Sequence[int], num_blocks: int) -> list[Any]:
-        """vLLM's hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+    def block_hashes(
+        self, token_ids: Sequence[int], num_blocks: int, cache_salt: str | None = None
+    ) -> list[Any]:
+        """vLLM's hashes of the first ``num_blocks`` full blocks of ``token_ids`` in a request
+        salted with ``cache_salt``: vLLM mixes a salt into the first block's extra keys
+        (``kv_cache_utils.generate_block_hash_extra_keys``), and the chain carries it on."""
         from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
         hashes: list[Any] = []
         parent = None
+        extra_keys = (("cache_salt", cache_salt),) if cache_salt else None
         for index in range(num_blocks):
             tokens = token_ids[index * self.block_size : (index + 1) * self.block_size]
-            parent = hash_block_tokens(self._hash, parent, tokens, None)
+            parent = hash_block_tokens(self._hash, parent, tokens, extra_keys)
             hashes.append(parent)
+            extra_keys = None  # the first block's only
         return hashes
 
-    def num_cached_blocks(self, token_ids: Sequence[int], max_blocks: int) -> int:
-        """Leading blocks of ``token_ids`` (at most ``max_blocks``) in vLLM's prefix cache."""
-        return len(self._cached_blocks(token_ids, max_blocks))
+    def num_cached_blocks(
+        self, token_ids: Sequence[int], max_blocks: int, cache_salt: str | None = None
+    ) -> int:
+        """Leading blocks of ``token_ids`` (at most ``max_blocks``) in vLLM's prefix cache, for
+        a request salted with ``cache_salt``."""
+        return len(self._cached_blocks(token_ids, max_blocks, cache_salt))
 
-    def _cached_blocks(self, token_ids: Sequence[int], max_blocks: int) -> list[Any]:
+    def _cached_blocks(
+        self, token_ids: Sequence[int], max_blocks: int, cache_salt: str | None
+    ) -> list[Any]:
         if not self.enabled:
             return []
         max_blocks = min(max_blocks, (len(token_ids) - 1) // self.block_size)  # vLLM's cap
         blocks = []
-        for block_hash in self.block_hashes(token_ids, max(max_blocks, 0)):
+        for block_hash in self.block_hashes(token_ids, max(max_blocks, 0), cache_salt):
             found = self._pool.get_cached_block(block_hash, [0])
             if found is None:
                 break
@@ -205,13 +226,19 @@ class PrefixCacheProbe:
         return blocks
 
     def pin(
-        self, token_ids: Sequence[int], max_blocks: int, max_pinned_fraction: float = 0.5
+        self,
+        token_ids: Sequence[int],
+        max_blocks: int,
+        max_pinned_fraction: float = 0.5,
+        *,
+        cache_salt: str | None = None,
     ) -> list[Any]:
         """The leading blocks of ``token_ids`` (at most ``max_blocks``) vLLM's prefix cache
-        holds, kept there until ``unpin``; fewer when pins would pass ``max_pinned_fraction``
-        of vLLM's blocks (the rest of the cache stays free for running requests)."""
+        holds for a request salted with ``cache_salt``, kept there until ``unpin``; fewer when
+        pins would pass ``max_pinned_fraction`` of vLLM's blocks (the rest of the cache stays
+        free for running requests)."""
         budget = int(self._pool.num_gpu_blocks * max_pinned_fraction) - self.num_pinned
-        blocks = self._cached_blocks(token_ids, max_blocks)[: max(budget, 0)]
+        blocks = self._cached_blocks(token_ids, max_blocks, cache_salt)[: max(budget, 0)]
         self._pool.touch(blocks)
         self.num_pinned += len(blocks)
         return blocks

@@ -23,7 +23,8 @@ from typing import Any
 from dualpath.config import KVStoreConfig
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.courier import KVTransfer, LoadSource
-from dualpath.engine.llm import Prompt, RequestOutput, encode_prompt
+from dualpath.engine.llm import Prompt, encode_prompt, prompt_cache_salt
+from dualpath.engine.output import RequestOutput
 from dualpath.errors import KVStoreError
 from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.hashing import block_keys
@@ -31,7 +32,13 @@ from dualpath.model.identity import checkpoint_kv_identity, vllm_device, vllm_pa
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.types import SamplingParams
 from dualpath.vllm.connector import ConnectorHost, register_host, unregister_host
-from dualpath.vllm.engine import VllmEngineSpec, build_engine, vllm_sampling_params, with_plan
+from dualpath.vllm.engine import (
+    VllmEngineSpec,
+    build_engine,
+    vllm_prompt,
+    vllm_sampling_params,
+    with_plan,
+)
 
 _ENGINE_KEYS = itertools.count()
 
@@ -101,16 +108,19 @@ class VllmLLM:
         self, prompts: Sequence[Prompt], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
         """Generate for every prompt, one after another (each finds the blocks the ones before
-        it persisted), after its blocks are in the store."""
-        return [
-            self._generate_one(self.encode_prompt(p), params or SamplingParams()) for p in prompts
-        ]
+        it persisted in its namespace: a prompt dict's ``cache_salt``, as in vLLM), after its
+        blocks are in the store."""
+        params = params or SamplingParams()
+        salted = [(self.encode_prompt(p), prompt_cache_salt(p)) for p in prompts]
+        return [self._generate_one(ids, params, salt) for ids, salt in salted]
 
-    def _generate_one(self, prompt: list[int], params: SamplingParams) -> RequestOutput:
+    def _generate_one(
+        self, prompt: list[int], params: SamplingParams, cache_salt: str | None
+    ) -> RequestOutput:
         self._next_id += 1
         request_id = self._next_id
         arrival_s = time.perf_counter()
-        buffer, slots, num_hit = self._read_hits(prompt)
+        buffer, slots, num_hit = self._read_hits(prompt, cache_salt)
         load_s = time.perf_counter() - arrival_s
         plan = KVTransfer(
             request_id,
@@ -125,7 +135,9 @@ class VllmLLM:
         text, finish_reason, first_token_s, num_cached = "", None, None, 0
         try:
             self.engine.add_request(
-                str(request_id), {"prompt_token_ids": prompt}, with_plan(vllm_params, request_id)
+                str(request_id),
+                vllm_prompt(prompt, cache_salt=cache_salt),
+                with_plan(vllm_params, request_id),
             )
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -157,15 +169,19 @@ class VllmLLM:
             written_block_keys=tuple(plan.persisted_keys[num_hit:]),
         )
 
-    def _read_hits(self, prompt: list[int]) -> tuple[KVBuffer | None, list[int], int]:
-        """The prompt's leading full blocks the store holds, read into a buffer of their own
-        (the last prompt token is always computed: its logits pick the first output)."""
+    def _read_hits(
+        self, prompt: list[int], cache_salt: str | None
+    ) -> tuple[KVBuffer | None, list[int], int]:
+        """The prompt's leading full blocks the store holds under ``cache_salt``, read into a
+        buffer of their own (the last prompt token is always computed: its logits pick the
+        first output)."""
         if self.store is None:
             return None, [], 0
         keys = block_keys(
             prompt[: (len(prompt) - 1) // self.block_size * self.block_size],
             self.block_size,
             self.fingerprint,
+            cache_salt=cache_salt,
         )
         num_hit = self.store.lookup(keys)
         if not num_hit:

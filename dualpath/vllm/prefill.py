@@ -21,7 +21,13 @@ from dualpath.protocol import Assignment, DecodeReady, PeerTable, PrefillDone, P
 from dualpath.scheduler.batching import PrefillBatcher, PrefillWork
 from dualpath.transfer.traffic import Mover
 from dualpath.types import sampling_params_from_dict
-from dualpath.vllm.engine import PrefixCacheProbe, logprobs_of, vllm_sampling_params, with_plan
+from dualpath.vllm.engine import (
+    PrefixCacheProbe,
+    logprobs_of,
+    vllm_prompt,
+    vllm_sampling_params,
+    with_plan,
+)
 
 if TYPE_CHECKING:  # the role runs without vLLM's imports where its engine is given (tests)
     from dualpath.vllm.connector import ConnectorHost
@@ -100,10 +106,15 @@ class VllmPrefillRole:
         num_held_max = (
             assignment.num_hit_blocks if assignment.is_prefill_held_sent else num_pe_blocks
         )
-        pinned = self.prefix_cache.pin(prompt, num_held_max)
+        # Both vLLM's cache and the store are looked up in the request's tenant namespace.
+        salt = assignment.cache_salt
+        pinned = self.prefix_cache.pin(prompt, num_held_max, cache_salt=salt)
         num_cached = len(pinned)
         keys = block_keys(
-            prompt[: num_pe_blocks * self.block_size], self.block_size, self.host.fingerprint
+            prompt[: num_pe_blocks * self.block_size],
+            self.block_size,
+            self.host.fingerprint,
+            cache_salt=salt,
         )
         request = _PrefillRequest(
             assignment,
@@ -178,9 +189,10 @@ class VllmPrefillRole:
             max_tokens=1,
             min_tokens=1 if request.assignment.num_output_tokens < request.params.min_tokens else 0,
         )
+        assignment = request.assignment
         self.engine.add_request(
             str(request.request_id),
-            {"prompt_token_ids": list(request.assignment.prompt_token_ids)},
+            vllm_prompt(assignment.prompt_token_ids, cache_salt=assignment.cache_salt),
             with_plan(params, request.request_id),
         )
 

@@ -23,11 +23,11 @@ vLLM's loop instead of stepping vLLM itself. What differs is how a request reach
                         the PE's KV is in its buffer
 
 The two sides speak over a pair of local ZeroMQ sockets named after vLLM's engine id
-(``served_mailbox.Mailbox``): the engine sends each plan's ``PlanView`` (with the placed prompt, which the
-scheduler side checks the request against) and its cancels; the scheduler side sends each
-planned request's end (its tokens and finish reason: the PE's token makes its
-``PrefillDone``, the DE's end its ``TokenUpdate`` and persisting), a refused prompt, and the
-KV blocks its requests hold (a DE's reports). The tokens reach the client over vLLM's HTTP.
+(``served_mailbox.Mailbox``): the engine sends each plan's ``PlanView`` (with the placed prompt
+and cache salt, which the scheduler side checks the request against) and its cancels; the
+scheduler side sends each planned request's end (its tokens and finish reason: the PE's token
+makes its ``PrefillDone``, the DE's end its ``TokenUpdate`` and persisting), a refused prompt,
+and the KV blocks its requests hold (a DE's reports). The tokens reach the client over vLLM's HTTP.
 
 The role's state is touched by two threads of the worker's process (ours, and vLLM's through
 the hooks: a DE frees a loaded request's slots), so both take ``ServedEngine.lock``. Our
@@ -89,7 +89,7 @@ class _NoPrefixCacheProbe:
 
     enabled = False
 
-    def pin(self, prompt: list[int], num_blocks: int) -> list:
+    def pin(self, prompt: list[int], num_blocks: int, *, cache_salt: str | None = None) -> list:
         return []
 
     def unpin(self, pinned: list) -> None:
@@ -157,10 +157,10 @@ class ServedEngine:
 
     def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
         """The role planned the request (``host.plans``): the scheduler side may let vLLM
-        schedule it once the request's prompt is the placed one."""
+        schedule it once the request's prompt and cache salt are the placed ones."""
         assert self.process is not None
         rid = int(request_id)
-        placed = self.process.role.requests[rid].assignment.prompt_token_ids
+        placed = self.process.role.requests[rid].assignment
         view = PlanView.of(self.host.plans[rid])
         self.mailbox.send(
             "plan",
@@ -168,7 +168,8 @@ class ServedEngine:
             view.load_first_block,
             view.load_num_tokens,
             view.persist_from_block,
-            list(placed),
+            list(placed.prompt_token_ids),
+            placed.cache_salt,
         )
 
     def abort_request(self, request_ids: list[str]) -> None:

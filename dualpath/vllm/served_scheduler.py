@@ -39,8 +39,10 @@ class ServedScheduler(ConnectorScheduler):
     def _take_mail(self, timeout_s: float = 0.0) -> None:
         for kind, request_id, *fields in self.mailbox.receive(timeout_s):
             if kind == "plan":
-                first, num_tokens, persist_from, prompt = fields
-                view = PlanView(request_id, first, num_tokens, persist_from, tuple(prompt))
+                first, num_tokens, persist_from, prompt, cache_salt = fields
+                view = PlanView(
+                    request_id, first, num_tokens, persist_from, tuple(prompt), cache_salt
+                )
                 self.views[request_id] = view
             elif kind == "drop":
                 self.views.pop(request_id, None)
@@ -60,15 +62,10 @@ class ServedScheduler(ConnectorScheduler):
         view = self.views.get(request_id)
         if view is None:
             return None
-        if view.prompt_token_ids != tuple(request.prompt_token_ids or ()):
+        mismatch = _mismatch(view, request)
+        if mismatch is not None:
             del self.views[request_id]
-            self.mailbox.send(
-                "refused",
-                request_id,
-                f"request {request_id}'s prompt at this vLLM server "
-                f"({len(request.prompt_token_ids or ())} tokens) is not the one it was placed "
-                f"with ({len(view.prompt_token_ids or ())} tokens)",
-            )
+            self.mailbox.send("refused", request_id, mismatch)
             return 0
         self._admitted[request.request_id] = request_id
         self._admitted_ids.add(request_id)
@@ -95,3 +92,22 @@ class ServedScheduler(ConnectorScheduler):
         reason = request.get_finished_reason()
         if reason is not None and str(reason) != "abort":  # an abort is the front door's
             self.mailbox.send("ended", request_id, list(request.output_token_ids), str(reason))
+
+
+def _mismatch(view: PlanView, request: Any) -> str | None:
+    """Why vLLM's request is not the one placed, if it is not: another prompt, or another cache
+    salt (its blocks were read in the placed salt's namespace: loading them into a request of
+    another would hand one tenant's KV to another)."""
+    request_id = view.request_id
+    if view.prompt_token_ids != tuple(request.prompt_token_ids or ()):
+        return (
+            f"request {request_id}'s prompt at this vLLM server "
+            f"({len(request.prompt_token_ids or ())} tokens) is not the one it was placed "
+            f"with ({len(view.prompt_token_ids or ())} tokens)"
+        )
+    if view.cache_salt != (request.cache_salt or None):
+        return (
+            f"request {request_id}'s cache_salt at this vLLM server is not the one it was "
+            "placed with"
+        )
+    return None

@@ -18,6 +18,7 @@ from dualpath import LLM, SamplingParams
 from dualpath.cluster.launcher import LocalCluster
 from dualpath.config import ClusterConfig, KVStoreConfig
 from dualpath.protocol import RequestEvent
+from dualpath.types import RequestScope
 from tests.helpers import assert_same_tokens
 
 pytest.importorskip("nixl_cu12")
@@ -117,6 +118,27 @@ def test_idle_engines_only_keep_alive_and_requests_still_place_at_once(
         assert time.monotonic() < deadline_s, f"{num_reports} reports in the last second"
     (out,) = cluster.generate([random_ids(100, seed=8)], params, timeout_s=60)
     assert out.error is None and len(out.token_ids) == 2
+
+
+def test_cache_salts_keep_tenants_apart_in_the_store(cluster: LocalCluster) -> None:
+    """Salt A's prompt is persisted; the same prompt under salt B or unsalted finds none of
+    it, salt A finds all of it (its blocks keyed in its namespace by the scheduler's lookup,
+    the PE's and DE's reads and the DE's writes alike); greedy tokens are the same whatever
+    the salt."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = random_ids(300, seed=41)
+
+    def run(cache_salt: str | None):
+        scope = RequestScope(cache_salt=cache_salt)
+        out = cluster.result(cluster.submit(prompt, params, scope=scope), timeout_s=120)
+        assert out.error is None
+        return out
+
+    runs = [run(salt) for salt in ("tenant-a", "tenant-b", "tenant-a", "tenant-b", None)]
+    full_hit = BLOCK * ((len(prompt) - 1) // BLOCK)  # all of the prompt but its last token
+    assert [out.num_cached_tokens for out in runs] == [0, 0, full_hit, full_hit, 0]
+    for out, label in zip(runs[1:], ("B", "A again", "B again", "unsalted"), strict=True):
+        assert_same_tokens(_Out(runs[0].token_ids), _Out(out.token_ids), label=label)
 
 
 def test_bad_requests_are_refused_before_reaching_an_engine(cluster: LocalCluster) -> None:

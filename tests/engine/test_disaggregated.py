@@ -15,7 +15,7 @@ from dualpath import LLM, SamplingParams
 from dualpath.config import EngineConfig, KVStoreConfig
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.decode import DecodeEngine
-from dualpath.engine.llm import LLMEngine
+from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillEngine
 from dualpath.engine.remote_buffer import TransportRemoteBuffer, TransportStaging
 from dualpath.errors import TransferTimeout

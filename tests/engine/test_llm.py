@@ -11,6 +11,7 @@ import torch
 
 from dualpath import LLM, SamplingParams
 from dualpath.kv.file_store import FileKVStore
+from dualpath.kv.hashing import block_keys
 from tests.helpers import assert_same_tokens
 
 BLOCK = 64
@@ -269,3 +270,29 @@ def test_a_finished_request_names_the_blocks_still_being_written(
         llm.engine.flush()
         assert store_io.pending(keys) == ()
         assert store_io.store.lookup(keys) == 3
+
+
+def test_a_prompts_cache_salt_keeps_its_blocks_to_itself(tiny_model_dir: Path, tmp_path: Path):
+    """As vLLM's prompts do, ``{"prompt_token_ids": ..., "cache_salt": ...}`` looks up and
+    persists the prompt's blocks in the salt's namespace: another salt, or none, finds none
+    of them; the same salt finds them all, under the keys ``kv.hashing`` derives for it."""
+    prompt = random_ids(200, seed=12)
+    with LLM(tiny_model_dir, kv_store=tmp_path / "kv") as llm:
+
+        def run(cache_salt: str | None):
+            salted = {} if cache_salt is None else {"cache_salt": cache_salt}
+            return llm.generate({"prompt_token_ids": prompt, **salted}, PARAMS)[0]
+
+        first = run("tenant-a")
+        others = [run("tenant-b"), run(None)]
+        again = run("tenant-a")
+        fingerprint = llm.engine.fingerprint
+        store = llm.engine.store_io.store
+        salted_keys = block_keys(prompt, BLOCK, fingerprint, cache_salt="tenant-a")
+        assert store.lookup(salted_keys) == len(salted_keys) == 3
+        with pytest.raises(ValueError, match="cache_salt"):
+            run("a/b")
+    assert [o.num_cached_tokens for o in (first, *others)] == [0, 0, 0]
+    assert again.num_cached_tokens == 3 * BLOCK
+    for out in (*others, again):
+        assert_same_tokens(first, out, label="another salt")

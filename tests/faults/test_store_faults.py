@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.kv.file_store import HEADER_BYTES
+from dualpath.kv.block_file import HEADER_BYTES
 from tests.faults.cluster import MultiHostCluster, random_ids, reference_tokens
 
 pytest.importorskip("nixl_cu12")

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dualpath.kv.file_store import HEADER_BYTES, FileKVStore
+from dualpath.kv.block_file import HEADER_BYTES
+from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.hashing import block_keys, model_fingerprint
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore, MemoryKVStore

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from dualpath.bench.store_bench import run_store_read_bench
 from dualpath.config import KVStoreConfig
 from dualpath.errors import BlockNotFound, CorruptBlock, StoreWriteError
-from dualpath.kv.file_store import HEADER_BYTES, NAMESPACE_FILE, FileKVStore, block_file_path
+from dualpath.kv.block_file import HEADER_BYTES, NAMESPACE_FILE, block_file_path
+from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore, MemoryKVStore
 from tests.kv.conftest import (

@@ -53,12 +53,14 @@ def make_request(
     num_prompt_tokens: int = 100,
     num_cached_tokens: int = 0,
     max_num_output_tokens: int = 0,
+    preferred_decode_engine_id: int | None = None,
 ) -> SchedulerRequest:
     return SchedulerRequest(
         request_id=request_id,
         num_prompt_tokens=num_prompt_tokens,
         num_cached_tokens=num_cached_tokens,
         max_num_output_tokens=max_num_output_tokens,
+        preferred_decode_engine_id=preferred_decode_engine_id,
     )
 
 

@@ -16,7 +16,7 @@ from dualpath.scheduler import batching, load_planner, message
 from dualpath.sim import cluster
 
 VALUES = {
-    message.SchedulerRequest: (7, 400, 320, 32),
+    message.SchedulerRequest: (7, 400, 320, 32, 3),
     message.EngineSnapshot: (3, 2, 900, 11),
     message.NodeSnapshot: (1, 4096, 512),
     message.GroupSnapshot: (

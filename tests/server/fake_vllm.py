@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dualpath.cluster.coordinator import ClusterSnapshot
 from dualpath.protocol import DECODE, PREFILL, Forward, RequestEvent
-from dualpath.types import SamplingParams
+from dualpath.types import NO_SCOPE, RequestScope, SamplingParams
 
 MODEL = "tiny"  # the front door's served model name
 SERVER_MODEL = "/checkpoints/tiny"  # what the servers answer to (vLLM's default: the path)
@@ -294,6 +294,7 @@ class FakeCluster:
             self.unforwarded: list[str] = []
             self.prefill_url = self.engine_id_to_url[0]  # "": the PE is a dualpath engine
             self.submitted: list[tuple[int, list[int], SamplingParams]] = []
+            self.scopes: list[RequestScope] = []  # each submission's, in order
             self.cancelled: list[int] = []
             self.unreachable: list[tuple[int, str]] = []
             self._placements: dict[int, tuple[int, Any]] = {}  # id -> (DE, on_event)
@@ -319,10 +320,18 @@ class FakeCluster:
                 engine_urls=urls,
             )
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, on_event) -> int:
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        on_event,
+        scope: RequestScope = NO_SCOPE,
+    ) -> int:
         with self._lock:
             request_id = 100 + len(self.submitted)
             self.submitted.append((request_id, list(prompt_token_ids), params))
+            self.scopes.append(scope)
             dead = {e for e, _ in self.unreachable}
             decode_id = next(e for e in self.decode_ids if e not in dead)
             if self.unforwarded:

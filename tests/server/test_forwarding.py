@@ -384,6 +384,48 @@ def test_a_client_that_goes_away_cancels_its_request_and_closes_the_decode_strea
     assert fleet.cluster.cancelled == [request_id]
 
 
+# --- tenants: cache_salt -------------------------------------------------------------------
+
+
+def test_a_salted_call_is_placed_under_its_salt_and_every_server_gets_the_salt(fleet: Fleet):
+    """The scheduler looks the prompt up under the body's salt; the DE gets the body with it,
+    the PE's prefill and a continuation elsewhere carry it too (vLLM's prefix cache and our
+    connector key by it; a served PE refuses a request salted otherwise than placed)."""
+    path, body = chat_request(stream=True, max_tokens=8, temperature=0, cache_salt="tenant-a")
+    fleet.decodes[0].drop_after = 4  # goes on elsewhere: placed again, salted again
+    stream_events(fleet, path, body)
+
+    assert [scope.cache_salt for scope in fleet.cluster.scopes] == ["tenant-a", "tenant-a"]
+    # The body, then the continuation (a token-id completion); each after its PE's prefill.
+    decode_paths = [p for p, _ in fleet.journal.of("de1")]
+    assert decode_paths == ["/v1/chat/completions", "/v1/completions"]
+    prefills = [b for p, b in fleet.journal.of("pe") if p == "/v1/completions"]
+    assert len(prefills) == 2
+    for sent in [b for _, b in fleet.journal.of("de1")] + prefills:
+        assert sent["cache_salt"] == "tenant-a", sent
+
+
+def test_an_unsalted_call_sends_no_salt(fleet: Fleet):
+    path, body = completion_request(max_tokens=2)
+    assert fleet.http.post(path, json=body).status_code == 200
+
+    assert [scope.cache_salt for scope in fleet.cluster.scopes] == [None]
+    sent = [b for _, p, b in fleet.journal.entries if p == "/v1/completions"]
+    assert len(sent) == 2 and all("cache_salt" not in b for b in sent)
+
+
+@pytest.mark.parametrize("cache_salt", ["", "a/b", "x" * 129, 7])
+def test_a_bad_cache_salt_is_refused_by_name_before_anything_is_placed(
+    fleet: Fleet, cache_salt: object
+):
+    path, body = completion_request(max_tokens=2, cache_salt=cache_salt)
+    response = fleet.http.post(path, json=body)
+
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "cache_salt"
+    assert fleet.cluster.submitted == []
+
+
 # --- the rest of the API -------------------------------------------------------------------
 
 

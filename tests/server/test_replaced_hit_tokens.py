@@ -19,7 +19,7 @@ class _Cluster:
         self.hit_tokens = hit_tokens
         self.cancelled: list[int] = []
 
-    def submit(self, prompt_token_ids, params, *, on_event) -> int:
+    def submit(self, prompt_token_ids, params, *, on_event, scope=None) -> int:
         request_id = len(self.cancelled) + 100
         forward = Forward(request_id, 0, 1, "", "http://de:8000")
         on_event(RequestEvent(1, (), None, self.hit_tokens.pop(0), forward=forward))

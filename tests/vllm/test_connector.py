@@ -118,12 +118,14 @@ def _prompt(num_tokens: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(100, 40_000, num_tokens).tolist()
 
 
-def _run(served: Served, prompt: list[int], max_tokens: int, plan=None):
-    """(token ids, top-2 logprobs per token, num_cached_tokens) of a greedy request."""
+def _run(served: Served, prompt: list[int], max_tokens: int, plan=None, cache_salt=None):
+    """(token ids, top-2 logprobs per token, num_cached_tokens) of a greedy request, salted
+    with ``cache_salt`` if one is given."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from dualpath.vllm.connector import REQUEST_ID_PARAM
+    from dualpath.vllm.engine import vllm_prompt
 
     served.next_id += 1
     extra = None
@@ -138,7 +140,9 @@ def _run(served: Served, prompt: list[int], max_tokens: int, plan=None):
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra,
     )
-    served.engine.add_request(str(served.next_id), {"prompt_token_ids": prompt}, params)
+    served.engine.add_request(
+        str(served.next_id), vllm_prompt(prompt, cache_salt=cache_salt), params
+    )
     tokens, logprobs, num_cached = [], [], None
     while served.engine.has_unfinished_requests():
         for out in served.engine.step():
@@ -388,6 +392,61 @@ def test_de_side_hits_are_pulled_from_the_des_buffer_layer_by_layer_and_not_sent
         assert num_kept <= num_pe, f"{failing} failed: vLLM kept {num_kept} blocks"
         after, after_logprobs, _ = _run(served, prompt, 8)
         _assert_same_greedy(reference, reference_logprobs, after, f"after a failed {failing}")
+
+
+def test_a_salted_request_is_cached_and_persisted_in_its_salts_namespace_only(
+    served: Served,
+) -> None:
+    """vLLM's prefix cache keeps a salted request's blocks apart (PrefixCacheProbe hashes the
+    salt as vLLM does), and the connector persists them under the salt's store keys
+    (``request.cache_salt``): another salt, or none, finds nothing of them in either."""
+    from dualpath.engine.courier import KVTransfer
+    from dualpath.vllm.engine import PrefixCacheProbe
+
+    probe = PrefixCacheProbe(served.engine)
+    prompt = _prompt(300, seed=31)
+    num_hit = (len(prompt) - 1) // BLOCK  # 4 blocks
+    served.engine.reset_prefix_cache()
+    plan = KVTransfer(6, persist_from_block=0)
+    tokens, logprobs, num_cached = _run(served, prompt, 4, plan, cache_salt="tenant-a")
+    served.host.store_io.flush()
+    assert num_cached == 0
+    salted_keys = block_keys(prompt + tokens[:-1], BLOCK, served.fingerprint, cache_salt="tenant-a")
+    assert plan.persisted_keys == salted_keys
+    assert served.store.lookup(salted_keys) == len(salted_keys)
+    assert served.store.lookup(block_keys(prompt, BLOCK, served.fingerprint)) == 0
+
+    assert probe.num_cached_blocks(prompt, num_hit, "tenant-a") == num_hit
+    assert probe.num_cached_blocks(prompt, num_hit, "tenant-b") == 0
+    assert probe.num_cached_blocks(prompt, num_hit) == 0
+    other, _, other_cached = _run(served, prompt, 4, cache_salt="tenant-b")
+    plain, _, plain_cached = _run(served, prompt, 4)
+    again, _, again_cached = _run(served, prompt, 4, cache_salt="tenant-a")
+    assert (other_cached, plain_cached, again_cached) == (0, 0, num_hit * BLOCK)
+    for label, run_tokens in (("tenant-b", other), ("unsalted", plain), ("again", again)):
+        _assert_same_greedy(tokens, logprobs, run_tokens, label)
+
+
+def test_a_served_request_salted_otherwise_than_placed_is_refused() -> None:
+    """In a vLLM server, a request is loaded only if it is the one placed: its prompt and its
+    cache salt (the blocks were read under the placed salt's keys)."""
+    from types import SimpleNamespace
+
+    from dualpath.vllm.connector import PlanView
+    from dualpath.vllm.served_scheduler import _mismatch
+
+    view = PlanView(9, prompt_token_ids=(1, 2, 3), cache_salt="tenant-a")
+    assert (
+        _mismatch(view, SimpleNamespace(prompt_token_ids=[1, 2, 3], cache_salt="tenant-a")) is None
+    )
+    for salt in (None, "", "tenant-b"):
+        request = SimpleNamespace(prompt_token_ids=[1, 2, 3], cache_salt=salt)
+        assert "cache_salt" in _mismatch(view, request)
+    unsalted = PlanView(9, prompt_token_ids=(1, 2, 3))
+    assert _mismatch(unsalted, SimpleNamespace(prompt_token_ids=[1, 2, 3], cache_salt="")) is None
+    assert "prompt" in _mismatch(
+        unsalted, SimpleNamespace(prompt_token_ids=[1, 2], cache_salt=None)
+    )
 
 
 def test_the_quota_batchers_predictor_is_profiled_on_vllm_and_leaves_it_empty(

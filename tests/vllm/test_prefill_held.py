@@ -1,6 +1,7 @@
 """The vLLM roles' ``PrefillHeld`` exchange, driven without vLLM (fake engines, a memory
 store): a DE waits for the PE's word before its side's reads only where the Assignment says
-the PE sends it (``is_prefill_held_sent``); a PE sends it exactly there."""
+the PE sends it (``is_prefill_held_sent``); a PE sends it exactly there. And both read, and
+ask vLLM's prefix cache, in the Assignment's cache salt's namespace only."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ FINGERPRINT = "0" * 32
 PROMPT = list(range(1, 14))  # 13 tokens: 3 full blocks of 4, then 1 token
 
 
-def _assignment(*, is_prefill_held_sent: bool) -> Assignment:
+def _assignment(
+    *, is_prefill_held_sent: bool, cache_salt: str | None = None, request_id: int = 7
+) -> Assignment:
     """Hit blocks 0 (PE side), 1 and 2 (DE side)."""
     return Assignment(
-        request_id=7,
+        request_id=request_id,
         prompt_token_ids=PROMPT,
         sampling={},
         num_prefill_side_blocks=1,
@@ -34,6 +37,7 @@ def _assignment(*, is_prefill_held_sent: bool) -> Assignment:
         prefill_engine_id=0,
         decode_engine_id=1,
         is_prefill_held_sent=is_prefill_held_sent,
+        cache_salt=cache_salt,
     )
 
 
@@ -62,20 +66,27 @@ class _PrefixCache:
         self.num_held = num_held
         self.enabled = enabled
         self.max_blocks_asked: list[int] = []
+        self.salts_asked: list[str | None] = []
 
-    def pin(self, prompt: list[int], max_blocks: int) -> list:
+    def pin(self, prompt: list[int], max_blocks: int, *, cache_salt: str | None = None) -> list:
         self.max_blocks_asked.append(max_blocks)
+        self.salts_asked.append(cache_salt)
         return [object()] * min(self.num_held, max_blocks)
 
     def unpin(self, pinned: list) -> None:
         pass
 
 
+def _write_prompt(store: MemoryKVStore, cache_salt: str | None = None) -> None:
+    for key in block_keys(PROMPT[:12], 4, FINGERPRINT, cache_salt=cache_salt):
+        store.write(key, np.full(LAYOUT.full_block_shape, 3, dtype=np.uint8))
+
+
 @pytest.fixture
 def store() -> MemoryKVStore:
+    """The prompt's three full blocks, unsalted."""
     store = MemoryKVStore(LAYOUT, FINGERPRINT)
-    for key in block_keys(PROMPT[:12], 4, FINGERPRINT):
-        store.write(key, np.full(LAYOUT.full_block_shape, 3, dtype=np.uint8))
+    _write_prompt(store)
     return store
 
 
@@ -167,5 +178,36 @@ def test_a_pe_that_does_not_probe_vllms_cache_says_it_reports_nothing(
     role = _prefill(store, _PrefixCache(num_held=0, enabled=False))
     try:
         assert not role.reports_prefill_held
+    finally:
+        role.close(flush_timeout_s=1.0)
+
+
+def test_a_salted_de_reads_its_salts_blocks_and_never_the_unsalted_ones(
+    store: MemoryKVStore, decode: VllmDecodeRole
+) -> None:
+    salted_keys = block_keys(PROMPT[:12], 4, FINGERPRINT, cache_salt="tenant-a")
+    decode.add(_assignment(is_prefill_held_sent=False, cache_salt="tenant-a"))
+    request = decode.requests[7]
+    assert request.keys == salted_keys[1:3]  # the DE side's hit blocks, under the salt
+    assert request.reads.result() == 0  # the store holds this prompt unsalted only
+    _write_prompt(store, "tenant-a")
+    decode.add(_assignment(is_prefill_held_sent=False, cache_salt="tenant-a", request_id=8))
+    assert decode.requests[8].reads.result() == 2
+
+
+def test_a_salted_pe_asks_vllms_cache_and_reads_the_store_under_the_salt(
+    store: MemoryKVStore,
+) -> None:
+    prefix_cache = _PrefixCache(num_held=0)
+    role = _prefill(store, prefix_cache)
+    try:
+        role.add(_assignment(is_prefill_held_sent=True, cache_salt="tenant-a"))
+        request = role.requests[7]
+        assert prefix_cache.salts_asked == ["tenant-a"]
+        assert request.keys == block_keys(PROMPT[:4], 4, FINGERPRINT, cache_salt="tenant-a")
+        assert request.reads.result() == 0  # the unsalted block 0 is not this tenant's
+        role.add(_assignment(is_prefill_held_sent=True, request_id=8))
+        assert prefix_cache.salts_asked == ["tenant-a", None]
+        assert role.requests[8].reads.result() == 1
     finally:
         role.close(flush_timeout_s=1.0)

@@ -331,6 +331,17 @@ class TestFirstServer:
         turn_one = first.usage.prompt_tokens + first.usage.completion_tokens
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert first.usage.prompt_tokens > 1000 and cached >= 0.9 * turn_one, (cached, turn_one)
+        # Under a cache salt, turn 2 finds none of it (neither in the store nor in the PE's
+        # vLLM prefix cache, which holds it unsalted), then all of its own first try.
+        salted = [
+            client.chat.completions.create(
+                model=MODEL, messages=messages, temperature=0, max_tokens=8,
+                extra_body={"cache_salt": "tenant-b"},
+            )
+            for _ in range(2)
+        ]  # fmt: skip
+        whole = (second.usage.prompt_tokens - 1) // BLOCK * BLOCK
+        assert [out.usage.prompt_tokens_details.cached_tokens for out in salted] == [0, whole]
 
     def test_a_long_prefill_beside_a_busy_neighbour_declares_no_engine_dead(
         self, server: Server, plain_vllm: PlainVllm

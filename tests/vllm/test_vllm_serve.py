@@ -10,7 +10,8 @@ module, its tests in order on what the earlier ones left in its store:
   lists (the servers answer only to the checkpoint's path), is answered;
 - token-id prompts of 300-4,000 tokens give plain vLLM's greedy tokens (its own ``LLM``, no
   connector) cold and warm with ``--read-path pe``: every hit block read on the PE side
-  (``dualpath_read_path_bytes_total{side="prefill"}``), none on the DE side;
+  (``dualpath_read_path_bytes_total{side="prefill"}``), none on the DE side; the first of them
+  under a ``cache_salt``: nothing read, then its own blocks, and plain vLLM's tokens;
 - every server and the front door started again on the same store with ``--read-path de``:
   the same tokens, every hit read on the DE side (pulled layer by layer by the PE), none on the
   PE side;
@@ -163,11 +164,21 @@ def _read_bytes(url: str) -> dict[str, float]:
     return sides
 
 
-def _replay(url: str, references: list[dict], label: str) -> int:
-    """Near ties met; every prompt's tokens checked against plain vLLM's."""
+def _replay(
+    url: str,
+    references: list[dict],
+    label: str,
+    *,
+    num_prompts: int = len(PROMPT_LENGTHS),
+    cache_salt: str | None = None,
+) -> int:
+    """Near ties met; every prompt's tokens (of the first ``num_prompts``, salted with
+    ``cache_salt`` if given) checked against plain vLLM's."""
     num_ties = 0
-    for prompt, reference in zip(_prompts(), references, strict=True):
-        body = {
+    pairs = list(zip(_prompts(), references, strict=True))[:num_prompts]
+    for prompt, reference in pairs:
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        body = salt | {
             "model": SERVED_MODEL_NAME,
             "prompt": prompt,
             "max_tokens": MAX_TOKENS,
@@ -205,6 +216,22 @@ def test_prompts_give_plain_vllms_tokens_cold_then_warm_read_by_the_pe(
             busy[dict(labels)["role"]] += value
     assert busy["prefill"] > 0 and busy["decode"] > 0, busy
     print(f"near ties: {ties} of {2 * len(PROMPT_LENGTHS)}; busy {busy}")
+
+
+def test_a_cache_salt_finds_only_its_own_blocks_through_the_router(
+    cluster: ServedCluster, references: list[dict]
+) -> None:
+    """The 300-token prompt, stored unsalted by now, under a salt: nothing read (the router's
+    lookup is salted), plain vLLM's tokens (the served PE and DE take the salted request:
+    their connectors refuse one salted otherwise than placed); then its own blocks, read."""
+    before = _read_bytes(cluster.url)
+    ties = _replay(cluster.url, references, "salted cold", num_prompts=1, cache_salt="tenant-b")
+    assert _read_bytes(cluster.url) == before
+    ties += _replay(cluster.url, references, "salted warm", num_prompts=1, cache_salt="tenant-b")
+    read = {side: _read_bytes(cluster.url)[side] - before[side] for side in before}
+    hit_bytes = (PROMPT_LENGTHS[0] - 1) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN
+    assert read == {"prefill": hit_bytes, "decode": 0.0}, read
+    print(f"near ties: {ties} of 2")
 
 
 def test_after_every_server_restarts_hits_are_read_by_the_de(

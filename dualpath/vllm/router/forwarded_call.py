@@ -38,7 +38,7 @@ from dualpath.server.context import ServingContext
 from dualpath.server.errors import APIError, error_body
 from dualpath.server.metrics import GenerationTimes
 from dualpath.server.responses import sse
-from dualpath.types import SamplingParams
+from dualpath.types import NO_SCOPE, RequestScope, SamplingParams
 from dualpath.vllm.router.forwarded_placements import ClientGone, Item, Kind, Placements
 from dualpath.vllm.router.forwarded_stream import ClientStream
 from dualpath.vllm.router.vllm_servers import UpstreamAnswer, VLLMServers, kv_transfer_params
@@ -59,7 +59,9 @@ class ForwardedCall:
         params: SamplingParams,
         *,
         is_chat: bool,
+        scope: RequestScope = NO_SCOPE,
     ) -> None:
+        """``scope``: the body's cache salt and session (``server.scope.request_scope``)."""
         self.context = context
         self.request = request
         self.body = body
@@ -68,7 +70,7 @@ class ForwardedCall:
         self.is_stream = body.get("stream") is True
         self.path = "/v1/chat/completions" if is_chat else "/v1/completions"
         self.arrival_s: float = request.state.arrival_s
-        self.placements = Placements(context.cluster, servers, model=body.get("model"))
+        self.placements = Placements(context.cluster, servers, model=body.get("model"), scope=scope)
         self._stream = ClientStream(
             body, len(prompt_token_ids), is_chat=is_chat, on_tokens=self._on_tokens
         )
@@ -280,6 +282,7 @@ class ForwardedCall:
                 num_prompt_tokens=len(self.prompt_token_ids),
                 num_cached_tokens=self.placements.num_cached_tokens,
                 num_replaced_hit_tokens=self.placements.num_replaced_hit_tokens,
+                is_session=self.placements.scope.session_id is not None,
             )
         logger.info(
             "request_id=%s forwarded placements=%d prompt_tokens=%d completion_tokens=%d "

@@ -30,7 +30,7 @@ import httpx
 from dualpath.errors import ClusterUnavailable
 from dualpath.protocol import Forward, RequestEvent
 from dualpath.server.errors import APIError
-from dualpath.types import SamplingParams
+from dualpath.types import NO_SCOPE, RequestScope, SamplingParams
 from dualpath.vllm.router.vllm_servers import ServedCluster, UpstreamAnswer, VLLMServers
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class PlacingCluster(ServedCluster, Protocol):
         params: SamplingParams,
         *,
         on_event: Callable[[RequestEvent], None],
+        scope: RequestScope = NO_SCOPE,
     ) -> int: ...
 
     def cancel(self, request_id: int) -> None: ...
@@ -79,10 +80,20 @@ class Placements:
     """A forwarded call's placements; see the module docstring. Event-loop only, apart from
     the submission's worker thread and the scheduler's callbacks."""
 
-    def __init__(self, cluster: PlacingCluster, servers: VLLMServers, *, model: Any) -> None:
+    def __init__(
+        self,
+        cluster: PlacingCluster,
+        servers: VLLMServers,
+        *,
+        model: Any,
+        scope: RequestScope = NO_SCOPE,
+    ) -> None:
         self.cluster = cluster
         self.servers = servers
         self.model = model  # the client's, for the PE's request
+        # Every placement's: the scheduler's store lookup, and the PE's request, are salted
+        # as the client's body that goes to the DE is.
+        self.scope = scope
         self.num_placements = 0
         self.num_cached_tokens = 0  # the first placement's store hits, at assignment
         self.num_replaced_hit_tokens = 0  # the later placements' (each reads its hits again)
@@ -137,7 +148,7 @@ class Placements:
             with self._lock:
                 if not self._is_closed:
                     self._cluster_request_id = self.cluster.submit(
-                        prompt_token_ids, params, on_event=on_event
+                        prompt_token_ids, params, on_event=on_event, scope=self.scope
                     )
 
         try:
@@ -165,7 +176,9 @@ class Placements:
 
         def prefill() -> None:
             if forward.prefill_url:
-                request = self.servers.prefill(forward, self.model, prompt_token_ids)
+                request = self.servers.prefill(
+                    forward, self.model, prompt_token_ids, cache_salt=self.scope.cache_salt
+                )
                 self._tasks.append(asyncio.ensure_future(request))
 
         pump = self._pump(self.num_placements, forward.decode_url, path, body, prefill)

@@ -152,6 +152,8 @@ class ClientStream:
         min_tokens = self.body.get("min_tokens")
         if type(min_tokens) is int:
             body["min_tokens"] = max(0, min_tokens - len(self.token_ids))
+        if "cache_salt" in self.body:  # the tenant's namespace, placed with it again
+            body["cache_salt"] = self.body["cache_salt"]
         body.update(
             model=self.body.get("model"),
             prompt=prompt_token_ids,

@@ -32,6 +32,7 @@ from starlette.routing import Match
 from dualpath.server.context import ServingContext
 from dualpath.server.errors import bad_request
 from dualpath.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, api_key_check, serving_check
+from dualpath.server.scope import request_scope
 from dualpath.types import SamplingParams
 from dualpath.vllm.router.forwarded_call import ForwardedCall
 from dualpath.vllm.router.vllm_servers import UpstreamAnswer, VLLMServers, is_token_ids
@@ -74,8 +75,28 @@ def _route_class_while_forwarding(context: ServingContext) -> type[APIRoute]:
 async def _forward(
     context: ServingContext, servers: VLLMServers, request: Request, *, is_chat: bool
 ) -> Response:
-    body = await _json_object(request)
+    return await forward_json(
+        context, servers, request, await _json_object(request), is_chat=is_chat
+    )
+
+
+async def forward_json(
+    context: ServingContext,
+    servers: VLLMServers,
+    request: Request,
+    body: dict[str, Any],
+    *,
+    is_chat: bool,
+) -> Response:
+    """Forward ``body`` (a completion or chat request, as a client would send it) for
+    ``request``: the DE's answer or refusal as is, our JSON error, or the SSE stream
+    (``ForwardedCall.respond``). /v1/responses forwards the chat body it translates to."""
     check_forwardable(body, is_chat=is_chat)
+    # The scheduler looks the prompt up in the store under the body's cache_salt; the body
+    # takes it to the vLLM servers as it came, for their prefix caches and our connectors.
+    scope = request_scope(
+        request, cache_salt=body.get("cache_salt"), session_id=body.get("session_id")
+    )
     try:
         prompt_token_ids = await servers.prompt_token_ids(body, is_chat=is_chat)
     except UpstreamAnswer as answer:
@@ -83,7 +104,9 @@ async def _forward(
     params = scheduler_params(
         body, len(prompt_token_ids), context.model.max_model_len, is_chat=is_chat
     )
-    call = ForwardedCall(context, servers, request, body, prompt_token_ids, params, is_chat=is_chat)
+    call = ForwardedCall(
+        context, servers, request, body, prompt_token_ids, params, is_chat=is_chat, scope=scope
+    )
     return await call.respond()
 
 

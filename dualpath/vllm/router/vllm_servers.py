@@ -210,10 +210,17 @@ class VLLMServers:
         self.cluster.report_unreachable(engine_id, f"its server at {url}: {why}")
         return False
 
-    async def prefill(self, forward: Forward, model: Any, prompt_token_ids: list[int]) -> None:
-        """Have the placement's PE (a vLLM server) prefill the prompt; its one-token answer is
-        dropped. A failure is only logged: the scheduler hears of it from the connectors and
-        fails the placement through its events."""
+    async def prefill(
+        self,
+        forward: Forward,
+        model: Any,
+        prompt_token_ids: list[int],
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Have the placement's PE (a vLLM server) prefill the prompt, salted as the client's
+        request; its one-token answer is dropped. A failure is only logged: the scheduler
+        hears of it from the connectors and fails the placement through its events."""
         url = f"{forward.prefill_url}/v1/completions"
         body = {
             "model": await self.model_for(forward.prefill_url, model),
@@ -223,6 +230,8 @@ class VLLMServers:
             "stream": False,
             "kv_transfer_params": kv_transfer_params(forward),
         }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         try:
             async with self.post(url, body) as response:
                 content = await response.aread()
