@@ -66,7 +66,8 @@ def served(smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _start(model_dir: Path, root: Path):
     # Responses are kept where serve keeps them by default: $DUALPATH_HOME/responses.
-    return start_server(model_dir, root, "--persist-wait-s", "120")
+    # 1P1D: nothing here depends on the topology; one engine process fewer to start (twice).
+    return start_server(model_dir, root, "--persist-wait-s", "120", "--nodes", "1P1D")
 
 
 @pytest.fixture
