@@ -49,8 +49,8 @@ from dualpath.model.generation_config import SamplingDefaults
 from dualpath.server.errors import bad_request
 from dualpath.server.protocol import (
     MAX_NUM_STOP_STRINGS,
-    SAMPLING_DEFAULTS,
     ChatMessage,
+    first_set,
     is_unicode,
 )
 from dualpath.types import MAX_WIRE_INT, SamplingParams
@@ -355,16 +355,10 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_first_set(body.temperature, defaults.temperature, "temperature"),
-            top_p=_first_set(body.top_p, defaults.top_p, "top_p"),
-            top_k=max(_first_set(body.top_k, defaults.top_k, "top_k"), 0),
+            temperature=first_set(body.temperature, defaults.temperature, "temperature"),
+            top_p=first_set(body.top_p, defaults.top_p, "top_p"),
+            top_k=max(first_set(body.top_k, defaults.top_k, "top_k"), 0),
             stop=body.stop_strings(),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
-
-
-def _first_set(requested: Any, default: Any, name: str) -> Any:
-    if requested is not None:
-        return requested
-    return default if default is not None else getattr(SAMPLING_DEFAULTS, name)

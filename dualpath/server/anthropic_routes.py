@@ -61,8 +61,8 @@ from dualpath.server.errors import (
 from dualpath.server.generation import Generation
 from dualpath.server.routes import (
     GenerationStreamResponse,
-    _drain,
-    _until_disconnected,
+    check_model,
+    run_to_end,
     serving_check,
 )
 from dualpath.server.scope import request_scope
@@ -84,7 +84,7 @@ def build_anthropic_router(context: ServingContext, servers: VLLMServers) -> API
         body.check_supported()
         if context.is_forwarding:  # vLLM judges the model name (it may be the server's)
             return await forward_message(context, servers, request, body)
-        _check_model(context, body.model)
+        check_model(context, body.model)
         scope = request_scope(request, cache_salt=body.cache_salt, session_id=body.session_id)
         return await _generate(context, request, body, scope)
 
@@ -92,7 +92,7 @@ def build_anthropic_router(context: ServingContext, servers: VLLMServers) -> API
     async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
         if context.is_forwarding:
             return {"input_tokens": await count_forwarded(servers, body)}
-        _check_model(context, body.model)
+        check_model(context, body.model)
         return {"input_tokens": len(_prompt(context, body))}
 
     return router
@@ -162,14 +162,6 @@ def api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def _check_model(context: ServingContext, model: str) -> None:
-    if model != context.model.name:
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist; this server serves `{context.model.name}`.",
-        )
-
-
 # --- generation ---------------------------------------------------------------------------------
 
 
@@ -212,11 +204,7 @@ async def _generate(
             message_id, model, generation, parses_tool_calls=body.parses_tool_calls
         )
         return GenerationStreamResponse(stream_events(stream, generation), generation)
-    try:
-        is_done = await _until_disconnected(request, _drain(generation))
-    finally:
-        generation.close()
-    if not is_done:  # the client went away; nobody reads this
+    if not await run_to_end(request, generation):  # the client went away; nobody reads this
         return Response(status_code=499)
     body_out = message_body(message_id, model, generation, parses_tool_calls=body.parses_tool_calls)
     return JSONResponse(body_out)

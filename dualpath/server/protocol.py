@@ -307,9 +307,9 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_first_set(request.temperature, defaults.temperature, "temperature"),
-            top_p=_first_set(request.top_p, defaults.top_p, "top_p"),
-            top_k=max(_first_set(request.top_k, defaults.top_k, "top_k"), 0),
+            temperature=first_set(request.temperature, defaults.temperature, "temperature"),
+            top_p=first_set(request.top_p, defaults.top_p, "top_p"),
+            top_k=max(first_set(request.top_k, defaults.top_k, "top_k"), 0),
             seed=seed,
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
@@ -321,7 +321,7 @@ def sampling_params(
         raise bad_request(str(exc)) from exc
 
 
-def _first_set(requested: Any, default: Any, name: str) -> Any:
+def first_set(requested: Any, default: Any, name: str) -> Any:
     if requested is not None:
         return requested
     return default if default is not None else getattr(SAMPLING_DEFAULTS, name)

@@ -35,7 +35,7 @@ from dualpath.server.openai_responses import (
     conversation_of,
     output_conversation,
 )
-from dualpath.server.protocol import SAMPLING_DEFAULTS
+from dualpath.server.protocol import first_set
 from dualpath.server.response_store import ResponseStore, StoredResponse
 from dualpath.server.responses_forwarding import forward_response
 from dualpath.server.responses_output import (
@@ -48,10 +48,10 @@ from dualpath.server.responses_output import (
 )
 from dualpath.server.routes import (
     GenerationStreamResponse,
-    _check_model,
-    _encode,
-    _until_disconnected,
     api_key_check,
+    check_model,
+    encode_text,
+    run_to_end,
     serving_check,
 )
 from dualpath.server.scope import SESSION_HEADERS, request_scope
@@ -82,7 +82,7 @@ def build_responses_router(context: ServingContext, servers: VLLMServers) -> API
         body.check_supported()
         is_forwarding = context.is_forwarding
         if not is_forwarding:  # forwarded, the model is named as the vLLM servers serve it
-            _check_model(context, body.model)
+            check_model(context, body.model)
         scope = _scope(request, body)
         conversation = await _previous_conversation(store, body, scope)
         conversation += conversation_of(body.input_items())
@@ -211,20 +211,16 @@ async def _generate(context: ServingContext, request: Request, turn: Turn) -> Re
     head = turn.head(params)
     if body.stream:
         return GenerationStreamResponse(_stream(generation, turn, head), generation)
-    try:
-        is_done = await _until_disconnected(request, _drain(generation))
-        if not is_done:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        choice = generation.choices[0]
-        output = ResponseOutput()
-        parser = ToolCallParser() if body.parses_tool_calls else None
-        feed(output, parser, choice.text, is_last=True)
-        is_incomplete = choice.finish_reason == "length"
-        output.finish(is_incomplete=is_incomplete)
-        response = finished_body(head, output, _usage(generation), is_incomplete=is_incomplete)
-        await turn.keep(response, output)
-    finally:
-        generation.close()
+    if not await run_to_end(request, generation):  # the client went away; nobody reads this
+        return Response(status_code=499)
+    choice = generation.choices[0]
+    output = ResponseOutput()
+    parser = ToolCallParser() if body.parses_tool_calls else None
+    feed(output, parser, choice.text, is_last=True)
+    is_incomplete = choice.finish_reason == "length"
+    output.finish(is_incomplete=is_incomplete)
+    response = finished_body(head, output, _usage(generation), is_incomplete=is_incomplete)
+    await turn.keep(response, output)
     return JSONResponse(response)
 
 
@@ -249,11 +245,6 @@ async def _stream(generation: Generation, turn: Turn, head: dict[str, Any]) -> A
     yield events.lifecycle("response.completed", response)
 
 
-async def _drain(generation: Generation) -> None:
-    async for _ in generation.deltas():
-        pass
-
-
 def _usage(generation: Generation) -> dict[str, Any]:
     usage = generation.usage()
     return response_usage(
@@ -270,7 +261,7 @@ def _render(
         text = context.chat.render(messages, tools=tools, add_generation_prompt=True)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "input") from exc
-    return _encode(context, text, "input")
+    return encode_text(context, text, "input")
 
 
 def _sampling_params(
@@ -302,16 +293,10 @@ def _sampling_params(
         )
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=_first_set(body.temperature, defaults.temperature, "temperature"),
-        top_p=_first_set(body.top_p, defaults.top_p, "top_p"),
-        top_k=max(_first_set(None, defaults.top_k, "top_k"), 0),
+        temperature=first_set(body.temperature, defaults.temperature, "temperature"),
+        top_p=first_set(body.top_p, defaults.top_p, "top_p"),
+        top_k=max(first_set(None, defaults.top_k, "top_k"), 0),
     )
-
-
-def _first_set(requested: Any, default: Any, name: str) -> Any:
-    if requested is not None:
-        return requested
-    return default if default is not None else getattr(SAMPLING_DEFAULTS, name)
 
 
 # --- scope and the store ------------------------------------------------------------------------

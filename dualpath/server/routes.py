@@ -74,13 +74,13 @@ def build_router(context: ServingContext) -> APIRouter:
 
     @router.post("/v1/completions", dependencies=serving)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        _check_model(context, body.model)
+        check_model(context, body.model)
         prompts = [_completion_prompt(context, p) for p in _prompt_list(body.prompt)]
         return await _generate(context, request, body, prompts, is_chat=False)
 
     @router.post("/v1/chat/completions", dependencies=serving)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(context, body.model)
+        check_model(context, body.model)
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
         prompt = _chat_prompt(context, body.messages, tools, body.add_generation_prompt)
         return await _generate(context, request, body, [prompt], is_chat=True)
@@ -88,12 +88,12 @@ def build_router(context: ServingContext) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
-            _check_model(context, body.model)
+            check_model(context, body.model)
         body.check_supported()
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.prompt is not None:
-            token_ids = _encode(context, body.prompt, "prompt")
+            token_ids = encode_text(context, body.prompt, "prompt")
         else:
             token_ids = _chat_prompt(context, body.messages, None, body.add_generation_prompt)
         return {
@@ -105,7 +105,7 @@ def build_router(context: ServingContext) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
-            _check_model(context, body.model)
+            check_model(context, body.model)
         _check_token_ids(context, body.tokens, "tokens")
         return {"prompt": context.tokenizer.decode(body.tokens)}
 
@@ -127,7 +127,7 @@ def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[
 
 def _completion_prompt(context: ServingContext, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        return _encode(context, prompt, "prompt")
+        return encode_text(context, prompt, "prompt")
     _check_token_ids(context, prompt, "prompt")
     return list(prompt)
 
@@ -146,10 +146,10 @@ def _chat_prompt(
         )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
-    return _encode(context, text, "messages")
+    return encode_text(context, text, "messages")
 
 
-def _encode(context: ServingContext, text: str, param: str) -> list[int]:
+def encode_text(context: ServingContext, text: str, param: str) -> list[int]:
     try:
         return context.tokenizer.encode(text)
     except ValueError as exc:  # not valid Unicode: a lone surrogate
@@ -163,7 +163,7 @@ def _check_token_ids(context: ServingContext, token_ids: list[int], param: str) 
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param)
 
 
-def _check_model(context: ServingContext, model: str) -> None:
+def check_model(context: ServingContext, model: str) -> None:
     if model != context.model.name:
         raise APIError(
             404,
@@ -207,11 +207,7 @@ async def _generate(
     if body.stream:
         stream = _sse_stream(context, generation, meta, body, is_chat=is_chat)
         return GenerationStreamResponse(stream, generation)
-    try:
-        is_done = await _until_disconnected(request, _drain(generation))
-    finally:
-        generation.close()
-    if not is_done:  # the client went away; nobody reads this
+    if not await run_to_end(request, generation):  # the client went away; nobody reads this
         return Response(status_code=499)
     if is_chat:
         response_body = chat_body(
@@ -281,6 +277,15 @@ def _params_per_choice(
 def _choice_seed(seed: int | None, choice_index: int) -> int | None:
     """Choice j of a seeded request samples with seed + j: reproducible and distinct."""
     return None if seed is None else (seed + choice_index) % _SEED_MODULUS
+
+
+async def run_to_end(request: Request, generation: Generation) -> bool:
+    """A non-streamed generation run to its end, then closed: True, or False if the client
+    disconnected first (the generation is cancelled then). Its errors propagate."""
+    try:
+        return await _until_disconnected(request, _drain(generation))
+    finally:
+        generation.close()
 
 
 async def _drain(generation: Generation) -> None:

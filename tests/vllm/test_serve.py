@@ -343,6 +343,26 @@ class TestFirstServer:
         whole = (second.usage.prompt_tokens - 1) // BLOCK * BLOCK
         assert [out.usage.prompt_tokens_details.cached_tokens for out in salted] == [0, whole]
 
+    def test_the_agents_apis_give_the_chat_answer(self, server: Server) -> None:
+        """/v1/messages and /v1/responses on vLLM engines: the chat route's tokens."""
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        client = server.client.with_options(timeout=HANG_GUARD_S)
+        chat = client.chat.completions.create(
+            model=MODEL, messages=question, temperature=0, max_tokens=12
+        )
+        response = client.responses.create(
+            model=MODEL, input=question, temperature=0, max_output_tokens=12
+        )
+        messages = server.http.post(
+            "/v1/messages",
+            json={"model": MODEL, "messages": question, "temperature": 0, "max_tokens": 12},
+            timeout=HANG_GUARD_S,
+        )
+        assert messages.status_code == 200, messages.text
+        text = chat.choices[0].message.content
+        assert response.output_text == text == messages.json()["content"][0]["text"]
+        assert response.usage.input_tokens == chat.usage.prompt_tokens
+
     def test_a_long_prefill_beside_a_busy_neighbour_declares_no_engine_dead(
         self, server: Server, plain_vllm: PlainVllm
     ) -> None:

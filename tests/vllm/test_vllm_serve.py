@@ -199,6 +199,19 @@ def test_the_france_question_is_answered_with_the_routers_model_id(cluster: Serv
     answer = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
     assert answer.status_code == 200, answer.text
     assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+    # The agents' APIs, forwarded to the vLLM servers as the chat request they amount to.
+    messages = httpx.post(f"{cluster.url}/v1/messages", json=body, timeout=HANG_GUARD_S)
+    assert messages.status_code == 200, messages.text
+    assert "Paris" in messages.json()["content"][0]["text"]
+    responses_body = {
+        "model": model,
+        "input": body["messages"],
+        "max_output_tokens": body["max_tokens"],
+        "temperature": 0,
+    }
+    response = httpx.post(f"{cluster.url}/v1/responses", json=responses_body, timeout=HANG_GUARD_S)
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["output"][0]["content"][0]["text"]
 
 
 def test_prompts_give_plain_vllms_tokens_cold_then_warm_read_by_the_pe(
