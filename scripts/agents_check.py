@@ -177,6 +177,7 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600, help="per harness command")
     p.add_argument("--json", type=Path, help="write the result here")
     args = p.parse_args()
+    args.agents_dir = args.agents_dir.resolve()  # the harnesses run in directories of their own
     if args.port == 0:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
