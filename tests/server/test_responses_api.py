@@ -153,27 +153,22 @@ def test_turn_one_calls_the_tool_and_the_sdk_parses_it(client: openai.OpenAI) ->
     assert response.usage.output_tokens_details.reasoning_tokens == 0
 
 
-def test_turn_two_with_the_whole_input_finds_turn_one_in_the_store(client: openai.OpenAI) -> None:
-    items = few_shot("Berlin")
-    first = create(client, input=items)
-    (call,) = first.output
-    second = create(client, input=[*items, *as_input(first.output), tool_output(call.call_id)])
-    assert second.status == "completed"
-    assert second.output_text  # the model answers in words once it has the weather
-    bound = cached_bound(first)
-    assert bound > first.usage.input_tokens  # the answer's KV counts, not just the prompt
-    assert second.usage.input_tokens_details.cached_tokens >= 0.9 * bound
-
-
-def test_previous_response_id_gives_the_same_tokens_as_the_whole_input(
+def test_turn_two_finds_turn_one_in_the_store_whole_or_by_previous_response_id(
     client: openai.OpenAI,
 ) -> None:
     items = few_shot("Madrid")
     first = create(client, input=items)
     (call,) = first.output
+    # Turn 2 with the whole input: its prompt is turn 1's prompt and answer, from the store.
     whole = create(
         client, input=[*items, *as_input(first.output), tool_output(call.call_id)], store=False
     )
+    assert whole.status == "completed"
+    assert whole.output_text  # the model answers in words once it has the weather
+    bound = cached_bound(first)
+    assert bound > first.usage.input_tokens  # the answer's KV counts, not just the prompt
+    assert whole.usage.input_tokens_details.cached_tokens >= 0.9 * bound
+    # The same turn by previous_response_id: the same prompt and answer.
     chained = create(client, input=[tool_output(call.call_id)], previous_response_id=first.id)
     assert chained.previous_response_id == first.id
     assert essence(chained)["tokens"][0] == essence(whole)["tokens"][0]
