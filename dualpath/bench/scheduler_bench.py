@@ -31,7 +31,7 @@ import logging
 import random
 import time
 
-from dualpath.bench import scheduler_wire
+from dualpath.bench import wire_command
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.paper_cluster import (
     DECODE_KV_CAPACITY_BLOCKS,
@@ -348,7 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_repeats_argument(parser, default=3, reported="the best")
     add_seed_argument(parser, what="queue's requests")
     add_json_argument(parser)
-    scheduler_wire.add_arguments(parser)
+    wire_command.add_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -359,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
                 f"--engines must be a multiple of {args.engines_per_node * PREFILL_NODE_SHARE} "
                 f"(whole nodes at 1P:2D), got {args.engines}"
             )
-        return scheduler_wire.main(
+        return wire_command.main(
             args,
             num_prefill_nodes=num_nodes // PREFILL_NODE_SHARE,
             num_decode_nodes=num_nodes - num_nodes // PREFILL_NODE_SHARE,

@@ -58,14 +58,12 @@ thread over the timed window only (not the join).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import json
 import logging
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,118 +71,33 @@ from typing import Any
 import numpy as np
 
 from dualpath.bench.hardware import hardware_info
-from dualpath.bench.leader_protocol import LeaderCoordinator
 from dualpath.bench.paper_cluster import (
-    KV_BYTES_PER_TOKEN,
     PAPER_REQUESTS_PER_S,
-    SNIC_BANDWIDTH_GBPS,
 )
 from dualpath.bench.wire_leaders import (
     BLOCK_SIZE_TOKENS,
     PREFILL_TOKENS_PER_S,
     DriverConfig,
-    LeaderPlan,
     run_driver,
+)
+from dualpath.bench.wire_workload import (
+    MEAN_APPEND_TOKENS,
+    MEAN_CONTEXT_TOKENS,
+    DrawnHitStore,
+    Workload,
+    make_cluster,
 )
 from dualpath.cluster.coordinator import Coordinator
 from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.control.channel import new_cluster_token
-from dualpath.flags import non_negative_float, positive_float, positive_int
-from dualpath.kv.layout import KVLayout
-from dualpath.kv.store import KVStore, StoreStats
-from dualpath.model.identity import KVIdentity
-from dualpath.protocol import DECODE, PREFILL
-from dualpath.scheduler import EngineRole, storage_read_tokens_per_s
-from dualpath.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# SPEC §7, 64K workload: mean context (prompt) per turn, appended and generated tokens per turn.
-MEAN_CONTEXT_TOKENS = 32_721
-MEAN_APPEND_TOKENS = 429
-MEAN_GEN_TOKENS = 176
 WARMUP_S = 1.0  # after the driver settled: timing starts with every leader on its schedule
 REPORTS_ONLY_S = 2.0  # then the loop with reports alone, to price a report (see above)
 # Requests submitted whose Assignment has not reached both leaders yet. Submissions pause at this
 # many, so a scheduler or driver that falls behind slows the run down instead of queueing
 # without bound (ZeroMQ drops what is over its queues' limits); --requests-per-s 0 keeps it full.
 MAX_REQUESTS_IN_FLIGHT = 2_000
-
-
-class _DrawnHitStore(KVStore):
-    """A store holding exactly the hit the workload drew for the request being submitted.
-
-    ``Coordinator.submit`` looks the prompt up synchronously, so the submitting thread sets
-    ``num_hit_blocks`` just before each call. The scheduler only looks up; it never reads or
-    writes blocks.
-    """
-
-    def __init__(self, layout: KVLayout, fingerprint: str) -> None:
-        self.layout = layout
-        self.fingerprint = fingerprint
-        self.num_hit_blocks = 0
-        self._num_lookups = 0
-
-    def lookup(self, keys: Sequence[str]) -> int:
-        self._num_lookups += 1
-        return min(len(keys), self.num_hit_blocks)
-
-    def contains(self, key: str) -> bool:
-        # Nothing is ever written here, so no block lands after a submit's lookup: the
-        # scheduler's recheck of the first missing block always finds it absent.
-        return False
-
-    def read(self, key: str, out: np.ndarray | None = None) -> np.ndarray:
-        raise RuntimeError("caller bug: the wire bench's store only answers lookups")
-
-    def write(self, key: str, full_block: object) -> bool:
-        raise RuntimeError("caller bug: the wire bench's store only answers lookups")
-
-    def retain(self, keys: Sequence[str], retention_s: float) -> None:
-        raise RuntimeError("caller bug: the wire bench's store only answers lookups")
-
-    def stats(self) -> StoreStats:
-        return StoreStats(lookups=self._num_lookups)
-
-    def close(self) -> None:
-        pass
-
-
-class _Workload:
-    """SPEC §7's 64K workload as (hit blocks, new tokens, output tokens) per request.
-
-    Hits are whole blocks, uniform on [0, 2 x mean]; new tokens uniform on [1, 857] (mean 429);
-    output tokens uniform on [1, 351] (mean 176). Token ids are one seeded sequence cut to each
-    prompt's length: placement sees only lengths and hits.
-    """
-
-    def __init__(self, rng: np.random.Generator, mean_context_tokens: int) -> None:
-        self._rng = rng
-        mean_hit_tokens = mean_context_tokens - MEAN_APPEND_TOKENS
-        self._max_hit_blocks = 2 * mean_hit_tokens // BLOCK_SIZE_TOKENS
-        max_context_tokens = self._max_hit_blocks * BLOCK_SIZE_TOKENS + 2 * MEAN_APPEND_TOKENS
-        self._token_ids = rng.integers(0, 150_000, max_context_tokens).tolist()
-        self.num_submitted = 0
-        self.num_prompt_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_output_tokens = 0
-
-    def next_gap_s(self, requests_per_s: float) -> float:
-        return float(self._rng.exponential(1.0 / requests_per_s))
-
-    def submit(self, coordinator: Coordinator, store: _DrawnHitStore) -> None:
-        num_hit_blocks = int(self._rng.integers(0, self._max_hit_blocks + 1))
-        num_new_tokens = int(self._rng.integers(1, 2 * MEAN_APPEND_TOKENS))
-        num_output_tokens = int(self._rng.integers(1, 2 * MEAN_GEN_TOKENS))
-        num_prompt_tokens = num_hit_blocks * BLOCK_SIZE_TOKENS + num_new_tokens
-        store.num_hit_blocks = num_hit_blocks
-        coordinator.submit(
-            self._token_ids[:num_prompt_tokens], SamplingParams(max_tokens=num_output_tokens)
-        )
-        self.num_submitted += 1
-        self.num_prompt_tokens += num_prompt_tokens
-        self.num_hit_tokens += num_hit_blocks * BLOCK_SIZE_TOKENS
-        self.num_output_tokens += num_output_tokens
 
 
 class _CoordinatorLoop:
@@ -319,10 +232,10 @@ def run_wire_bench(
         prefill_tokens_per_s=PREFILL_TOKENS_PER_S,
         fetch_interval_s=fetch_interval_s,
     )
-    coordinator, store, driver_config = _make_cluster(
+    coordinator, store, driver_config = make_cluster(
         cluster, scheduler_config, link_bytes_interval_s
     )
-    workload = _Workload(np.random.default_rng(seed), mean_context_tokens)
+    workload = Workload(np.random.default_rng(seed), mean_context_tokens)
     loop = _CoordinatorLoop(coordinator, loop_turn_s, profile_path)
     window, reports_only, driver_stats = _drive(
         coordinator, store, driver_config, workload, loop, requests_per_s, duration_s
@@ -363,9 +276,9 @@ def _check_rates(
 
 def _drive(
     coordinator: Coordinator,
-    store: _DrawnHitStore,
+    store: DrawnHitStore,
     driver_config: DriverConfig,
-    workload: _Workload,
+    workload: Workload,
     loop: _CoordinatorLoop,
     requests_per_s: float,
     duration_s: float,
@@ -422,49 +335,10 @@ def _drive(
     return window, reports_only, driver_stats
 
 
-def _make_cluster(
-    cluster: ClusterConfig, scheduler_config: SchedulerConfig, link_bytes_interval_s: float
-) -> tuple[Coordinator, _DrawnHitStore, DriverConfig]:
-    """The scheduler process's Coordinator (taking groups through their leaders:
-    ``leader_protocol``), its store and what the driver needs to join it."""
-    layout = KVLayout(61, BLOCK_SIZE_TOKENS, KV_BYTES_PER_TOKEN // 61)  # DeepSeek-V3.2 (SPEC §7)
-    identity = KVIdentity("0" * 32, layout, "float8")
-    store = _DrawnHitStore(layout, identity.fingerprint)
-    read_tokens_per_s = storage_read_tokens_per_s(SNIC_BANDWIDTH_GBPS, KV_BYTES_PER_TOKEN)
-    token = new_cluster_token()
-    coordinator = LeaderCoordinator(
-        cluster,
-        scheduler_config,
-        identity,
-        store,
-        token,
-        storage_read_tokens_per_s=read_tokens_per_s,
-    )
-    engine_id_to_node = {e: n.node_id for n in coordinator.topology.nodes for e in n.engine_ids}
-    leaders = tuple(
-        LeaderPlan(
-            group.group_id,
-            PREFILL if group.role == EngineRole.PREFILL else DECODE,
-            group.engine_ids,
-            tuple(engine_id_to_node[e] for e in group.engine_ids),
-        )
-        for group in coordinator.topology.groups
-    )
-    driver_config = DriverConfig(
-        coordinator.endpoint,
-        token,
-        leaders,
-        scheduler_config.fetch_interval_s,
-        link_bytes_interval_s,
-        read_tokens_per_s / cluster.engines_per_node,
-    )
-    return coordinator, store, driver_config
-
-
 def _submit_for(
     coordinator: Coordinator,
-    store: _DrawnHitStore,
-    workload: _Workload,
+    store: DrawnHitStore,
+    workload: Workload,
     loop: _CoordinatorLoop,
     requests_per_s: float,
     duration_s: float,
@@ -522,7 +396,7 @@ def _wait_until(
 def _result(
     window: _Window,
     reports_only: _ReportsOnly,
-    workload: _Workload,
+    workload: Workload,
     driver: dict[str, Any],
     coordinator: Coordinator,
     cluster: ClusterConfig,
@@ -593,106 +467,3 @@ def _result(
         "engines_per_node": cluster.engines_per_node,
         "nodes_per_group": cluster.nodes_per_group,
     }
-
-
-# --- command line ------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The wire mode's own flags (``dualpath bench scheduler`` adds them to its parser)."""
-    parser.add_argument(
-        "--duration-s",
-        type=positive_float,
-        default=10.0,
-        help="--wire: timed seconds of submissions",
-    )
-    parser.add_argument(
-        "--requests-per-s",
-        type=non_negative_float,
-        default=PAPER_REQUESTS_PER_S,
-        help="--wire: Poisson arrival rate; 0 = saturate (default 2350: 48P96D in the paper)",
-    )
-    parser.add_argument(
-        "--fetch-interval-ms",
-        type=positive_float,
-        default=10.0,
-        help="--wire: every leader reports this often (default 10, SPEC §6)",
-    )
-    parser.add_argument(
-        "--link-bytes-interval-ms",
-        type=positive_float,
-        default=1000.0,
-        help="--wire: leaders add their link counters this often (default 1000)",
-    )
-    parser.add_argument(
-        "--loop-turn-ms",
-        type=non_negative_float,
-        default=2.0,
-        help="--wire: the scheduler loop takes in its messages once per turn of this length; "
-        "0 = wake for every message (default 2)",
-    )
-    parser.add_argument(
-        "--context-tokens",
-        type=positive_int,
-        default=MEAN_CONTEXT_TOKENS,
-        help="--wire: mean prompt tokens (default 32721: SPEC §7's 64K workload)",
-    )
-    parser.add_argument(
-        "--profile", type=Path, default=None, help="--wire: cProfile the loop thread into this file"
-    )
-
-
-def main(
-    args: argparse.Namespace, *, num_prefill_nodes: int, num_decode_nodes: int, nodes_per_group: int
-) -> int:
-    """``dualpath bench scheduler --wire``; the cluster shape comes from its ``--engines``."""
-    result = run_wire_bench(
-        num_prefill_nodes=num_prefill_nodes,
-        num_decode_nodes=num_decode_nodes,
-        engines_per_node=args.engines_per_node,
-        nodes_per_group=nodes_per_group,
-        requests_per_s=args.requests_per_s,
-        duration_s=args.duration_s,
-        fetch_interval_s=args.fetch_interval_ms / 1000,
-        link_bytes_interval_s=args.link_bytes_interval_ms / 1000,
-        loop_turn_s=args.loop_turn_ms / 1000,
-        mean_context_tokens=args.context_tokens,
-        scheduler=args.scheduler,
-        read_path=args.read_path,
-        seed=args.seed,
-        profile_path=args.profile,
-    )
-    print(
-        f"{result['cluster']} ({result['num_engines']} engines, {result['num_leaders']} leaders "
-        f"reporting every {result['fetch_interval_s'] * 1000:g} ms), seed {result['seed']}: "
-        f"{result['requests_per_s_submitted']:,.0f} requests/s submitted (target "
-        f"{result['requests_per_s_target']:,.0f}), mean prompt {result['mean_prompt_tokens']:,.0f} "
-        f"tokens, {result['hit_fraction']:.1%} hit"
-    )
-    print(
-        f"{result['placements_per_s']:,.0f} placements/s, "
-        f"{result['cpu_s_per_placement'] * 1e6:,.1f} scheduler CPU us/placement "
-        f"({result['placements_per_cpu_s']:,.0f} placements per CPU-second): "
-        f"{result['cores_at_2350_rps']:.3f} cores at 2,350 requests/s "
-        f"(loop thread measured at {result['loop_cores']:.3f} cores)"
-    )
-    projected_cores = result["projected_cores_at_2350_rps"]
-    print(
-        f"priced per report ({result['cpu_s_per_report'] * 1e6:,.1f} CPU us, nothing submitted) "
-        f"and per placement beyond its reports "
-        f"({result['cpu_s_per_placement_beyond_reports'] * 1e6:,.1f} CPU us): "
-        f"{projected_cores:.3f} cores at {result['group_reports_per_s_target']:,.0f} reports/s "
-        f"and 2,350 placements/s ({PAPER_REQUESTS_PER_S / projected_cores:,.0f} placements per "
-        f"CPU-second)"
-    )
-    print(
-        f"group reports {result['group_reports_per_s']:,.0f}/s (target "
-        f"{result['group_reports_per_s_target']:,.0f}, {result['num_late_reports']} late); "
-        f"submit {result['submit_cpu_s_per_request'] * 1e6:,.0f} CPU us/request (serving "
-        f"thread); consistent: {result['is_consistent']}"
-    )
-    print(f"messages: {result['messages']}")
-    print(f"hardware: {result['hardware']}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return 0 if result["is_consistent"] else 1
