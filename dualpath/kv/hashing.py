@@ -23,8 +23,8 @@ of their own, and every key after follows from it::
 so a salted prompt shares no key with the same tokens unsalted or under another salt, while
 the prompts of one salt still share their common prefix. The parent field is 17 bytes in all
 three forms and its tag byte says which form it is, so a salted root's field never equals a
-child's (whatever block key it holds) nor the plain root's, whatever the salt. Unsalted keys are those of format 1
-unchanged: a store written before salts existed stays readable. The store's layout (one
+child's (whatever block key it holds) nor the plain root's, whatever the salt. Unsalted keys
+are those of format 1 unchanged: a store written before salts existed stays readable. The store's layout (one
 directory per fingerprint, the fingerprint in each block's header) does not see salts. The
 separation is as strong as xxh3_128 is collision-free, which is not a cryptographic
 guarantee (``docs/serving.md``, "Tenants").

@@ -50,6 +50,7 @@ from dualpath.server.anthropic_responses import (
 )
 from dualpath.server.context import ServingContext
 from dualpath.server.errors import APIError
+from dualpath.server.responses import StreamedToolCalls, sse_data
 from dualpath.vllm.router.forwarding import forward_json
 from dualpath.vllm.router.vllm_servers import UpstreamAnswer, VLLMServers
 
@@ -191,7 +192,7 @@ class ForwardedMessageStream:
         self.message_id = message_id
         self.model = model
         self._blocks = ContentBlockEvents()
-        self._index_to_call: dict[int, dict[str, Any]] = {}  # gathered, not sent yet
+        self._calls = StreamedToolCalls()  # gathered, not sent yet
         self._num_prompt_tokens = 0
         self._num_output_tokens = 0
         self._finish_reason: str | None = None
@@ -202,10 +203,9 @@ class ForwardedMessageStream:
 
     async def events(self, pieces: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
         async for piece in pieces:
-            text = piece.decode() if isinstance(piece, bytes) else piece
-            for line in text.splitlines():
-                if line.startswith("data:") and not self._is_done:
-                    for event in self._on_data(line[len("data:") :].strip()):
+            for data in sse_data(piece):
+                if not self._is_done:
+                    for event in self._on_data(data):
                         yield event
         if not self._is_done:
             yield sse_event(error_body(500, "the vLLM server's stream ended without a finish"))
@@ -234,14 +234,9 @@ class ForwardedMessageStream:
         self._num_output_tokens += len(choice.get("token_ids") or ())
         delta = choice.get("delta") or {}
         for call in delta.get("tool_calls") or ():
-            index = call.get("index", 0)
-            if index not in self._index_to_call:
+            if self._calls.is_new(call):
                 events += self._send_calls()  # a new call: the one before is whole
-            gathered = self._index_to_call.setdefault(index, {"id": "", "name": "", "args": ""})
-            function = call.get("function") or {}
-            gathered["id"] = call.get("id") or gathered["id"]
-            gathered["name"] = function.get("name") or gathered["name"]
-            gathered["args"] += function.get("arguments") or ""
+            self._calls.add(call)
         if delta.get("content"):
             events += self._send_calls() + self._blocks.text(delta["content"])
         if choice.get("finish_reason") is not None:
@@ -251,10 +246,9 @@ class ForwardedMessageStream:
 
     def _send_calls(self) -> list[str]:
         events = []
-        for call in self._index_to_call.values():
-            events += self._blocks.start_tool_use(call["id"], call["name"])
-            events += [*self._blocks.input_json(call["args"] or "{}"), *self._blocks.stop()]
-        self._index_to_call.clear()
+        for call in self._calls.take():
+            events += self._blocks.start_tool_use(call["id"] or "", call["name"])
+            events += [*self._blocks.input_json(call["arguments"] or "{}"), *self._blocks.stop()]
         return events
 
     def _finish(self) -> list[str]:

@@ -45,6 +45,41 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
+def sse_data(piece: str | bytes) -> list[str]:
+    """The payloads of the ``data:`` lines in a piece of an SSE stream (what ``sse`` wrote)."""
+    text = piece.decode() if isinstance(piece, bytes) else piece
+    return [line[len("data:") :].strip() for line in text.splitlines() if line.startswith("data:")]
+
+
+class StreamedToolCalls:
+    """A streamed chat answer's tool calls, gathered from its deltas (OpenAI's
+    ``delta.tool_calls``: by ``index``, the id and name once, the arguments in pieces) until
+    the caller takes them whole."""
+
+    def __init__(self) -> None:
+        self._index_to_call: dict[int, dict[str, Any]] = {}
+
+    def is_new(self, call_delta: dict[str, Any]) -> bool:
+        """Whether the delta begins a call (one not gathered yet)."""
+        return call_delta.get("index", 0) not in self._index_to_call
+
+    def add(self, call_delta: dict[str, Any]) -> None:
+        gathered = self._index_to_call.setdefault(
+            call_delta.get("index", 0), {"id": None, "name": "", "arguments": ""}
+        )
+        function = call_delta.get("function") or {}
+        gathered["id"] = call_delta.get("id") or gathered["id"]
+        gathered["name"] = function.get("name") or gathered["name"]
+        gathered["arguments"] += function.get("arguments") or ""
+
+    def take(self) -> list[dict[str, Any]]:
+        """The calls gathered so far, in index order (``id`` None where none came), and none
+        gathered from then on."""
+        calls = [self._index_to_call[index] for index in sorted(self._index_to_call)]
+        self._index_to_call.clear()
+        return calls
+
+
 # --- /v1/completions ------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dualpath.server.context import ServingContext
 from dualpath.server.errors import APIError
+from dualpath.server.responses import StreamedToolCalls, sse_data
 from dualpath.server.responses_output import (
     Event,
     EventStream,
@@ -119,7 +120,7 @@ class ChatAnswer:
     """A chat answer's deltas gathered into output items: text at once, calls whole."""
 
     def __init__(self) -> None:
-        self.index_to_call: dict[int, dict[str, Any]] = {}  # calls not yet added
+        self.calls = StreamedToolCalls()  # calls not yet added
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -132,22 +133,14 @@ class ChatAnswer:
             if delta.get("content"):
                 events += self._add_calls(output) + output.add_text(delta["content"])
             for call in delta.get("tool_calls") or ():
-                gathered = self.index_to_call.setdefault(
-                    call.get("index", 0), {"id": None, "name": "", "arguments": ""}
-                )
-                function = call.get("function") or {}
-                gathered["id"] = call.get("id") or gathered["id"]
-                gathered["name"] = function.get("name") or gathered["name"]
-                gathered["arguments"] += function.get("arguments") or ""
+                self.calls.add(call)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         return events
 
     def _add_calls(self, output: ResponseOutput) -> list[Event]:
         events: list[Event] = []
-        for index in sorted(self.index_to_call):
-            call = self.index_to_call[index]
+        for call in self.calls.take():
             events += output.add_call(call["name"], call["arguments"], call["id"])
-        self.index_to_call.clear()
         return events
 
     def finish(self, output: ResponseOutput) -> list[Event]:
@@ -185,7 +178,7 @@ async def _events(
     yield stream.lifecycle("response.in_progress", head)
     error: str | None = None
     async for piece in chunks:
-        for data in _data_lines(piece):
+        for data in sse_data(piece):
             if data == "[DONE]":
                 continue
             chunk = json.loads(data)
@@ -208,8 +201,3 @@ async def _events(
         yield stream.lifecycle("response.failed", failed_body(head, output, exc.message))
         return
     yield stream.lifecycle("response.completed", response)
-
-
-def _data_lines(piece: str | bytes) -> list[str]:
-    text = piece.decode() if isinstance(piece, bytes) else piece
-    return [line[len("data:") :].strip() for line in text.splitlines() if line.startswith("data:")]
