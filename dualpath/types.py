@@ -67,7 +67,7 @@ class SamplingParams:
 
 # vLLM's rule for a cache salt: it becomes part of store keys and of paths in some stores.
 MAX_CACHE_SALT_CHARS = 128
-_CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\0")
+CACHE_SALT_FORBIDDEN_CHARS = "@/\\\0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,9 @@ def check_cache_salt(cache_salt: object) -> None:
         return
     if not isinstance(cache_salt, str) or not cache_salt:
         raise ValueError("cache_salt must be a non-empty string if given")
-    if len(cache_salt) > MAX_CACHE_SALT_CHARS or _CACHE_SALT_FORBIDDEN_CHARS & set(cache_salt):
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS or not set(CACHE_SALT_FORBIDDEN_CHARS).isdisjoint(
+        cache_salt
+    ):
         raise ValueError(
             f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters and must not "
             "contain '@', '/', '\\' or NUL"

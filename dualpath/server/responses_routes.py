@@ -56,14 +56,30 @@ from dualpath.server.routes import (
 )
 from dualpath.server.scope import SESSION_HEADERS, request_scope
 from dualpath.server.tool_calls import ParsedToolCall, ToolCallParser
-from dualpath.types import MAX_CACHE_SALT_CHARS, RequestScope, SamplingParams
+from dualpath.types import (
+    CACHE_SALT_FORBIDDEN_CHARS,
+    MAX_CACHE_SALT_CHARS,
+    RequestScope,
+    SamplingParams,
+)
 from dualpath.vllm.router.vllm_servers import VLLMServers
 
 logger = logging.getLogger(__name__)
 
+
+def _hex_escaped(chars: str) -> str:
+    """``chars`` as regex escapes both Python's and ECMAScript's (OpenAPI's) engines read."""
+    return "".join(f"\\x{ord(char):02x}" for char in chars)
+
+
 # A stored response's tenant, for GET and DELETE (which have no body): the query's cache_salt.
 CacheSaltQuery = Annotated[
-    str | None, Query(min_length=1, max_length=MAX_CACHE_SALT_CHARS, pattern=r"^[^@/\\\x00]+$")
+    str | None,
+    Query(
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        pattern=f"^[^{_hex_escaped(CACHE_SALT_FORBIDDEN_CHARS)}]+$",  # check_cache_salt's rule
+    ),
 ]
 
 
