@@ -255,6 +255,12 @@ class CancelRequest:
 
 # Each side sends this many heartbeats per heartbeat timeout: one late or lost is no death.
 HEARTBEATS_PER_TIMEOUT = 4
+# An engine gives the scheduler up after this many heartbeat timeouts of silence. More than
+# one: the scheduler sends its heartbeat from its loop, which a loaded host can stall for
+# seconds, and an engine that leaves and joins again counts as a death. Waiting longer costs
+# nothing: the scheduler declares a silent engine dead after one timeout, and then answers
+# whatever that engine sends with ``Rejected``, so it leaves at once all the same.
+SCHEDULER_SILENCE_TIMEOUTS = 3
 
 
 @message("heartbeat")

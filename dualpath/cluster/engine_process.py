@@ -15,8 +15,8 @@ the heartbeat timeout (a long prefill on a loaded CPU) is seen as busy, not dead
 itself hears the scheduler's ``Heartbeat``s between its units of work.
 
 It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler
-(``EXIT_SCHEDULER_LOST``: no answer to its hello, silence for ``heartbeat_timeout_s`` seen
-between units of work, or the scheduler no longer knowing it, having declared it dead; also
+(``EXIT_SCHEDULER_LOST``: no answer to its hello, silence for ``SCHEDULER_SILENCE_TIMEOUTS``
+heartbeat timeouts seen between units of work, or the scheduler no longer knowing it, having declared it dead; also
 when its transport cannot start, as on a host whose network is down), and
 (Linux) when its parent dies.
 Whoever supervises it (``dualpath serve``, or ``dualpath engine`` itself: ``engine_processes``)
@@ -53,6 +53,7 @@ from dualpath.model.loader import LoadedModel, load_model
 from dualpath.model.registry import AnyModelConfig
 from dualpath.protocol import (
     HEARTBEATS_PER_TIMEOUT,
+    SCHEDULER_SILENCE_TIMEOUTS,
     Assignment,
     CancelRequest,
     DecodeReady,
@@ -322,7 +323,8 @@ class EngineProcess:
         for msg in messages:
             self._handle(msg)
         now_s = self.clock()
-        if now_s - self.last_heard_s > self.config.cluster.heartbeat_timeout_s:
+        silence_s = self.config.cluster.heartbeat_timeout_s * SCHEDULER_SILENCE_TIMEOUTS
+        if now_s - self.last_heard_s > silence_s:
             raise _SchedulerLost(f"scheduler silent for {now_s - self.last_heard_s:.1f} s")
         self._report_if_due(now_s)
 

@@ -14,7 +14,11 @@ hits at least one request on any machine, however slow.
 
 A snapshot is known to be taken after the freeze when ``dualpath_scheduler_reports_total``
 differs from a scrape begun after it: that scrape returned the latest snapshot published
-then, so a snapshot with another count was published (and taken) later.
+then, so a snapshot with another count was published (and taken) later. That is not enough:
+the scheduler loop takes a snapshot at the end of an iteration whose receive may have run
+before the freeze, so what the engine sent just before it (its requests' last tokens) may
+still be unread. The check waits for the count to change twice: the later snapshot ends an
+iteration that began after the earlier one, and so received after the freeze.
 """
 
 from __future__ import annotations
@@ -130,8 +134,8 @@ def strike_while_holding(
     timeout_s: float = WATCH_TIMEOUT_S,
 ) -> bool:
     """Once ``is_ready`` (given each scrape) and the engine holds requests, freeze it; strike
-    if a snapshot taken after the freeze shows it still holding some (True), else thaw it and
-    watch again. False if ``should_stop`` (the load ended) comes first."""
+    if a snapshot of what the scheduler received after the freeze shows it still holding some
+    (True), else thaw it and watch again. False if ``should_stop`` (the load ended) comes first."""
     deadline_s = time.monotonic() + timeout_s
     while not should_stop():
         assert time.monotonic() < deadline_s, f"engine {engine_id} held no request in {timeout_s} s"
@@ -140,6 +144,7 @@ def strike_while_holding(
             time.sleep(POLL_S)
             continue
         fault.freeze()
+        _snapshot_after_now(url)
         if num_held(_snapshot_after_now(url), engine_id) > 0:
             fault.strike()
             return True
