@@ -172,6 +172,21 @@ CASES = {
         "--rho 2 calibrates the SNIC caps",
     ),
     "bench-offline/rho-0": Case("bench offline --model {model} --rho 0", "argument --rho"),
+    "bench-offline/calibration-with-fixed-caps": Case(
+        "bench offline --model {model} --calibration run",
+        "--calibration run: preset ci has fixed SNIC caps",
+    ),
+    "bench-offline/calibration-runs-without-record": Case(
+        "bench offline --model {model} --preset paper-ratio --calibration-runs 2",
+        "--calibration-runs: only with --calibration record",
+    ),
+    "bench-offline/calibration-with-url": Case(
+        "bench offline --model {model} --url http://127.0.0.1:9 --calibration run",
+        "--vllm-servers, --calibration or --calibration-runs",
+    ),
+    "bench-online/calibration-with-fixed-caps": Case(
+        "bench online --model {model} --calibration record", "--calibration record: preset ci"
+    ),
     "bench-offline/model-bad-config": Case(
         "bench offline --model {bad_checkpoint}", "cannot be parsed as JSON"
     ),

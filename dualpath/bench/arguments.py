@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dualpath.bench.calibration_records import CALIBRATION_SOURCES, DEFAULT_CALIBRATION_RUNS
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.report import add_output_arguments
 from dualpath.cluster_options import (
@@ -16,6 +17,7 @@ from dualpath.cluster_options import (
     add_read_path_argument,
     add_transport_argument,
 )
+from dualpath.flags import positive_int
 from dualpath.options import (
     add_max_sessions_argument,
     add_model_argument,
@@ -82,6 +84,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "agents' KV",
     )
     add_attention_quota_argument(parser, default_help="serve's")
+    add_calibration_arguments(parser)
     add_output_arguments(parser)
     parser.add_argument(
         "--work-dir",
@@ -90,6 +93,40 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the servers' stores and logs here, a folder per mode (default: a "
         "temporary folder, removed after the run)",
     )
+
+
+def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a calibrated preset (paper-ratio, agentic, --rho) gets its SNIC caps
+    (``calibration_records.py``)."""
+    parser.add_argument(
+        "--calibration",
+        choices=CALIBRATION_SOURCES,
+        default=None,
+        help="where a calibrated preset's SNIC caps and beta come from: 'recorded' (default) "
+        "uses the calibration recorded for this machine kind, engines and workload "
+        "($DUALPATH_HOME/bench/calibrations.json, then the package's) and calibrates in the "
+        "run if there is none; 'run' always calibrates in the run (an uncapped oracle run "
+        "first); 'record' calibrates --calibration-runs times, records the run of median caps "
+        "for later runs, and uses it. Only for calibrated presets and --rho",
+    )
+    parser.add_argument(
+        "--calibration-runs",
+        type=positive_int,
+        default=None,
+        help="with --calibration record: how many calibration runs the record's median is "
+        f"taken over (default {DEFAULT_CALIBRATION_RUNS})",
+    )
+
+
+def calibration_settings(args: argparse.Namespace) -> dict:
+    """``RunSpec``'s calibration fields from the flags; ``ValueError`` for --calibration-runs
+    without --calibration record."""
+    if args.calibration_runs is not None and args.calibration != "record":
+        raise ValueError("--calibration-runs: only with --calibration record")
+    return {
+        "calibration": args.calibration,
+        "calibration_runs": args.calibration_runs or DEFAULT_CALIBRATION_RUNS,
+    }
 
 
 def add_preset_argument(parser: argparse.ArgumentParser, *, default: str) -> None:

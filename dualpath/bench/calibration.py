@@ -2,6 +2,9 @@
 
     base, calibration, problems = calibrated_run(base, 2.0, workload, work_dir, progress=True)
 
+A calibration may be recorded once per machine kind and used by later runs, so that their
+ratios are measured under the same caps (``calibration_records.py``).
+
 The paper's regime is a PE whose storage reads, not its compute, limit Basic. Before the timed
 runs, a calibration run of ``oracle`` (uncapped) measures the PE: the hit-KV bytes it read over
 the PE's busy time give the rate a PE consumes hit KV at its prefill speed, and each node's SNIC
@@ -16,12 +19,21 @@ max(1, rho) / max(1, rho / 3).
 
 from __future__ import annotations
 
+import shlex
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+from dualpath.bench.calibration_records import (
+    calibration_key,
+    find_record,
+    key_id,
+    median_calibration,
+    write_record,
+)
 from dualpath.bench.harness import ModeRun, run_mode
-from dualpath.bench.presets import PRESETS
-from dualpath.bench.spec import BLOCK_SIZE_TOKENS, KV_DTYPE
+from dualpath.bench.presets import PRESETS, BenchPreset
+from dualpath.bench.spec import BLOCK_SIZE_TOKENS, KV_DTYPE, RunSpec
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import mode_problems, store_hit_tokens
 from dualpath.errors import CalibrationError
@@ -32,22 +44,81 @@ from dualpath.workload import Workload, ideal_hit_ratio
 
 
 def calibrated_run(
-    base: ModeRun, rho: float, workload: Workload, work_dir: Path, *, progress: bool
+    base: ModeRun,
+    rho: float,
+    workload: Workload,
+    work_dir: Path,
+    *,
+    progress: bool,
+    source: str = "recorded",
+    num_runs: int = 3,
+    command: str = "",
 ) -> tuple[ModeRun, dict, list[str]]:
-    """``base`` (oracle, uncapped) run on ``workload``, and the SNIC caps and beta calibrated on
-    it (``calibrate``): the run with them, the report's calibration keys, and [] for problems;
-    or ``base`` unchanged, {} and why the calibration run is not a result."""
-    oracle = run_mode(base, workload, work_dir=work_dir, progress=progress)
-    problems = mode_problems("calibration (oracle, uncapped)", oracle)
-    if problems:
-        return base, {}, problems
-    calibration = calibrate(oracle, rho, base.model_dir, kv_cache_gb=base.kv_cache_gb)
+    """``base`` with the SNIC caps and beta calibrated for ``workload`` (``calibrate``): the run
+    with them, the report's calibration keys, and [] for problems; or ``base`` unchanged, {}
+    and why a calibration run is not a result.
+
+    ``source`` (``calibration_records``): "recorded" takes a recorded calibration of this
+    machine kind, engines and workload if there is one, else runs one; "run" runs one;
+    "record" runs ``num_runs``, records the median one (``command`` beside it) and uses it."""
+    key = calibration_key(base, rho, workload)
+    found = find_record(key) if source == "recorded" else None
+    if found is not None:
+        record, path = found
+        calibration = {
+            **record["calibration"],
+            "calibration_source": "recorded",
+            "calibration_record": {
+                "path": str(path),
+                "key_id": key_id(key),
+                "recorded_at": record["recorded_at"],
+                "command": record["command"],
+            },
+        }
+    else:
+        calibrations = []
+        for index in range(num_runs if source == "record" else 1):
+            oracle = run_mode(base, workload, work_dir=work_dir / str(index), progress=progress)
+            problems = mode_problems("calibration (oracle, uncapped)", oracle)
+            if problems:
+                return base, {}, problems
+            calibrations.append(
+                calibrate(oracle, rho, base.model_dir, kv_cache_gb=base.kv_cache_gb)
+            )
+        if source == "record":
+            calibration = median_calibration(calibrations)
+            path = write_record(key, calibration, command)
+            calibration["calibration_source"] = "recorded by this run"
+            calibration["calibration_record"] = {"path": str(path), "key_id": key_id(key)}
+        else:
+            (calibration,) = calibrations
+            calibration["calibration_source"] = "this run"
     calibrated = replace(
         base,
         snic_bandwidth_gbps=calibration["snic_caps_gbps"],
         prefill_tokens_per_s=calibration["prompt_tokens_per_busy_s"],
     )
     return calibrated, calibration, []
+
+
+def check_calibration_flags(spec: RunSpec, preset: BenchPreset) -> None:
+    """``ValueError`` for --calibration with a preset whose caps are fixed."""
+    if spec.calibration is not None and preset.snic_bandwidth_gbps is not None:
+        raise ValueError(
+            f"--calibration {spec.calibration}: preset {spec.workload.preset} has fixed SNIC "
+            "caps, nothing is calibrated (give --rho, or a calibrated preset: "
+            + ", ".join(n for n, p in PRESETS.items() if p.snic_bandwidth_gbps is None)
+            + ")"
+        )
+
+
+def calibration_source(spec: RunSpec) -> dict:
+    """``calibrated_run``'s keyword arguments for ``spec``'s calibration flags."""
+    return {
+        "source": spec.calibration or "recorded",
+        "num_runs": spec.calibration_runs,
+        "command": shlex.join(["dualpath", *sys.argv[1:]]),
+    }
 
 
 def check_calibration_workload(workload: Workload, what: str) -> None:

@@ -63,8 +63,17 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from dualpath.bench.arguments import add_workload_arguments, check_url_flags
-from dualpath.bench.calibration import calibrated_run, check_calibration_workload
+from dualpath.bench.arguments import (
+    add_workload_arguments,
+    calibration_settings,
+    check_url_flags,
+)
+from dualpath.bench.calibration import (
+    calibrated_run,
+    calibration_source,
+    check_calibration_flags,
+    check_calibration_workload,
+)
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_against_url, run_mode, token_mismatches
 from dualpath.bench.presets import (
@@ -284,6 +293,7 @@ def run_offline(spec: RunSpec) -> dict:
         seed=spec.workload.seed,
         max_prompt_tokens=spec.engine.max_prompt_tokens,
     )
+    check_calibration_flags(spec, preset)
     if preset.snic_bandwidth_gbps is None:
         check_calibration_workload(workload, calibrated_by(spec))
     base, kv_cache_gb_source = base_run(spec, preset, workload)
@@ -299,7 +309,12 @@ def run_offline(spec: RunSpec) -> dict:
         if preset.snic_bandwidth_gbps is None:
             assert preset.rho is not None, "a calibrated preset names its rho"
             base, calibration, problems = calibrated_run(
-                base, preset.rho, workload, root / "calibration", progress=spec.output.progress
+                base,
+                preset.rho,
+                workload,
+                root / "calibration",
+                progress=spec.output.progress,
+                **calibration_source(spec),
             )
             if problems:  # caps from a broken run would be wrong: no timed run
                 report["modes"] = {}
@@ -433,9 +448,11 @@ def main(args: argparse.Namespace) -> int:
     if args.url is not None:
         if args.modes is not None:
             raise ValueError("--url runs against one existing server: do not give --modes")
-        if args.engine != "native" or args.vllm_arg or args.vllm_servers:
+        ours = (args.engine != "native", args.vllm_arg, args.vllm_servers, args.calibration)
+        if any(ours) or args.calibration_runs is not None:
             raise ValueError(
-                "--url runs against one existing server: do not give --engine or --vllm-servers"
+                "--url runs against one existing server: do not give --engine, --vllm-servers, "
+                "--calibration or --calibration-runs"
             )
         return finish(_run_url(args, model_dir), args, "offline")
     check_url_flags(args)
@@ -456,6 +473,7 @@ def run_spec(args: argparse.Namespace, model_dir: Path) -> RunSpec:
         modes=modes_of(args.modes, "basic,dualpath,oracle"),
         engine=engine_spec(args),
         output=output_spec(args),
+        **calibration_settings(args),
     )
 
 

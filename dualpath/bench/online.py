@@ -57,8 +57,17 @@ from pathlib import Path
 import numpy as np
 
 from dualpath.bench.agents import TurnRecord
-from dualpath.bench.arguments import add_workload_arguments, check_url_flags
-from dualpath.bench.calibration import calibrated_run, check_calibration_workload
+from dualpath.bench.arguments import (
+    add_workload_arguments,
+    calibration_settings,
+    check_url_flags,
+)
+from dualpath.bench.calibration import (
+    calibrated_run,
+    calibration_source,
+    check_calibration_flags,
+    check_calibration_workload,
+)
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_mode
 from dualpath.bench.offline import (
@@ -193,6 +202,7 @@ def run_online(spec: OnlineSpec) -> dict:
     # against the model before any server starts; the engines' KV memory is sized on it too
     # (the agents of one probe vary with its rate).
     calibration_workload = workload_of(run.workload.max_sessions)
+    check_calibration_flags(run, preset)
     if preset.snic_bandwidth_gbps is None:
         check_calibration_workload(calibration_workload, f"--preset {run.workload.preset}")
     base, kv_cache_gb_source = base_run(run, preset, calibration_workload)
@@ -213,7 +223,12 @@ def run_online(spec: OnlineSpec) -> dict:
         if preset.snic_bandwidth_gbps is None:
             assert preset.rho is not None, "a calibrated preset names its rho"
             base, calibration, calibration_problems = calibrated_run(
-                base, preset.rho, calibration_workload, root / "cal", progress=progress
+                base,
+                preset.rho,
+                calibration_workload,
+                root / "cal",
+                progress=progress,
+                **calibration_source(run),
             )
             problems += calibration_problems
             if problems:  # caps from a broken run would be wrong: no probe
@@ -439,6 +454,7 @@ def online_spec(args: argparse.Namespace, model_dir: Path) -> OnlineSpec:
             modes=modes_of(args.modes, "basic,dualpath"),
             engine=engine_spec(args),
             output=output_spec(args),
+            **calibration_settings(args),
         ),
         aps=args.aps,
         find_capacity=args.find_capacity,

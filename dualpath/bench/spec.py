@@ -104,6 +104,10 @@ class RunSpec:
     # Calibrate the SNIC caps to this rho (SPEC §5) instead of the preset's caps.
     rho: float | None = None
     output: OutputSpec = field(default_factory=OutputSpec)
+    # Where a calibrated preset's caps come from (``calibration_records.CALIBRATION_SOURCES``;
+    # None: "recorded", not asked for), and over how many runs a recorded one is taken.
+    calibration: str | None = None
+    calibration_runs: int = 3
 
 
 @dataclass(frozen=True, slots=True)

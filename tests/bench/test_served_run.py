@@ -163,7 +163,7 @@ def test_url_and_the_vllm_servers_exclude_each_other(tiny_model_dir: Path) -> No
     args = build_parser().parse_args(
         ["bench", "offline", "--vllm-servers", "--url", "http://x", "--model", str(tiny_model_dir)]
     )
-    with pytest.raises(ValueError, match="do not give --engine or --vllm-servers"):
+    with pytest.raises(ValueError, match="do not give --engine, --vllm-servers"):
         offline_main(args)
 
 
