@@ -102,6 +102,10 @@ class FakeVLLM:
     def reset(self) -> None:
         self.is_healthy = True  # GET /health answers 200 (else 503: its engine is dead)
         self.drop_after: int | None = None  # the next stream's connection drops after k events
+        # A prefill server: the next request's connection drops before vLLM takes it (its
+        # connector never sees it); or it is refused with this status.
+        self.drop_next_prefill = False
+        self.refuse_next_prefill: int | None = None
         self.hold_after: int | None = None  # the next stream stops after k events, open
         self.closed = threading.Event()  # a held stream was closed by the other side
         self.sent: list[list[str]] = []  # each stream's events, as sent
@@ -143,6 +147,12 @@ class FakeVLLM:
         if body.get("model") not in (None, SERVER_MODEL):
             return _model_not_found(body["model"])
         if self.role == PREFILL:
+            if self.drop_next_prefill:
+                self.drop_next_prefill = False
+                return StreamingResponse(_dropped(f"{self.name} drops the prefill request"))
+            if self.refuse_next_prefill is not None:
+                status, self.refuse_next_prefill = self.refuse_next_prefill, None
+                return JSONResponse(_vllm_error("the prefill server refuses"), status_code=status)
             self.journal.prefilled(request_id).set()
         if (body.get("temperature") or 0) < 0:
             return JSONResponse(_vllm_error("temperature must be non-negative"), status_code=400)
@@ -189,6 +199,12 @@ class FakeVLLM:
                     self.closed.set()
             sent.append(event)
             yield event
+
+
+async def _dropped(why: str) -> Any:
+    """A body that breaks the connection before its first byte."""
+    raise ConnectionAbortedError(why)
+    yield b""  # a generator: uvicorn sends the headers, then the body fails
 
 
 class _Reply:

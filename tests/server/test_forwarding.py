@@ -302,6 +302,49 @@ def test_a_stream_cut_from_a_live_decode_server_goes_on_without_declaring_it_dea
     assert [without_id(c) for c in chunks(events)] == [without_id(c) for c in chunks(undisturbed)]
 
 
+def test_a_prefill_request_cut_from_a_live_prefill_server_is_placed_again(fleet: Fleet):
+    # The PE's vLLM never took the request, so its DE would wait for the PE's KV for ever.
+    path, body = completion_request(stream=True, max_tokens=8, temperature=0)
+    fleet.prefill.drop_next_prefill = True  # its /health answers 200: alive
+    events = stream_events(fleet, path, body)
+
+    cluster = fleet.cluster
+    assert cluster.unreachable == []  # not reported, so not declared dead
+    (first_id, prompt, _), (second_id, again_prompt, _) = cluster.submitted
+    assert again_prompt == prompt and cluster.cancelled == [first_id]
+    prefills = [b for p, b in fleet.journal.of("pe") if p == "/v1/completions"]
+    assert [b["kv_transfer_params"]["dualpath_request_id"] for b in prefills] == [
+        first_id,
+        second_id,
+    ]
+    undisturbed = stream_events(fleet, path, body)
+    assert [without_id(c) for c in chunks(events)] == [without_id(c) for c in chunks(undisturbed)]
+
+
+def test_a_prefill_server_that_is_gone_is_reported_and_the_request_placed_again(fleet: Fleet):
+    path, body = completion_request(max_tokens=4)
+    fleet.prefill.drop_next_prefill = True
+    fleet.prefill.is_healthy = False  # /health 503: its engine is dead
+    response = fleet.http.post(path, json=body)
+
+    assert response.status_code == 200, response.text
+    assert [engine_id for engine_id, _ in fleet.cluster.unreachable] == [0]
+    assert "the prefill request failed" in fleet.cluster.unreachable[0][1]
+    assert len(fleet.cluster.submitted) == 2
+
+
+def test_a_prefill_servers_refusal_fails_the_call_with_its_answer(fleet: Fleet):
+    path, body = completion_request(max_tokens=4)
+    fleet.prefill.refuse_next_prefill = 400
+    response = fleet.http.post(path, json=body)
+
+    assert response.status_code == 500, response.text
+    message = response.json()["error"]["message"]
+    assert "its prefill engine's server answered 400" in message, message
+    assert "the prefill server refuses" in message
+    assert fleet.cluster.unreachable == [] and len(fleet.cluster.submitted) == 1
+
+
 def test_a_placement_lost_mid_stream_goes_on_and_its_stream_is_closed(fleet: Fleet):
     path, body = chat_request(stream=True, max_tokens=6)
     fleet.decodes[0].hold_after = 3  # events; then the stream waits, open

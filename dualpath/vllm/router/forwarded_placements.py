@@ -5,7 +5,8 @@ back as one sequence of items.
     placements = Placements(cluster, servers, model=body.get("model"))
     forward = await placements.place(prompt_token_ids, params)  # until one is forwarded
     placements.send_to_decode(forward, "/v1/chat/completions", body)
-    item = await placements.from_decode()  # ANSWER, or OPENED, LINEs, END; None: lost
+    item = await placements.from_decode()  # ANSWER, or OPENED, LINEs, END; None: lost (a
+                                           # connection to its DE or its PE failed)
     await placements.close(is_finished=True)
 
 Items come through one asyncio queue, read on the event loop: the scheduler's events
@@ -45,6 +46,7 @@ class Kind(enum.Enum):
     END = "end"  # the DE's stream closed
     ANSWER = "answer"  # the DE's whole answer (UpstreamAnswer): not a stream, or refused
     BROKEN = "broken"  # the connection to the DE failed (httpx.TransportError)
+    PE_BROKEN = "pe-broken"  # the connection to the PE failed: the placement is lost too
     FAILED = "failed"  # forwarding raised something else: a bug, the call fails
     GONE = "gone"  # the client disconnected
     ABORTED = "aborted"  # the server is stopping
@@ -173,13 +175,25 @@ class Placements:
         costs the PE nothing), or when a whole answer's body is written (that answer waits
         for the PE's KV)."""
         prompt_token_ids = self._prompt_token_ids
+        placement = self.num_placements
+
+        async def prefill_on_pe() -> None:
+            try:
+                await self.servers.prefill(
+                    forward, self.model, prompt_token_ids, cache_salt=self.scope.cache_salt
+                )
+            except httpx.TransportError as exc:
+                self._queue.put_nowait(Item(placement, Kind.PE_BROKEN, exc))
+            except UpstreamAnswer as answer:
+                text = answer.content[:300].decode(errors="replace")
+                failure = RuntimeError(
+                    f"its prefill engine's server answered {answer.status}: {text}"
+                )
+                self._queue.put_nowait(Item(placement, Kind.FAILED, failure))
 
         def prefill() -> None:
             if forward.prefill_url:
-                request = self.servers.prefill(
-                    forward, self.model, prompt_token_ids, cache_salt=self.scope.cache_salt
-                )
-                self._tasks.append(asyncio.ensure_future(request))
+                self._tasks.append(asyncio.ensure_future(prefill_on_pe()))
 
         pump = self._pump(self.num_placements, forward.decode_url, path, body, prefill)
         self._tasks.append(asyncio.ensure_future(pump))
@@ -231,8 +245,11 @@ class Placements:
             if item.kind is Kind.BROKEN:
                 await self.on_broken(repr(item.value))
                 return None
+            if item.kind is Kind.PE_BROKEN:
+                await self.on_prefill_broken(repr(item.value))
+                return None
             if item.kind is Kind.FAILED:
-                raise APIError(500, f"forwarding to the decode engine failed: {item.value!r}")
+                raise APIError(500, f"forwarding failed: {item.value}")
             if item.kind is not Kind.EVENT:
                 return item
             if _is_lost(item.value):
@@ -257,6 +274,14 @@ class Placements:
         forward = self.forward
         assert forward is not None, "only a forwarded placement has a DE connection"
         await self.servers.on_broken(forward.decode_engine_id, forward.decode_url, why)
+
+    async def on_prefill_broken(self, why: str) -> None:
+        """The connection to the placement's PE broke: the placement is lost as with its DE's
+        (``on_broken``), the PE declared dead only if its server does not answer /health."""
+        forward = self.forward
+        assert forward is not None, "only a forwarded placement has a PE connection"
+        why = f"the prefill request failed: {why}"
+        await self.servers.on_broken(forward.prefill_engine_id, forward.prefill_url, why)
 
     def on_client_gone(self) -> None:
         self._queue.put_nowait(Item(0, Kind.GONE))

@@ -219,8 +219,10 @@ class VLLMServers:
         cache_salt: str | None = None,
     ) -> None:
         """Have the placement's PE (a vLLM server) prefill the prompt, salted as the client's
-        request; its one-token answer is dropped. A failure is only logged: the scheduler
-        hears of it from the connectors and fails the placement through its events."""
+        request; its one-token answer is dropped. ``httpx.TransportError`` when the connection
+        fails, ``UpstreamAnswer`` when the server refuses: the PE's vLLM may never have seen
+        the request, so nothing else would end the placement (its DE would wait for the PE's
+        KV for ever); the caller does (``forwarded_placements``)."""
         url = f"{forward.prefill_url}/v1/completions"
         body = {
             "model": await self.model_for(forward.prefill_url, model),
@@ -237,7 +239,7 @@ class VLLMServers:
                 content = await response.aread()
         except httpx.TransportError as exc:
             logger.warning("placement %d: POST %s failed: %r", forward.request_id, url, exc)
-            return
+            raise
         if response.status_code != 200:
             logger.warning(
                 "placement %d: POST %s answered %d: %s",
@@ -245,6 +247,9 @@ class VLLMServers:
                 url,
                 response.status_code,
                 content[:500].decode(errors="replace"),
+            )
+            raise UpstreamAnswer(
+                response.status_code, content, response.headers.get("content-type")
             )
 
 
