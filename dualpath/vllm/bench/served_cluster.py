@@ -7,9 +7,19 @@ server per engine with ``--kv-transfer-config "$(dualpath vllm-config ...)"``, a
         cluster.kill_engine(2)          # SIGKILL that vLLM server, every process of it
         cluster.start_engine(2)         # the same server again, on the same store
 
-Engine ``e`` is bound to core ``e mod cores`` (``VLLM_CPU_OMP_THREADS_BIND``, which vLLM's
-server honours) and gets ``kv_cache_gib`` of KV memory (``num_gpu_blocks`` of it, when given:
-vLLM's ``--num-gpu-blocks-override``). The benchmarks (``served_run.py``) and the tests start it.
+Each engine gets ``kv_cache_gib`` of KV memory (``num_gpu_blocks`` of it, when given: vLLM's
+``--num-gpu-blocks-override``). The benchmarks (``served_run.py``) and the tests start it.
+
+Each server runs vLLM's single-process executor (``--distributed-executor-backend uni`` with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``UNIPROC_ENV`` and ``UNIPROC_ARGS``), as vLLM does on one
+GPU, its threads on every core (the CPU build binds a worker's threads,
+``VLLM_CPU_OMP_THREADS_BIND``, only in a worker process of its own). The CPU build otherwise
+forces its multiprocess executor: the worker is a process of its own, bound to one core, and it
+and the engine core both spin on their shared-memory queue for 1 s after every read
+(``SpinCondition.busy_loop_s``), so three servers' spinning took the cores the prefill engine
+needed. ``bench offline --vllm-servers --preset paper-ratio`` on 2 cores, the same caps: JCT
+71.4 / 53.9 / 43.9 s (basic / dualpath / oracle), the prefill engine 44% busy, with it; 48.1 /
+31.2 / 29.9 s, 87% busy, without it.
 """
 
 from __future__ import annotations
@@ -27,6 +37,11 @@ import httpx
 
 from dualpath.bench.server_process import ChildServer, ServerProcess, _free_port
 from dualpath.lifetime import die_with_parent
+
+# vLLM's single-process executor (module docstring): the flag, and the variable without which
+# the CPU build replaces it with the multiprocess one.
+UNIPROC_ARGS = ("--distributed-executor-backend", "uni")
+UNIPROC_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 TOKEN_ENV = "DUALPATH_CLUSTER_TOKEN"  # as dualpath.cluster.engine_processes names it
 # The front door's model name. The vLLM servers answer to theirs, vLLM's default (the
@@ -87,13 +102,12 @@ class VllmEngineServer(ChildServer):
         token: str,
         log_path: Path,
     ) -> None:
-        num_cores = os.cpu_count() or 1
         super().__init__(
             log_path=log_path,
             env={
                 TOKEN_ENV: token,
                 "VLLM_CPU_KVCACHE_SPACE": str(shape.kv_cache_gib),
-                "VLLM_CPU_OMP_THREADS_BIND": str(engine_id % num_cores),
+                **UNIPROC_ENV,
             },
         )
         self.model_dir, self.shape, self.engine_id = model_dir, shape, engine_id
@@ -144,7 +158,7 @@ class VllmEngineServer(ChildServer):
             "--model", str(self.model_dir),
             "--dtype", shape.dtype, "--block-size", str(shape.block_size),
             "--max-model-len", str(shape.max_model_len), "--enforce-eager", "--seed", "0",
-            "--enable-prompt-tokens-details",
+            "--enable-prompt-tokens-details", *UNIPROC_ARGS,
             "--host", "127.0.0.1", "--port", str(port),
         ]  # fmt: skip
         if shape.num_gpu_blocks is not None:
