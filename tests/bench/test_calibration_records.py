@@ -128,3 +128,18 @@ def test_record_then_recorded_calibrates_once_and_then_never(
         base, 2.0, workload, tmp_path, progress=False, source="run"
     )
     assert len(runs) == 4 and report["calibration_source"] == "this run"
+
+
+def test_the_packages_records_are_whole_and_under_their_own_keys() -> None:
+    records = json.loads(
+        Path(calibration_records.__file__)
+        .with_name("data")
+        .joinpath("calibrations.json")
+        .read_text()
+    )
+    assert records, "the package records the machine kinds it was measured on"
+    for record_id, record in records.items():
+        assert calibration_records.key_id(record["key"]) == record_id
+        assert record["calibration"]["snic_caps_gbps"] > 0
+        assert record["calibration"]["prompt_tokens_per_busy_s"] > 0
+        assert record["command"].startswith("dualpath bench ") and record["recorded_at"]
