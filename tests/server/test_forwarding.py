@@ -311,6 +311,7 @@ def test_a_prefill_request_cut_from_a_live_prefill_server_is_placed_again(fleet:
     cluster = fleet.cluster
     assert cluster.unreachable == []  # not reported, so not declared dead
     (first_id, prompt, _), (second_id, again_prompt, _) = cluster.submitted
+    fleet.journal.prefilled(first_id).set()  # the lost placement's DE stops waiting for it
     assert again_prompt == prompt and cluster.cancelled == [first_id]
     prefills = [b for p, b in fleet.journal.of("pe") if p == "/v1/completions"]
     assert [b["kv_transfer_params"]["dualpath_request_id"] for b in prefills] == [
@@ -328,6 +329,7 @@ def test_a_prefill_server_that_is_gone_is_reported_and_the_request_placed_again(
     response = fleet.http.post(path, json=body)
 
     assert response.status_code == 200, response.text
+    fleet.journal.prefilled(fleet.cluster.submitted[0][0]).set()  # as above
     assert [engine_id for engine_id, _ in fleet.cluster.unreachable] == [0]
     assert "the prefill request failed" in fleet.cluster.unreachable[0][1]
     assert len(fleet.cluster.submitted) == 2
@@ -339,6 +341,7 @@ def test_a_prefill_servers_refusal_fails_the_call_with_its_answer(fleet: Fleet):
     response = fleet.http.post(path, json=body)
 
     assert response.status_code == 500, response.text
+    fleet.journal.prefilled(fleet.cluster.submitted[0][0]).set()  # its DE stops waiting
     message = response.json()["error"]["message"]
     assert "its prefill engine's server answered 400" in message, message
     assert "the prefill server refuses" in message
