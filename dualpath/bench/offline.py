@@ -15,7 +15,8 @@ JSON's ``engine`` is then ``"vllm-servers"``.
 
 **Calibrated caps (``paper-ratio``, ``--rho``).** Before the timed runs, an uncapped ``oracle``
 run measures the PE, and the SNIC caps and the scheduler's beta are set from it
-(``calibration.py``); every mode, ``oracle`` included, then runs with both.
+(``calibration.py``; or from a recorded one, ``--calibration``); every mode, ``oracle``
+included, then runs with both.
 
 **The engines' KV memory (vLLM engines).** vLLM's prefix cache is a tier above the store: a
 PE with room for every agent's context holds the hits itself, the store serves none, and the
@@ -35,23 +36,24 @@ has ``"valid": false``, the ``problems`` and no ``ratios``.
 
 JSON (``modes.<mode>``): ``jct_s``, ``agent_jct_s`` (each agent's own JCT, percentiles),
 ``tokens_per_s``, ``ttft_s``/``ttst_s``/``tpot_s`` percentiles, ``hit_ratio``, ``snic_bytes``
-(per SNIC), ``path_bytes.{pe,de}`` (hit KV read by each side), ``engine_cached_bytes`` (hit
-KV neither side read: a vLLM PE still held it), ``store_hit_tokens`` (prompt tokens the
-server placed as store hits: what the hit-KV rule checks the reads against),
-``replaced_hit_tokens`` (those of the placements a front door made again: read again, and
-counted by the rule too),
-``forwarded_replacements`` (``--vllm-servers``: requests placed again), ``snic_load_balance`` (SPEC
-§7), ``snic_read_load_balance`` (hit-KV reads alone), ``snic_load_balance_busy`` (over
-the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores each
-process kept busy: ``process_cpu.py``), ``pe_busy_fraction``, ``num_failed``, ``first_errors``, ``is_complete``, ``token_mismatches``
-(turns whose tokens differ from the first mode's), ``server_exit_code`` (and with
-``--vllm-servers``, ``vllm_server_exit_codes``); top level ``valid``, ``problems``,
-``ratios``, ``rho``, ``snic_caps_gbps``, ``prefill_tokens_per_s``, ``prompt_tokens_per_busy_s``,
-``kv_bytes_per_token``, ``kv_cache_gb`` with ``kv_cache_gb_source`` ("flag", "preset rule"
-or null: each engine's KV memory, ``engines_kv_cache_gb``), ``calibration_run`` (the uncapped
-run the caps come from: its JCT, PE busy fraction, tokens and bytes read), ``shaping`` (the workload's shaping: ``presets.WorkloadShape``) and
-``workload`` (its statistics, with ``ideal_hit_ratio``, the infinite-cache hit bound at the
-servers' block size).
+(per SNIC), ``path_bytes.{pe,de}`` (hit KV read by each side), ``engine_cached_bytes`` (hit KV
+neither side read: a vLLM PE still held it), ``store_hit_tokens`` (prompt tokens the server
+placed as store hits: what the hit-KV rule checks the reads against), ``replaced_hit_tokens``
+(those of the placements a front door made again: read again, and counted by the rule too),
+``forwarded_replacements`` (``--vllm-servers``: requests placed again), ``snic_load_balance``
+(SPEC §7), ``snic_read_load_balance`` (hit-KV reads alone), ``snic_load_balance_busy`` (over
+the windows whose mean SNIC moved at least half its cap), ``process_cpu`` (cores each process
+kept busy: ``process_cpu.py``), ``pe_busy_fraction``, ``num_failed``, ``first_errors``,
+``is_complete``, ``token_mismatches`` (turns whose tokens differ from the first mode's),
+``server_exit_code`` (and with ``--vllm-servers``, ``vllm_server_exit_codes``); top level
+``valid``, ``problems``, ``ratios``, ``rho``, ``snic_caps_gbps``, ``prefill_tokens_per_s``,
+``prompt_tokens_per_busy_s``, ``kv_bytes_per_token``, ``kv_cache_gb`` with
+``kv_cache_gb_source`` ("flag", "preset rule" or null: each engine's KV memory,
+``engines_kv_cache_gb``), ``calibration_run`` (the uncapped run the caps come from: its JCT, PE
+busy fraction, tokens and bytes read), ``calibration_source`` ("recorded", "recorded by this
+run", "this run") with ``calibration_record`` (where, when and by which command), ``shaping``
+(the workload's shaping: ``presets.WorkloadShape``) and ``workload`` (its statistics, with
+``ideal_hit_ratio``, the infinite-cache hit bound at the servers' block size).
 """
 
 from __future__ import annotations
@@ -63,11 +65,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from dualpath.bench.arguments import (
-    add_workload_arguments,
-    calibration_settings,
-    check_url_flags,
-)
+from dualpath.bench.arguments import add_workload_arguments, calibration_settings, check_url_flags
 from dualpath.bench.calibration import (
     calibrated_run,
     calibration_source,
