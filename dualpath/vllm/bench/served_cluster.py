@@ -13,13 +13,16 @@ Each engine gets ``kv_cache_gib`` of KV memory (``num_gpu_blocks`` of it, when g
 Each server runs vLLM's single-process executor (``--distributed-executor-backend uni`` with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``UNIPROC_ENV`` and ``UNIPROC_ARGS``), as vLLM does on one
 GPU, its threads on every core (the CPU build binds a worker's threads,
-``VLLM_CPU_OMP_THREADS_BIND``, only in a worker process of its own). The CPU build otherwise
+``VLLM_CPU_OMP_THREADS_BIND``, only in a worker process of its own) and one torch thread per
+server (``OMP_NUM_THREADS=1``, as ``dualpath serve`` gives each of its engines). The CPU build
+otherwise
 forces its multiprocess executor: the worker is a process of its own, bound to one core, and it
 and the engine core both spin on their shared-memory queue for 1 s after every read
 (``SpinCondition.busy_loop_s``), so three servers' spinning took the cores the prefill engine
 needed. ``bench offline --vllm-servers --preset paper-ratio`` on 2 cores, the same caps: JCT
 71.4 / 53.9 / 43.9 s (basic / dualpath / oracle), the prefill engine 44% busy, with it; 48.1 /
-31.2 / 29.9 s, 87% busy, without it.
+31.2 / 29.9 s, 87% busy, without it (torch's default threads); 26.9 / 16.4 / 17.0 s with one
+thread per server (its own calibration).
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ class VllmEngineServer(ChildServer):
                 TOKEN_ENV: token,
                 "VLLM_CPU_KVCACHE_SPACE": str(shape.kv_cache_gib),
                 **UNIPROC_ENV,
+                # Servers sharing a host: one torch thread each, as serve's engines (on an
+                # oversubscribed CPU every OpenMP barrier waits a scheduler tick).
+                "OMP_NUM_THREADS": "1",
             },
         )
         self.model_dir, self.shape, self.engine_id = model_dir, shape, engine_id
