@@ -47,8 +47,9 @@ MAX_MODEL_LEN = 256
 # seconds, so a loaded machine is not mistaken for one.
 REQUEST_TIMEOUT_S = 120.0
 # Generated cases per route and mode, on top of the coverage phase's fixed set (boundary
-# values, wrong types, missing fields, undeclared methods): about 20 s in all on 2 cores,
-# start-up included, in `make test`; `make fuzz` asks for more (DUALPATH_FUZZ_EXAMPLES).
+# values, wrong types, missing fields, undeclared methods): 40-52 s in all on 2 cores since
+# the agents' routes doubled the operations (20 s before), start-up included, in `make test`;
+# `make fuzz` asks for more (DUALPATH_FUZZ_EXAMPLES).
 MAX_EXAMPLES = int(os.environ.get("DUALPATH_FUZZ_EXAMPLES", "40"))
 SEED = 0  # the same cases on every run
 MAX_REPORTED_CHARS = 3000  # of each failure's message (it ends with the curl command)
