@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dualpath.bench.calibration_records import CALIBRATION_SOURCES, DEFAULT_CALIBRATION_RUNS
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.report import add_output_arguments
+from dualpath.bench.spec import CALIBRATION_SOURCES, DEFAULT_CALIBRATION_RUNS
 from dualpath.cluster_options import (
     add_attention_quota_argument,
     add_kv_cache_argument,

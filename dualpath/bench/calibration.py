@@ -33,7 +33,7 @@ from dualpath.bench.calibration_records import (
 )
 from dualpath.bench.harness import ModeRun, run_mode
 from dualpath.bench.presets import PRESETS, BenchPreset
-from dualpath.bench.spec import BLOCK_SIZE_TOKENS, KV_DTYPE, RunSpec
+from dualpath.bench.spec import BLOCK_SIZE_TOKENS, DEFAULT_CALIBRATION_RUNS, KV_DTYPE, RunSpec
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import mode_problems, store_hit_tokens
 from dualpath.errors import CalibrationError
@@ -51,7 +51,7 @@ def calibrated_run(
     *,
     progress: bool,
     source: str = "recorded",
-    num_runs: int = 3,
+    num_runs: int = DEFAULT_CALIBRATION_RUNS,
     command: str = "",
 ) -> tuple[ModeRun, dict, list[str]]:
     """``base`` with the SNIC caps and beta calibrated for ``workload`` (``calibrate``): the run
@@ -61,7 +61,7 @@ def calibrated_run(
     ``source`` (``calibration_records``): "recorded" takes a recorded calibration of this
     machine kind, engines and workload if there is one, else runs one; "run" runs one;
     "record" runs ``num_runs``, records the median one (``command`` beside it) and uses it."""
-    key = calibration_key(base, rho, workload)
+    key = None if source == "run" else calibration_key(base, rho, workload)
     found = find_record(key) if source == "recorded" else None
     if found is not None:
         record, path = found

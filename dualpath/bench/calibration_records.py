@@ -35,8 +35,6 @@ from dualpath.bench.harness import ModeRun
 from dualpath.home import data_home
 from dualpath.workload import Workload
 
-CALIBRATION_SOURCES = ("recorded", "run", "record")
-DEFAULT_CALIBRATION_RUNS = 3
 PACKAGED_RECORDS = Path(__file__).with_name("data") / "calibrations.json"
 # A ModeRun's fields that the calibration sets or that differ between the runs it serves.
 _NOT_KEYED = ("mode", "model_dir", "snic_bandwidth_gbps", "prefill_tokens_per_s")
@@ -84,10 +82,10 @@ def key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def find_record(key: dict, paths: tuple[Path, ...] | None = None) -> tuple[dict, Path] | None:
+def find_record(key: dict) -> tuple[dict, Path] | None:
     """The first record under ``key`` in the user's file, then the package's; None if none."""
     wanted = key_id(key)
-    for path in paths if paths is not None else (user_records_path(), PACKAGED_RECORDS):
+    for path in (user_records_path(), PACKAGED_RECORDS):
         record = _read(path).get(wanted)
         if record is not None and record.get("key") == key:
             return record, path
@@ -99,8 +97,8 @@ def median_calibration(calibrations: list[dict]) -> dict:
     even count), with every run's caps and their spread ((max - min) / median) beside it."""
     ranked = sorted(calibrations, key=lambda c: c["snic_caps_gbps"])
     chosen = dict(ranked[(len(ranked) - 1) // 2])
-    chosen["calibration_runs_caps_gbps"] = [c["snic_caps_gbps"] for c in calibrations]
-    caps = chosen["calibration_runs_caps_gbps"]
+    caps = [c["snic_caps_gbps"] for c in calibrations]
+    chosen["calibration_runs_caps_gbps"] = caps
     chosen["calibration_runs_caps_spread"] = (max(caps) - min(caps)) / statistics.median(caps)
     return chosen
 

@@ -22,6 +22,11 @@ from dualpath.bench.presets import BenchPreset, WorkloadShape, workload_shape
 from dualpath.config import EngineConfig
 from dualpath.vllm.args import engine_kind_args
 
+# Where ``bench offline``/``online`` take a calibrated preset's caps from
+# (``calibration_records``), and how many calibration runs a recorded one is the median of.
+CALIBRATION_SOURCES = ("recorded", "run", "record")
+DEFAULT_CALIBRATION_RUNS = 3
+
 SLO_BASES = ("oracle", "basic")  # whose unloaded latencies an online SLO multiplies
 DEFAULT_MIN_AGENTS = 48  # an online run has at least this many agents
 # The servers' KV block (serve --block-size's default): hits are whole blocks of it.
@@ -104,10 +109,10 @@ class RunSpec:
     # Calibrate the SNIC caps to this rho (SPEC §5) instead of the preset's caps.
     rho: float | None = None
     output: OutputSpec = field(default_factory=OutputSpec)
-    # Where a calibrated preset's caps come from (``calibration_records.CALIBRATION_SOURCES``;
-    # None: "recorded", not asked for), and over how many runs a recorded one is taken.
+    # Where a calibrated preset's caps come from (CALIBRATION_SOURCES; None: "recorded", not
+    # asked for), and over how many runs a recorded one is taken.
     calibration: str | None = None
-    calibration_runs: int = 3
+    calibration_runs: int = DEFAULT_CALIBRATION_RUNS
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,11 @@ heartbeat period, with how long the unit of work in progress has run, so a unit 
 the heartbeat timeout (a long prefill on a loaded CPU) is seen as busy, not dead. The loop
 itself hears the scheduler's ``Heartbeat``s between its units of work.
 
-It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler
-(``EXIT_SCHEDULER_LOST``: no answer to its hello, silence for ``SCHEDULER_SILENCE_TIMEOUTS``
-heartbeat timeouts seen between units of work, or the scheduler no longer knowing it, having declared it dead; also
-when its transport cannot start, as on a host whose network is down), and
-(Linux) when its parent dies.
+It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler (``EXIT_SCHEDULER_LOST``:
+no answer to its hello, silence for ``SCHEDULER_SILENCE_TIMEOUTS`` heartbeat timeouts seen
+between units of work, or the scheduler no longer knowing it, having declared it dead; also
+when its transport cannot start, as on a host whose network is down), and (Linux) when its
+parent dies.
 Whoever supervises it (``dualpath serve``, or ``dualpath engine`` itself: ``engine_processes``)
 starts it again after a lost scheduler: a fresh engine rejoins under its id, with nothing of
 the requests the scheduler has already placed elsewhere.

@@ -15,9 +15,8 @@ Each server runs vLLM's single-process executor (``--distributed-executor-backen
 GPU, its threads on every core (the CPU build binds a worker's threads,
 ``VLLM_CPU_OMP_THREADS_BIND``, only in a worker process of its own) and one torch thread per
 server (``OMP_NUM_THREADS=1``, as ``dualpath serve`` gives each of its engines). The CPU build
-otherwise
-forces its multiprocess executor: the worker is a process of its own, bound to one core, and it
-and the engine core both spin on their shared-memory queue for 1 s after every read
+otherwise forces its multiprocess executor: the worker is a process of its own, bound to one
+core, and it and the engine core both spin on their shared-memory queue for 1 s after every read
 (``SpinCondition.busy_loop_s``), so three servers' spinning took the cores the prefill engine
 needed. ``bench offline --vllm-servers --preset paper-ratio`` on 2 cores, the same caps: JCT
 71.4 / 53.9 / 43.9 s (basic / dualpath / oracle), the prefill engine 44% busy, with it; 48.1 /

@@ -45,8 +45,9 @@ class Kind(enum.Enum):
     LINE = "line"  # one line of the DE's stream
     END = "end"  # the DE's stream closed
     ANSWER = "answer"  # the DE's whole answer (UpstreamAnswer): not a stream, or refused
-    BROKEN = "broken"  # the connection to the DE failed (httpx.TransportError)
-    PE_BROKEN = "pe-broken"  # the connection to the PE failed: the placement is lost too
+    # A connection to the placement's DE or PE failed (httpx.TransportError): (engine id, its
+    # server's URL, why). The placement is lost either way.
+    BROKEN = "broken"
     FAILED = "failed"  # forwarding raised something else: a bug, the call fails
     GONE = "gone"  # the client disconnected
     ABORTED = "aborted"  # the server is stopping
@@ -183,7 +184,9 @@ class Placements:
                     forward, self.model, prompt_token_ids, cache_salt=self.scope.cache_salt
                 )
             except httpx.TransportError as exc:
-                self._queue.put_nowait(Item(placement, Kind.PE_BROKEN, exc))
+                why = f"the prefill request failed: {exc!r}"
+                broken = (forward.prefill_engine_id, forward.prefill_url, why)
+                self._queue.put_nowait(Item(placement, Kind.BROKEN, broken))
             except UpstreamAnswer as answer:
                 text = answer.content[:300].decode(errors="replace")
                 failure = RuntimeError(
@@ -195,13 +198,13 @@ class Placements:
             if forward.prefill_url:
                 self._tasks.append(asyncio.ensure_future(prefill_on_pe()))
 
-        pump = self._pump(self.num_placements, forward.decode_url, path, body, prefill)
+        pump = self._pump(self.num_placements, forward, path, body, prefill)
         self._tasks.append(asyncio.ensure_future(pump))
 
     async def _pump(
         self,
         placement: int,
-        decode_url: str,
+        forward: Forward,
         path: str,
         body: dict[str, Any],
         prefill: Callable[[], None],
@@ -213,6 +216,7 @@ class Placements:
             self._queue.put_nowait(Item(placement, kind, value))
 
         is_stream = body.get("stream") is True
+        decode_url = forward.decode_url
         url = f"{decode_url}{path}"
         try:
             if "model" in body:  # the router's name for the model may not be the server's
@@ -231,7 +235,7 @@ class Placements:
                     put(Kind.LINE, line)
             put(Kind.END)
         except httpx.TransportError as exc:
-            put(Kind.BROKEN, exc)
+            put(Kind.BROKEN, (forward.decode_engine_id, decode_url, repr(exc)))
         except Exception as exc:
             logger.exception("forwarding to %s failed", url)
             put(Kind.FAILED, exc)
@@ -243,10 +247,7 @@ class Placements:
         while True:
             item = await self._next()
             if item.kind is Kind.BROKEN:
-                await self.on_broken(repr(item.value))
-                return None
-            if item.kind is Kind.PE_BROKEN:
-                await self.on_prefill_broken(repr(item.value))
+                await self.servers.on_broken(*item.value)
                 return None
             if item.kind is Kind.FAILED:
                 raise APIError(500, f"forwarding failed: {item.value}")
@@ -274,14 +275,6 @@ class Placements:
         forward = self.forward
         assert forward is not None, "only a forwarded placement has a DE connection"
         await self.servers.on_broken(forward.decode_engine_id, forward.decode_url, why)
-
-    async def on_prefill_broken(self, why: str) -> None:
-        """The connection to the placement's PE broke: the placement is lost as with its DE's
-        (``on_broken``), the PE declared dead only if its server does not answer /health."""
-        forward = self.forward
-        assert forward is not None, "only a forwarded placement has a PE connection"
-        why = f"the prefill request failed: {why}"
-        await self.servers.on_broken(forward.prefill_engine_id, forward.prefill_url, why)
 
     def on_client_gone(self) -> None:
         self._queue.put_nowait(Item(0, Kind.GONE))
