@@ -245,6 +245,10 @@ class RequestFailed:
     # The engine whose transfer failed, when known (-1: unknown). A PE's failed batch fails
     # every request in it, also those whose own DE is fine: they are placed again at once.
     peer_engine_id: int = -1
+    # A vLLM server DE refused the placement: the prompt its server rendered from the client's
+    # body is not the one placed. Its vLLM serves the request alone (it computes the whole
+    # prompt itself: the client's tokens are right); nothing of the placement is loaded.
+    is_prompt_refused: bool = False
 
 
 @message("cancel")
@@ -313,6 +317,9 @@ class RequestEvent:
     # A forwarded request's placement was lost with an engine (or a transfer to it): the front
     # door places it again itself, going on from the tokens its client was sent.
     is_engine_lost: bool = False
+    # A forwarded request's DE refused its placement's prompt (``RequestFailed``): its server
+    # serves the request alone, and its HTTP answer is the client's as ever.
+    is_prompt_refused: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -342,7 +342,12 @@ class RequestLifecycle:
         if state is not None and state.is_forwarded:
             if msg.is_retryable and msg.peer_engine_id >= 0:
                 self._suspect(msg.peer_engine_id)
-            self._fail(msg.request_id, msg.reason, is_engine_lost=msg.is_retryable)
+            self._fail(
+                msg.request_id,
+                msg.reason,
+                is_engine_lost=msg.is_retryable,
+                is_prompt_refused=msg.is_prompt_refused,
+            )
         elif msg.is_retryable and state is not None and may_place_again(state):
             # The PE lost a DE (``replacement.retry_after_failure``); that DE is suspected:
             # nothing more is placed on it until it reports again.
@@ -384,6 +389,7 @@ class RequestLifecycle:
         *,
         is_unavailable: bool = False,
         is_engine_lost: bool = False,
+        is_prompt_refused: bool = False,
     ) -> None:
         state = self._pop(request_id)
         if state is None:
@@ -399,6 +405,7 @@ class RequestLifecycle:
                 error=reason,
                 is_unavailable=is_unavailable,
                 is_engine_lost=is_engine_lost,
+                is_prompt_refused=is_prompt_refused,
             )
         )
         self._cancel_on_live_engines(state)

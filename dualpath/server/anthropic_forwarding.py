@@ -89,7 +89,7 @@ async def count_forwarded(servers: VLLMServers, body: CountTokensRequest) -> int
     if tools:
         chat["tools"] = tools
     try:
-        return len(await servers.prompt_token_ids(chat, is_chat=True))
+        return len((await servers.prompt_token_ids(chat, is_chat=True)).token_ids)
     except UpstreamAnswer as answer:
         raise upstream_error(answer.status, answer.content) from answer
 

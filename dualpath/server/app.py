@@ -30,6 +30,7 @@ from dualpath.server.openapi import install_openapi
 from dualpath.server.responses_routes import build_responses_router
 from dualpath.server.routes import build_router
 from dualpath.vllm.router.forwarding import build_forwarding_router
+from dualpath.vllm.router.local_prompts import LocalPrompts
 from dualpath.vllm.router.vllm_servers import VLLMServers
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,10 @@ def build_app(
     """``on_fatal`` is called (on the event loop) if the cluster cannot start; ``on_ready``
     once every engine has joined."""
     # Forwarding mode's client, open in the lifespan.
-    servers = VLLMServers(context.cluster, served_model_name=context.model.name)
+    local_prompts = None if context.chat is None else LocalPrompts(context.chat, context.tokenizer)
+    servers = VLLMServers(
+        context.cluster, served_model_name=context.model.name, local_prompts=local_prompts
+    )
     app = FastAPI(
         title="dualpath",
         version=__version__,
@@ -74,6 +78,7 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=context.config.max_request_bytes)
     app.add_middleware(RequestContextMiddleware, metrics=context.metrics)
     app.state.context = context
+    app.state.vllm_servers = servers
     return app
 
 

@@ -95,8 +95,11 @@ class ChatRenderer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text; ``ChatTemplateError`` if the template refuses the conversation."""
+        """The prompt text; ``ChatTemplateError`` if the template refuses the conversation.
+        A message without content (an assistant's tool calls) has the empty string, as vLLM
+        hands it to a template that reads strings: most write ``'...' + message['content']``."""
         template = self._template if tools is None else self._tool_use_template
+        messages = [m if m.get("content") is not None else m | {"content": ""} for m in messages]
         try:
             return template.render(
                 messages=messages,

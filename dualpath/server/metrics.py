@@ -91,6 +91,20 @@ class ServerMetrics:
             "engine was lost (a stream goes on from the tokens already sent).",
             registry=r,
         )
+        self.forwarded_prompts = Counter(
+            "dualpath_forwarded_prompts",
+            "Prompts of requests forwarded to vLLM servers, by who made their token ids: "
+            "client (ids given), router (a chat rendered by the router), server (a vLLM "
+            "server's /tokenize).",
+            ["rendered_by"],
+            registry=r,
+        )
+        self.forwarded_prompts_refused = Counter(
+            "dualpath_forwarded_prompts_refused",
+            "Placements whose DE refused the prompt placed (its server rendered another from "
+            "the body) and served the request alone, without the store's KV.",
+            registry=r,
+        )
         self.ttft = with_vllm_names(
             Histogram(
                 "dualpath_time_to_first_token_seconds",

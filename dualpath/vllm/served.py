@@ -280,9 +280,9 @@ class _ServedProcess(EngineProcess):
     def _work(self) -> bool:
         with self.served.lock:
             for request_id, reason in self.served.take_refused():
-                logger.error("%s", reason)
+                logger.warning("%s: its vLLM serves it alone", reason)
                 self.role.cancel(request_id)
-                self._send(RequestFailed(request_id, reason))
+                self._send(RequestFailed(request_id, reason, is_prompt_refused=True))
             return super()._work()
 
     def _take(self, messages: list[object]) -> None:

@@ -135,6 +135,20 @@ def test_a_retryable_transfer_failure_goes_back_to_the_front_door(served) -> Non
     assert coordinator.num_replaced == 0
 
 
+def test_a_prompt_its_decode_server_refuses_goes_back_to_the_front_door_as_such(served) -> None:
+    coordinator, engines = served
+    client_id, forward = _place(coordinator, engines)
+    refusal = RequestFailed(forward.request_id, "not the prompt placed", is_prompt_refused=True)
+    engines[forward.decode_engine_id].client.send(refusal)
+    settle(coordinator, engines)
+    (refused,) = coordinator.drain_events()
+    assert (refused.request_id, refused.is_prompt_refused) == (client_id, True)
+    assert not refused.is_engine_lost and refused.error == "not the prompt placed"
+    assert coordinator.dead_engines() == {}  # nothing is wrong with the server
+    cancels = engines[0].receive(CancelRequest)  # the PE drops it
+    assert [m.request_id for m in cancels] == [forward.request_id]
+
+
 def _join_refusal(coordinator: Coordinator, engine: ServedEngine) -> str | None:
     settle(coordinator, [engine])
     refusals = engine.receive(Shutdown)

@@ -96,6 +96,8 @@ class FakeVLLM:
         self.role = role
         self.journal = journal
         self.url = ""  # set once serving
+        # A DE's connector: told every chat prompt it renders, it refuses one not placed.
+        self.cluster: FakeCluster | None = None
         self.app = self._build_app()
         self.reset()
 
@@ -158,6 +160,8 @@ class FakeVLLM:
             return JSONResponse(_vllm_error("temperature must be non-negative"), status_code=400)
         if is_chat:
             prompt = chat_token_ids(body)
+            if self.role == DECODE and request_id is not None and self.cluster is not None:
+                self.cluster.check_prompt(request_id, prompt)
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
             max_tokens = max_tokens or MAX_MODEL_LEN - len(prompt)
         else:
@@ -315,6 +319,7 @@ class FakeCluster:
             self.unreachable: list[tuple[int, str]] = []
             self._placements: dict[int, tuple[int, Any]] = {}  # id -> (DE, on_event)
             self.has_cancelled = threading.Event()
+            self.num_cached_tokens = 0  # each placement's store hits, as its event says
 
     def start(self, timeout_s: float) -> FakeCluster:
         return self
@@ -357,7 +362,7 @@ class FakeCluster:
                 forward = Forward(
                     request_id, 0, decode_id, self.prefill_url, self.engine_id_to_url[decode_id]
                 )
-                event = RequestEvent(request_id, (), None, 0, forward=forward)
+                event = RequestEvent(request_id, (), None, self.num_cached_tokens, forward=forward)
         on_event(event)
         return request_id
 
@@ -366,6 +371,18 @@ class FakeCluster:
             self.cancelled.append(request_id)
             self._placements.pop(request_id, None)
         self.has_cancelled.set()
+
+    def check_prompt(self, request_id: int, prompt: list[int]) -> None:
+        """A DE's connector: a placement whose prompt is not the one its server rendered is
+        refused (its vLLM serves the request alone)."""
+        with self._lock:
+            placed = next((ids for r, ids, _ in self.submitted if r == request_id), None)
+            placement = self._placements.get(request_id)
+            if placed == prompt or placement is None:
+                return
+            del self._placements[request_id]
+        why = f"request {request_id}'s prompt at this vLLM server is not the one it was placed with"
+        placement[1](RequestEvent(request_id, (), "error", 0, error=why, is_prompt_refused=True))
 
     def report_unreachable(self, engine_id: int, why: str) -> None:
         with self._lock:

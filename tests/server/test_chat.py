@@ -160,6 +160,23 @@ def test_the_checkpoints_template_and_special_tokens_are_used(tmp_path: Path) ->
     assert text == '<s>[user]hi<tools>[{"type": "function", "function": {"name": "ls"}}]</tools>'
 
 
+def test_a_message_without_content_is_the_empty_string_to_a_template() -> None:
+    """As vLLM hands it to a template that reads strings (SmolLM2's adds strings: None would
+    not render)."""
+    renderer = ChatRenderer(
+        "{% for m in messages %}{{ '<' + m.role + '>' + m.content }}{% endfor %}"
+    )
+    call = ChatMessage.model_validate(
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": ""}}],
+        }
+    )
+    assert renderer.render([{"role": "user", "content": "hi"}, call.to_template()]) == (
+        "<user>hi<assistant>"
+    )
+
+
 def test_a_checkpoint_without_a_template_gets_the_default(tmp_path: Path) -> None:
     assert ChatRenderer.for_checkpoint(tmp_path).is_default
 

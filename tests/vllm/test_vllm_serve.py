@@ -46,7 +46,10 @@ import httpx
 import numpy as np
 import pytest
 
+from dualpath.model.tokenizer import Tokenizer
+from dualpath.server.chat import ChatRenderer
 from dualpath.vllm.bench.served_cluster import SERVED_MODEL_NAME, ServedCluster, ServedShape
+from dualpath.vllm.router.local_prompts import LocalPrompts
 from tests.faults.strike import read_metrics
 from tests.server.serving import free_port
 from tests.vllm.reference import PlainVllm, near_ties
@@ -194,6 +197,7 @@ def _replay(
 
 
 def test_the_france_question_is_answered_with_the_routers_model_id(cluster: ServedCluster) -> None:
+    before = read_metrics(cluster.url)
     [model] = [m["id"] for m in httpx.get(f"{cluster.url}/v1/models").json()["data"]]
     body = FRANCE | {"model": model}
     answer = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
@@ -212,6 +216,43 @@ def test_the_france_question_is_answered_with_the_routers_model_id(cluster: Serv
     response = httpx.post(f"{cluster.url}/v1/responses", json=responses_body, timeout=HANG_GUARD_S)
     assert response.status_code == 200, response.text
     assert "Paris" in response.json()["output"][0]["content"][0]["text"]
+    # The router renders the prompts itself once one matched a server's /tokenize, and no DE
+    # refused one (each checks the prompt placed against the one its server renders).
+    after = read_metrics(cluster.url)
+    rendered_here = ("dualpath_forwarded_prompts_total", (("rendered_by", "router"),))
+    refused = ("dualpath_forwarded_prompts_refused_total", ())
+    assert after[rendered_here] - before.get(rendered_here, 0.0) >= 2, after
+    assert after[refused] == 0.0
+
+
+def test_the_router_renders_chat_prompts_as_the_servers_do(cluster: ServedCluster) -> None:
+    """Conversations as agents send them (a system prompt, tools, a tool call and its result,
+    an empty and a missing content), rendered by the router's ``LocalPrompts`` and by a
+    server's /tokenize: the same ids."""
+    model_dir = Path(cluster.model_dir)
+    prompts = LocalPrompts(
+        ChatRenderer.for_checkpoint(model_dir), Tokenizer(model_dir / "tokenizer.json")
+    )
+    call = {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+    conversations = [
+        [{"role": "user", "content": "Hi"}],
+        [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "a.py\nb.py"},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "Now read a.py \u00e9\u4e2d"},
+        ],
+    ]
+    url = cluster.engines[1].url
+    for messages in conversations:
+        for extra in ({}, {"tools": [tool]}, {"add_generation_prompt": False}):
+            body = {"model": str(model_dir), "messages": messages} | extra
+            answer = httpx.post(f"{url}/tokenize", json=body, timeout=HANG_GUARD_S)
+            assert answer.status_code == 200, answer.text
+            assert prompts.render(body) == answer.json()["tokens"], (messages, extra)
 
 
 def test_prompts_give_plain_vllms_tokens_cold_then_warm_read_by_the_pe(

@@ -1,7 +1,7 @@
 """One API call forwarded to vLLM servers (``forwarding.py``): what its client gets, and the
 going-on elsewhere when a placement is lost.
 
-    call = ForwardedCall(context, servers, request, body, prompt_token_ids, params, is_chat=True)
+    call = ForwardedCall(context, servers, request, body, prompt, params, is_chat=True)
     response = await call.respond()  # the DE's answer or refusal, our JSON error, or SSE
 
 A placement is lost when its DE's connection fails or its stream ends before ``[DONE]`` (the
@@ -41,7 +41,12 @@ from dualpath.server.responses import sse
 from dualpath.types import NO_SCOPE, RequestScope, SamplingParams
 from dualpath.vllm.router.forwarded_placements import ClientGone, Item, Kind, Placements
 from dualpath.vllm.router.forwarded_stream import ClientStream
-from dualpath.vllm.router.vllm_servers import UpstreamAnswer, VLLMServers, kv_transfer_params
+from dualpath.vllm.router.vllm_servers import (
+    Prompt,
+    UpstreamAnswer,
+    VLLMServers,
+    kv_transfer_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,7 @@ class ForwardedCall:
         servers: VLLMServers,
         request: Request,
         body: dict[str, Any],
-        prompt_token_ids: list[int],
+        prompt: Prompt,
         params: SamplingParams,
         *,
         is_chat: bool,
@@ -63,16 +68,19 @@ class ForwardedCall:
     ) -> None:
         """``scope``: the body's cache salt and session (``server.scope.request_scope``)."""
         self.context = context
+        self.servers = servers
         self.request = request
         self.body = body
-        self.prompt_token_ids = prompt_token_ids
+        self.prompt_token_ids = prompt.token_ids
+        self._is_prompt_rendered_here = prompt.is_rendered_here
+        self.is_chat = is_chat
         self.params = params
         self.is_stream = body.get("stream") is True
         self.path = "/v1/chat/completions" if is_chat else "/v1/completions"
         self.arrival_s: float = request.state.arrival_s
         self.placements = Placements(context.cluster, servers, model=body.get("model"), scope=scope)
         self._stream = ClientStream(
-            body, len(prompt_token_ids), is_chat=is_chat, on_tokens=self._on_tokens
+            body, len(prompt.token_ids), is_chat=is_chat, on_tokens=self._on_tokens
         )
         self._watch: asyncio.Task | None = None  # the client's disconnect, until streaming
         self._outcome: str | None = None  # a finish reason, "error", "refused"; None: cancelled
@@ -113,7 +121,7 @@ class ForwardedCall:
         """A non-streamed call: its DE's answer. The client has nothing yet, so a lost
         placement is placed again from scratch."""
         while True:
-            self._send_body(await self.placements.place(self.prompt_token_ids, self.params))
+            self._send_body(await self._place())
             item = await self.placements.from_decode()
             if item is not None:
                 return self._answered(item)
@@ -123,7 +131,7 @@ class ForwardedCall:
         """Place the call until a DE accepts its stream (the SSE response relays it from then
         on) or refuses it (its answer as is)."""
         while True:
-            self._send_body(await self.placements.place(self.prompt_token_ids, self.params))
+            self._send_body(await self._place())
             item = await self.placements.from_decode()
             if item is None:  # lost: placed again
                 self.context.metrics.forwarded_replacements.inc()
@@ -135,6 +143,28 @@ class ForwardedCall:
         await asyncio.gather(self._watch, return_exceptions=True)
         self._watch = None
         return _ForwardedStream(self._relay(), self)
+
+    async def _place(self) -> Forward:
+        """A new placement of the call's prompt, a server's once rendering here is refused."""
+        local_prompts = self.servers.local_prompts
+        if local_prompts is not None and not local_prompts.is_trusted:
+            await self._ask_server_for_prompt()
+        return await self.placements.place(self.prompt_token_ids, self.params)
+
+    async def _ask_server_for_prompt(self) -> None:
+        """The prompt as a server's /tokenize gives it, if it was rendered here."""
+        if not self._is_prompt_rendered_here:
+            return
+        try:
+            prompt = await self.servers.prompt_token_ids(self.body, is_chat=True, ask_server=True)
+        except UpstreamAnswer as answer:
+            raise APIError(
+                500,
+                f"a vLLM server refused to tokenize the prompt: "
+                f"{answer.content[:300].decode(errors='replace')}",
+            ) from answer
+        self.prompt_token_ids = prompt.token_ids
+        self._is_prompt_rendered_here = False
 
     def _send_body(self, forward: Forward) -> None:
         """The client's body to the placement's DE, with its ``kv_transfer_params``."""
@@ -198,7 +228,7 @@ class ForwardedCall:
             return stream.end()
         self.context.metrics.forwarded_replacements.inc()
         if not stream.has_chunk:  # the client has nothing yet: the same request again
-            self._send_body(await self.placements.place(self.prompt_token_ids, self.params))
+            self._send_body(await self._place())
             return []
         if not stream.has_exact_token_ids:
             raise APIError(
@@ -210,6 +240,7 @@ class ForwardedCall:
         num_left = self.params.max_tokens - num_sent
         if num_left <= 0:  # every token was sent; only the finish was lost
             return stream.finish("length")
+        await self._ask_server_for_prompt()  # the new DE gets ids: they must be its server's
         prompt_token_ids = self.prompt_token_ids + stream.token_ids
         min_tokens = max(0, self.params.min_tokens - num_sent)
         params = dataclasses.replace(self.params, max_tokens=num_left, min_tokens=min_tokens)
@@ -262,6 +293,7 @@ class ForwardedCall:
 
     def _count(self) -> None:
         context, metrics = self.context, self.context.metrics
+        metrics.forwarded_prompts_refused.inc(self.placements.num_refused_prompts)
         if self._is_running:
             metrics.running.dec()
         elif self._is_admitted:

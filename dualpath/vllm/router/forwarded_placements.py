@@ -12,7 +12,9 @@ back as one sequence of items.
 Items come through one asyncio queue, read on the event loop: the scheduler's events
 (``loop.call_soon_threadsafe`` from its thread), the DE's answer and SSE lines (a pump task per
 placement), and the call's own (the client went away, the server stops). Items of an earlier
-placement are dropped.
+placement are dropped. A DE that refuses its placement's prompt (its server rendered another
+from the body: ``local_prompts.py``) serves the request alone: its items go on coming, and the
+placement's hits count for nothing.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class Placements:
         self.num_placements = 0
         self.num_cached_tokens = 0  # the first placement's store hits, at assignment
         self.num_replaced_hit_tokens = 0  # the later placements' (each reads its hits again)
+        self._num_placement_hit_tokens = 0  # the current placement's
+        self.num_refused_prompts = 0  # placements whose DE refused the prompt placed
         self.forward: Forward | None = None
         self._prompt_token_ids: list[int] = []  # the placement's prompt
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
@@ -130,6 +134,7 @@ class Placements:
             if event.forward is not None:
                 self.forward = event.forward
                 self._prompt_token_ids = prompt_token_ids
+                self._num_placement_hit_tokens = event.num_cached_tokens
                 if self.num_placements == 1:
                     self.num_cached_tokens = event.num_cached_tokens
                 else:
@@ -143,6 +148,8 @@ class Placements:
         placement = self.num_placements
 
         def on_event(event: RequestEvent) -> None:  # on the scheduler's loop thread
+            if event.is_prompt_refused and self.servers.local_prompts is not None:
+                self.servers.local_prompts.refuse(event.error or "a DE refused its prompt")
             item = Item(placement, Kind.EVENT, event)
             with contextlib.suppress(RuntimeError):  # the event loop is closed: server gone
                 loop.call_soon_threadsafe(self._queue.put_nowait, item)
@@ -253,8 +260,20 @@ class Placements:
                 raise APIError(500, f"forwarding failed: {item.value}")
             if item.kind is not Kind.EVENT:
                 return item
-            if _is_lost(item.value):
+            if item.value.is_prompt_refused:
+                self._on_prompt_refused()
+            elif _is_lost(item.value):
                 return None
+
+    def _on_prompt_refused(self) -> None:
+        """The DE refused the placement's prompt: its vLLM serves the request alone and its
+        answer goes on coming; nothing of the placement's hits was loaded."""
+        self.num_refused_prompts += 1
+        if self.num_placements == 1:
+            self.num_cached_tokens = 0
+        else:
+            self.num_replaced_hit_tokens -= self._num_placement_hit_tokens
+        self._num_placement_hit_tokens = 0
 
     async def _next(self) -> Item:
         """The next item of the current placement (or the call's)."""

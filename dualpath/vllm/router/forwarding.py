@@ -1,12 +1,13 @@
 """Forwarding to vLLM server engines: the generation routes of a cluster whose decode engines
 are vLLM OpenAI API servers that users started with our KV connector.
 
-Such a request is not generated here. Its prompt is tokenized by a vLLM server, our scheduler
+Such a request is not generated here. Its prompt is tokenized by a vLLM server (a chat's
+rendered here once that agrees with a server: ``local_prompts.py``), our scheduler
 places it (``Forward``: a PE and a DE with their URLs), the client's JSON body goes to the DE's
 server as it came (plus the placement's ``kv_transfer_params``), and that server's answer goes
 back to the client unchanged:
 
-    client ──body──▶ front door ──/tokenize──▶ any live vLLM server
+    client ──body──▶ front door ──/tokenize──▶ any live vLLM server (a chat: rendered here)
                         │ submit(prompt ids) ──▶ scheduler ──Forward(PE, DE, URLs)──┐
                         ├─ body + kv_transfer_params ──▶ DE /v1/...   (first) ◀────┘
                         └─ prompt ids, max_tokens 1 ──▶ PE /v1/completions (then; a server)
@@ -98,14 +99,15 @@ async def forward_json(
         request, cache_salt=body.get("cache_salt"), session_id=body.get("session_id")
     )
     try:
-        prompt_token_ids = await servers.prompt_token_ids(body, is_chat=is_chat)
+        prompt = await servers.prompt_token_ids(body, is_chat=is_chat)
     except UpstreamAnswer as answer:
         return answer.response()
+    context.metrics.forwarded_prompts.labels(prompt.rendered_by).inc()
     params = scheduler_params(
-        body, len(prompt_token_ids), context.model.max_model_len, is_chat=is_chat
+        body, len(prompt.token_ids), context.model.max_model_len, is_chat=is_chat
     )
     call = ForwardedCall(
-        context, servers, request, body, prompt_token_ids, params, is_chat=is_chat, scope=scope
+        context, servers, request, body, prompt, params, is_chat=is_chat, scope=scope
     )
     return await call.respond()
 

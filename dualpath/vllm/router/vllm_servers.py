@@ -1,8 +1,9 @@
 """The front door's HTTP client to vLLM server engines (``forwarding.py`` uses it): their
-/tokenize, the PE's one-token prefill, and the POST whose answer is relayed.
+/tokenize (unless the router renders a chat prompt itself: ``local_prompts.py``), the PE's
+one-token prefill, and the POST whose answer is relayed.
 
     async with VLLMServers(cluster, served_model_name=name) as servers:  # the lifespan
-        prompt_token_ids = await servers.prompt_token_ids(body, is_chat=True)
+        prompt = await servers.prompt_token_ids(body, is_chat=True)  # .token_ids
         async with servers.post(f"{decode_url}/v1/chat/completions", body) as response: ...
 
 One ``httpx.AsyncClient`` (one connection pool) serves every forwarded request. A connection
@@ -23,7 +24,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import httpx
 from fastapi.responses import Response
@@ -31,6 +32,7 @@ from fastapi.responses import Response
 from dualpath.cluster.coordinator import ClusterSnapshot
 from dualpath.protocol import Forward
 from dualpath.server.errors import APIError
+from dualpath.vllm.router.local_prompts import LocalPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,19 @@ _CHAT_TOKENIZE_FIELDS = (
     "add_special_tokens",
     "mm_processor_kwargs",
 )
+
+
+class Prompt(NamedTuple):
+    """A forwarded request's prompt: its token ids, and who made them of the body: "client"
+    (a completion's ids), "router" (``local_prompts``: a DE may still refuse them) or
+    "server" (a vLLM server's /tokenize)."""
+
+    token_ids: list[int]
+    rendered_by: str
+
+    @property
+    def is_rendered_here(self) -> bool:
+        return self.rendered_by == "router"
 
 
 class ServedCluster(Protocol):
@@ -77,9 +92,18 @@ class UpstreamAnswer(Exception):
 class VLLMServers:
     """The connection pool to the cluster's vLLM servers, open for the app's life."""
 
-    def __init__(self, cluster: ServedCluster, *, served_model_name: str) -> None:
+    def __init__(
+        self,
+        cluster: ServedCluster,
+        *,
+        served_model_name: str,
+        local_prompts: LocalPrompts | None = None,
+    ) -> None:
+        """``local_prompts``: chat prompts rendered here once trusted (``local_prompts.py``);
+        None: every prompt is asked of a server's /tokenize."""
         self.cluster = cluster
         self.served_model_name = served_model_name  # the router's, as /v1/models lists it
+        self.local_prompts = local_prompts
         self._client: httpx.AsyncClient | None = None
         # Each server's model names (its /v1/models' ids), asked once per URL.
         self._url_to_model_ids: dict[str, tuple[str, ...]] = {}
@@ -175,17 +199,31 @@ class VLLMServers:
             raise RuntimeError("VLLMServers is used outside its `async with`")
         return self._client
 
-    async def prompt_token_ids(self, body: dict[str, Any], *, is_chat: bool) -> list[int]:
+    async def prompt_token_ids(
+        self, body: dict[str, Any], *, is_chat: bool, ask_server: bool = False
+    ) -> Prompt:
         """The prompt's token ids as the vLLM servers see it: a completion's token ids as
-        given, else their /tokenize's, asked of the first live engine that answers.
-        ``UpstreamAnswer`` when vLLM refuses the prompt, ``APIError`` 503 when no vLLM server
-        answers."""
+        given, a chat's rendered here once that is trusted (``local_prompts``, never with
+        ``ask_server``), else a server's /tokenize's, asked of the first live engine that
+        answers. ``UpstreamAnswer`` when vLLM refuses the prompt, ``APIError`` 503 when no vLLM
+        server answers."""
         prompt = _one_prompt(body.get("prompt"))
         if not is_chat and is_token_ids(prompt):
-            return list(prompt)
-        request = _tokenize_request(body, prompt, is_chat=is_chat)
+            return Prompt(list(prompt), "client")
+        rendered = None
+        if is_chat and self.local_prompts is not None and not ask_server:
+            rendered = self.local_prompts.render(body)
+            if rendered is not None and self.local_prompts.is_trusted:
+                return Prompt(rendered, "router")
+        token_ids = await self._tokenize(_tokenize_request(body, prompt, is_chat=is_chat))
+        if rendered is not None:
+            self.local_prompts.check(rendered, token_ids)
+        return Prompt(token_ids, "server")
+
+    async def _tokenize(self, request: dict[str, Any]) -> list[int]:
+        model = request.get("model")
         for engine_id, url in sorted(self.cluster.snapshot().engine_urls.items()):
-            request["model"] = await self.model_for(url, body.get("model"))
+            request["model"] = await self.model_for(url, model)
             try:
                 async with self.post(f"{url}/tokenize", request) as response:
                     content = await response.aread()
