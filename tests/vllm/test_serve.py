@@ -1,23 +1,23 @@
-"""`dualpath serve --engine vllm` on the embedded checkpoint, four servers in turn, each test
+"""`dualpath serve --engine vllm` on the embedded checkpoint, three servers in turn, each test
 class one server (started once for the class; its tests run in order, on what the earlier ones
 left in the server and its store):
 
-- ``TestFirstServer`` (1P2D, ``--read-path pe``, a new store): token-id prompts of 300-4,000
-  tokens give plain vLLM's greedy tokens (its own `LLM`, no connector) cold and warm; a chat's
-  turn 2 finds turn 1 in the store; a new 4,000-token prompt prefilled while two busy processes
-  load both cores declares no engine dead and gives plain vLLM's tokens; a decode engine
-  SIGKILLed while 8 streams decode: every stream goes on elsewhere with plain vLLM's tokens, and
-  the engine is started again and rejoins.
+- ``TestFirstServer`` (1P2D, ``--read-path pe``, a new store, ``--vllm-prefill-batching
+  quota``): token-id prompts of 300-4,000 tokens give plain vLLM's greedy tokens (its own
+  `LLM`, no connector) cold and warm; a chat's turn 2 finds turn 1 in the store; 8
+  conversations of 3 turns (``Conversations``) read on the PE side; 6 prompts sent at once,
+  each its own quota batch, give plain vLLM's tokens; a new 4,000-token prompt prefilled while
+  two busy processes load both cores declares no engine dead and gives plain vLLM's tokens; a
+  decode engine SIGKILLed while 8 streams decode: every stream goes on elsewhere with plain
+  vLLM's tokens, and the engine is started again and rejoins.
 - ``TestRestartedServer`` (1P2D, ``--read-path de``, the first server's store): its new engines
   hold nothing, so every hit of the same prompts is read from the store, once, with the same
-  tokens; 8 conversations of 3 turns (``Conversations``) with every hit read on the DE side
-  (pulled layer by layer by the PE's connector); then a decode engine is killed while 8 streams
-  decode whose prompts the first server stored, so the killed engine holds hit KV that the PE
-  pulls from it for requests still waiting for their prefill.
-- ``TestPrefillSideServer`` (1P1D, ``pe``, a new store, ``--vllm-prefill-batching quota``)
-  and ``TestSplitServer`` (1P2D, ``split``, a new store): the same conversations, read by the
-  PE and by both sides; on the first, 6 prompts sent at once, each its own quota batch, give
-  plain vLLM's tokens.
+  tokens; the same conversations with every hit read on the DE side (pulled layer by layer by
+  the PE's connector); then a decode engine is killed while 8 streams decode whose prompts the
+  first server stored, so the killed engine holds hit KV that the PE pulls from it for requests
+  still waiting for their prefill.
+- ``TestSplitServer`` (1P2D, ``split``, a new store): the same conversations, read by both
+  sides.
 
 Every read path gives the conversations the same tokens, and plain vLLM's; on every path the
 two sides' reads plus the hit KV the PE's vLLM still held (not read again) are exactly the
@@ -51,7 +51,6 @@ from tests.vllm.reference import PlainVllm, near_ties
 pytestmark = pytest.mark.vllm
 
 CONTEXT = 4160  # 4,000-token prompts + output, in whole 64-token blocks
-SHORT_CONTEXT = 1280  # the conversations' and the quota batches' prompts + output (1,058 at most)
 BLOCK = 64
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x K,V x heads x dims
 HANG_GUARD_S = 600
@@ -75,6 +74,9 @@ def _serve(
     model_dir: Path, root: Path, nodes: str, read_path: str, *extra_args: str
 ) -> Iterator[Server]:
     args = ("--engine", "vllm", "--nodes", nodes, "--read-path", read_path)
+    # serve's advice where engines share cores: the PE's prefill on both (these tests send one
+    # request at a time, a PE of one thread left a core idle), each DE on one.
+    args += ("--threads", "2", "--decode-threads", "1")
     args += ("--max-model-len", str(CONTEXT), *extra_args)  # a later flag wins
     with start_server(model_dir, root, *args) as server:
         yield server
@@ -298,10 +300,15 @@ def _kill_a_decode_engine_under_load(
 
 
 class TestFirstServer:
+    """With ``--vllm-prefill-batching quota``: the PE hands vLLM one batch at a time from the
+    compute-quota batcher (its predictor profiled on vLLM at start, on contexts up to 2,048),
+    here with a quota so small that every batch holds one request."""
+
     @pytest.fixture(scope="class")
     @classmethod
     def server(cls, smollm2_model_dir: Path, first_root: Path) -> Iterator[Server]:
-        yield from _serve(smollm2_model_dir, first_root, "1P2D", "pe")
+        quota = ("--vllm-prefill-batching", "quota", "--attention-quota-s", "0.00001")
+        yield from _serve(smollm2_model_dir, first_root, "1P2D", "pe", *quota)
 
     def test_tokens_are_plain_vllms_cold_and_warm(
         self, server: Server, references: list[dict]
@@ -362,6 +369,33 @@ class TestFirstServer:
         text = chat.choices[0].message.content
         assert response.output_text == text == messages.json()["content"][0]["text"]
         assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+    def test_conversations_read_on_the_prefill_side(
+        self, server: Server, conversations: Conversations
+    ) -> None:
+        conversations.run(server, "pe")
+        assert conversations.hits["pe"]["decode"] == 0, conversations.hits["pe"]
+
+    def test_quota_batches_of_prompts_sent_at_once_give_plain_vllms_tokens(
+        self, server: Server, plain_vllm: PlainVllm
+    ) -> None:
+        """6 prompts sent at once queue in the batcher, one batch each."""
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(100, 40_000, n).tolist() for n in QUOTA_PROMPT_LENGTHS]
+        references = plain_vllm.generate([(p, MAX_TOKENS) for p in prompts])
+        client = server.client.with_options(timeout=HANG_GUARD_S)
+
+        def complete(prompt: list[int]) -> list[int]:
+            out = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            return list(out.choices[0].token_ids)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(complete, prompts))
+        for prompt, tokens, reference in zip(prompts, outputs, references, strict=True):
+            near_ties(reference, tokens, f"prompt of {len(prompt)}")
 
     def test_a_long_prefill_beside_a_busy_neighbour_declares_no_engine_dead(
         self, server: Server, plain_vllm: PlainVllm
@@ -455,51 +489,6 @@ class TestRestartedServer:
         self, server: Server, stream_references: list[dict]
     ) -> None:
         _kill_a_decode_engine_under_load(server, stream_references, "de")
-
-
-class TestPrefillSideServer:
-    """With ``--vllm-prefill-batching quota``: the PE hands vLLM one batch at a time from the
-    compute-quota batcher (its predictor profiled on vLLM at start), here with a quota so small
-    that every batch holds one request."""
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def server(
-        cls, smollm2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-    ) -> Iterator[Server]:
-        root = tmp_path_factory.mktemp("pe")
-        quota = ("--vllm-prefill-batching", "quota", "--attention-quota-s", "0.00001")
-        # The batcher's predictor is profiled at start on contexts up to the server's (2,048
-        # at most): this server's prompts need less than a third of CONTEXT.
-        context = ("--max-model-len", str(SHORT_CONTEXT))
-        yield from _serve(smollm2_model_dir, root, "1P1D", "pe", *quota, *context)
-
-    def test_conversations_read_on_the_prefill_side(
-        self, server: Server, conversations: Conversations
-    ) -> None:
-        conversations.run(server, "pe")
-        assert conversations.hits["pe"]["decode"] == 0, conversations.hits["pe"]
-
-    def test_quota_batches_of_prompts_sent_at_once_give_plain_vllms_tokens(
-        self, server: Server, plain_vllm: PlainVllm
-    ) -> None:
-        """6 prompts sent at once queue in the batcher, one batch each."""
-        rng = np.random.default_rng(7)
-        prompts = [rng.integers(100, 40_000, n).tolist() for n in QUOTA_PROMPT_LENGTHS]
-        references = plain_vllm.generate([(p, MAX_TOKENS) for p in prompts])
-        client = server.client.with_options(timeout=HANG_GUARD_S)
-
-        def complete(prompt: list[int]) -> list[int]:
-            out = client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )  # fmt: skip
-            return list(out.choices[0].token_ids)
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            outputs = list(pool.map(complete, prompts))
-        for prompt, tokens, reference in zip(prompts, outputs, references, strict=True):
-            near_ties(reference, tokens, f"prompt of {len(prompt)}")
 
 
 class TestSplitServer:
