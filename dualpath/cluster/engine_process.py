@@ -100,7 +100,8 @@ def run_engine(config: EngineProcessConfig, token: str) -> int:
     """Run until told to stop (``token``: the cluster's); 0 on a clean shutdown,
     ``EXIT_SCHEDULER_LOST`` when the scheduler was lost."""
     die_with_parent()
-    signal.signal(signal.SIGTERM, _raise_stop)
+    process: EngineProcess | None = None
+    signal.signal(signal.SIGTERM, stop_handler(lambda: process))
     try:
         process = EngineProcess(config, token)
     except TransferError as exc:
@@ -124,8 +125,21 @@ def run_engine(config: EngineProcessConfig, token: str) -> int:
     return exit_code
 
 
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop(f"signal {signum}")
+def stop_handler(process: Callable[[], EngineProcess | None]) -> Callable[[int, object], None]:
+    """SIGTERM's handler: it stops the engine (``_Stop`` in its loop) once. Every later stop
+    signal is ignored, and none raises once the engine is leaving its loop: it arrives twice
+    where the engine's supervisor stops it and then exits (the parent-death signal), and a
+    second ``_Stop`` raised inside the first one's way out could land between a lock's
+    acquire and its ``with`` (the heartbeat thread's stop event), leaving the lock held and the
+    engine's close waiting on it for ever (an engine left behind, found so)."""
+
+    def stop(signum: int, frame: object) -> None:
+        ignore_stop_signals()
+        engine = process()
+        if engine is None or not engine.is_leaving:
+            raise _Stop(f"signal {signum}")
+
+    return stop
 
 
 class EngineProcess:
@@ -186,6 +200,7 @@ class EngineProcess:
         # heartbeat thread reads it.
         self._step_start_s: float | None = None
         self.heartbeat: HeartbeatThread | None = None  # while ``run`` runs
+        self.is_leaving = False  # ``run``'s loop has ended (``stop_handler``)
         self.last_report_s = 0.0
         self._last_report: EngineReport | None = None  # the last one sent
         self._last_report_sent_s = 0.0
@@ -271,6 +286,7 @@ class EngineProcess:
             )
         )
         self.last_heard_s = self.clock()
+        self.is_leaving = False
         self.heartbeat = HeartbeatThread(
             self.client.endpoint,
             self.client.client_id,
@@ -292,10 +308,12 @@ class EngineProcess:
             logger.error("engine %d lost the scheduler (%s): exiting", config.engine_id, lost)
             return EXIT_SCHEDULER_LOST
         finally:
-            # With this client: a served engine rejoins with a new one. A SIGTERM while it
-            # joins the thread (_Stop) must not escape: the engine is leaving run() already.
+            # No stop signal raises from here on (``stop_handler``); one that came just before
+            # must not escape: the engine is leaving run() already.
             with contextlib.suppress(_Stop):
-                self.heartbeat.stop()
+                self.is_leaving = True
+            # With this client: a served engine rejoins with a new one.
+            self.heartbeat.stop()
 
     def step_s(self) -> float:
         """How long the unit of work in progress has run; 0.0 between units (any thread)."""
