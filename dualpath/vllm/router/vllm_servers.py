@@ -104,31 +104,24 @@ class VLLMServers:
         self.cluster = cluster
         self.served_model_name = served_model_name  # the router's, as /v1/models lists it
         self.local_prompts = local_prompts
-        self._client: httpx.AsyncClient | None = None
+        self._is_open = False
+        # One connection pool per server (its origin), made on first use. httpcore's pool
+        # scans every connection it holds on each request it takes or ends, and for each idle
+        # one counts the idle ones again: one pool for the whole fleet made that quadratic
+        # in every stream in flight (a profiled front door spent a quarter of its CPU there).
+        self._clients: dict[str, httpx.AsyncClient] = {}
         # Each server's model names (its /v1/models' ids), asked once per URL.
         self._url_to_model_ids: dict[str, tuple[str, ...]] = {}
 
     async def __aenter__(self) -> VLLMServers:
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-            # A stream holds its connection for its whole generation: no pool limit, or one
-            # stream too many would wait for a free connection.
-            # An idle connection is dropped before the server's keep-alive timeout (uvicorn's
-            # 5 s), so a request never goes out on one the server is closing: that would read
-            # as the engine's failure.
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
-            ),
-            # Engine URLs are the cluster's own: a proxy set for the outside world must not sit
-            # between the front door and its engines.
-            trust_env=False,
-        )
+        self._is_open = True
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        self._is_open = False
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.aclose()
 
     @asynccontextmanager
     async def post(
@@ -137,7 +130,7 @@ class VLLMServers:
         """POST ``body`` as JSON; yields the response once its headers came, its body unread,
         and closes it on exit. ``on_body_sent`` runs once the body's last byte is written to
         the connection. ``httpx.TransportError`` when the connection fails."""
-        client = self._open_client()
+        client = self._client_for(url)
         data = json.dumps(body).encode()
 
         async def content() -> AsyncIterator[bytes]:
@@ -160,7 +153,7 @@ class VLLMServers:
     async def is_alive(self, url: str) -> bool:
         """Whether the server at ``url`` answers ``GET /health`` with 200 (vLLM's server does
         while its engine lives) within ``HEALTH_TIMEOUT_S``."""
-        client = self._open_client()
+        client = self._client_for(url)
         try:
             response = await client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError as exc:
@@ -186,7 +179,7 @@ class VLLMServers:
         """The server's model ids, kept once read; () when it does not answer (the request
         that follows meets the same failure and handles it)."""
         try:
-            response = await self._open_client().get(f"{url}/v1/models")
+            response = await self._client_for(url).get(f"{url}/v1/models")
             model_ids = tuple(str(m["id"]) for m in response.json()["data"])
         except (httpx.HTTPError, ValueError, LookupError, TypeError) as exc:
             logger.warning("GET %s/v1/models failed: %r", url, exc)
@@ -194,10 +187,15 @@ class VLLMServers:
         self._url_to_model_ids[url] = model_ids
         return model_ids
 
-    def _open_client(self) -> httpx.AsyncClient:
-        if self._client is None:  # a route ran outside the app's lifespan: a caller bug
+    def _client_for(self, url: str) -> httpx.AsyncClient:
+        """The connection pool to the server of ``url`` (any URL on it)."""
+        if not self._is_open:  # a route ran outside the app's lifespan: a caller bug
             raise RuntimeError("VLLMServers is used outside its `async with`")
-        return self._client
+        origin = str(httpx.URL(url).copy_with(path="/", query=None, fragment=None))
+        client = self._clients.get(origin)
+        if client is None:
+            client = self._clients[origin] = _new_client()
+        return client
 
     async def prompt_token_ids(
         self, body: dict[str, Any], *, is_chat: bool, ask_server: bool = False
@@ -289,6 +287,25 @@ class VLLMServers:
             raise UpstreamAnswer(
                 response.status_code, content, response.headers.get("content-type")
             )
+
+
+def _new_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+        # A stream holds its connection for its whole generation: no pool limit, or one
+        # stream too many would wait for a free connection.
+        # Few idle ones: the pool counts its idle connections again for each idle one, on
+        # every request it takes or ends (a new local connection costs less).
+        # An idle connection is dropped before the server's keep-alive timeout (uvicorn's
+        # 5 s), so a request never goes out on one the server is closing: that would read
+        # as the engine's failure.
+        limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=8, keepalive_expiry=2.0
+        ),
+        # Engine URLs are the cluster's own: a proxy set for the outside world must not sit
+        # between the front door and its engines.
+        trust_env=False,
+    )
 
 
 def kv_transfer_params(forward: Forward) -> dict[str, Any]:
