@@ -73,7 +73,6 @@ class ForwardedCall:
         self.body = body
         self.prompt_token_ids = prompt.token_ids
         self._is_prompt_rendered_here = prompt.is_rendered_here
-        self.is_chat = is_chat
         self.params = params
         self.is_stream = body.get("stream") is True
         self.path = "/v1/chat/completions" if is_chat else "/v1/completions"

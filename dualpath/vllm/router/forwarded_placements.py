@@ -148,6 +148,8 @@ class Placements:
         placement = self.num_placements
 
         def on_event(event: RequestEvent) -> None:  # on the scheduler's loop thread
+            # Here, not where the call reads the event: a call already closed drops it, and
+            # the router must stop rendering prompts all the same.
             if event.is_prompt_refused and self.servers.local_prompts is not None:
                 self.servers.local_prompts.refuse(event.error or "a DE refused its prompt")
             item = Item(placement, Kind.EVENT, event)
