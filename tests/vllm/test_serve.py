@@ -58,7 +58,8 @@ DEATHS_SERIES = "dualpath_engine_deaths_total"
 READ_SERIES = "dualpath_read_path_bytes_total"
 HELD_SERIES = "dualpath_engine_cached_bytes_total"
 
-PROMPT_LENGTHS = (300, 700, 1200, 1800, 2400, 3000, 3500, 4000)
+# A short prompt, one of a few blocks, one over vLLM's 2,048-token prefill chunk, the longest.
+PROMPT_LENGTHS = (300, 1200, 2400, 4000)
 MAX_TOKENS = 8
 
 NUM_SESSIONS, NUM_TURNS = 8, 3
