@@ -309,6 +309,7 @@ def link_figures(
             "snic_read_load_balance": None,
             "pe_busy_fraction": None,
             "snic_timeline": None,
+            "first_token_stages_s": None,
         }
     busy_s = metric_sum(scraped, "dualpath_engine_busy_seconds_total", role="prefill")
     num_prefill = sum(
@@ -352,7 +353,24 @@ def link_figures(
         "snic_timeline": snic_timeline(samples),
         # Time the PEs spent in prefill batches over the run's length (mean over PEs).
         "pe_busy_fraction": busy_s / max(num_prefill, 1) / jct_s if jct_s > 0 else None,
+        "first_token_stages_s": first_token_stages(scraped),
     }
+
+
+def first_token_stages(scraped: dict[str, list[tuple[dict[str, str], float]]]) -> dict:
+    """The mean of each stage of the first token's path, as the server saw it: ``server``
+    from its HTTP request to the first token it sent, and the scheduler's stages within
+    (``dualpath_first_token_stage_seconds``); {} where the server reported none."""
+    means = {}
+    series = {"server": ("dualpath_time_to_first_token_seconds", {})} | {
+        labels["stage"]: ("dualpath_first_token_stage_seconds", labels)
+        for labels, _ in scraped.get("dualpath_first_token_stage_seconds_count", ())
+    }
+    for stage, (name, labels) in series.items():
+        count = metric_sum(scraped, f"{name}_count", **labels)
+        if count:
+            means[stage] = round(metric_sum(scraped, f"{name}_sum", **labels) / count, 4)
+    return means
 
 
 def snic_timeline(samples: list[LinkSample]) -> dict:

@@ -352,12 +352,14 @@ class EngineProcess:
             self.last_report_s = now_s
 
     def _between_layers(self) -> None:
-        """Mid-batch on a PE: take the scheduler's messages and report on time. A prefill
-        batch lasts up to the compute quota per layer (SPEC §6) times the layers, seconds on
-        a CPU; handled only between batches, requests placed meanwhile would start their
-        PE-side reads late and the group's fetch would wait for the batch's end, leaving the
-        PE node's SNIC idle while the DE nodes' read. New requests only start reads here;
-        cancels and shutdowns, which would free this batch's buffers, wait for its end."""
+        """Mid-batch on a PE (and mid-step on a vLLM DE): take the scheduler's messages and
+        report on time. A prefill batch lasts up to the compute quota per layer (SPEC §6) times
+        the layers, seconds on a CPU; handled only between batches, requests placed meanwhile
+        would start their PE-side reads late and the group's fetch would wait for the batch's
+        end, leaving the PE node's SNIC idle while the DE nodes' read. A DE's requests take
+        their slots and start their reads here, so their PE need not wait for the DE's step
+        to end. New requests only start reads here; cancels and shutdowns, which would free
+        this batch's buffers, wait for its end."""
         for msg in self.client.poll(0.0):
             if isinstance(msg, (CancelRequest, Shutdown)):
                 self._deferred.append(msg)

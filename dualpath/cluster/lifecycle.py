@@ -24,7 +24,13 @@ from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.cluster.replacement import DelayedPlacements, retry_after_failure
-from dualpath.cluster.request_state import Delays, RequestState, may_place_again, needs_engine
+from dualpath.cluster.request_state import (
+    FIRST_TOKEN_STAGES,
+    Delays,
+    RequestState,
+    may_place_again,
+    needs_engine,
+)
 from dualpath.cluster.sessions import Sessions
 from dualpath.control.codec import check_encodable, encode
 from dualpath.errors import PeerUnavailable
@@ -32,6 +38,7 @@ from dualpath.protocol import (
     DECODE,
     Assignment,
     CancelRequest,
+    DecodeReady,
     Forward,
     KVPersisted,
     PrefillDone,
@@ -79,6 +86,8 @@ class RequestLifecycle:
         self.num_failed_unavailable = 0  # failed for lack of an engine of a role
         # From an engine's loss to the first token of the request's next placement.
         self.replacement_delays = Delays()
+        # Each stage of first placements' first-token path (``FIRST_TOKEN_STAGES``).
+        self.first_token_stages = {stage: Delays() for stage in FIRST_TOKEN_STAGES}
 
     # --- the serving side (any thread) --------------------------------------------------------
 
@@ -97,6 +106,7 @@ class RequestLifecycle:
         check_encodable(sampling, "sampling parameters")
         request_id = next(self._request_ids)
         state = RequestState(request_id, request_id, token_ids, params, sampling, 0, scope=scope)
+        state.first_token_marks_s = [self.clock()]
         self._look_up_hit(state)
         self._submissions.put(state)
         return request_id
@@ -234,6 +244,7 @@ class RequestLifecycle:
             self._fail(request_id, f"engine unavailable at assignment: {exc}")
             return
         self.num_assigned += 1
+        self._mark_first_token_stage(state, "placement")
         self.sessions.on_assigned(state.scope.session_id, de, self.clock())
         self._forward_if_served(state, pe, de)
 
@@ -263,7 +274,24 @@ class RequestLifecycle:
             )
         )
 
+    def _mark_first_token_stage(self, state: RequestState, stage: str) -> None:
+        """``stage`` of the first token's path is over now: its time is added, unless the
+        request was placed again or its path skipped the stage before."""
+        marks = state.first_token_marks_s
+        if marks is None or len(marks) != FIRST_TOKEN_STAGES.index(stage) + 1:
+            return
+        now_s = self.clock()
+        self.first_token_stages[stage].add(now_s - marks[-1])
+        marks.append(now_s)
+
     # --- the engines' messages (the loop) -----------------------------------------------------
+
+    def on_decode_ready(self, msg: DecodeReady) -> None:
+        """The DE holds the prompt's slots and its side's hit KV: the PE may prefill."""
+        state = self._requests.get(msg.request_id)
+        if state is not None:
+            self._mark_first_token_stage(state, "decode_ready")
+        self.relay(msg.request_id, msg, to_prefill=True)
 
     def relay(self, request_id: int, msg: object, *, to_prefill: bool) -> None:
         state = self._requests.get(request_id)
@@ -281,6 +309,7 @@ class RequestLifecycle:
         if state is None:
             return
         state.is_prefill_done = True
+        self._mark_first_token_stage(state, "prefill")
         if state.reported_cached_tokens is None:
             state.reported_cached_tokens = msg.num_cached_tokens
         if state.is_forwarded:  # the DE's server samples and streams every token itself
@@ -476,6 +505,7 @@ class RequestLifecycle:
             state.lost_at_s = self.clock()
         state.go_on_from_output()
         state.is_prefill_done = False
+        state.first_token_marks_s = None
         logger.warning(
             "request %d placed again (placement %d): %s",
             state.client_request_id,

@@ -49,6 +49,10 @@ class RequestState:
     # placement is handed back to the front door (``RequestEvent.is_engine_lost``).
     is_forwarded: bool = False
     scope: RequestScope = NO_SCOPE  # its tenant's cache salt and its agent session
+    # Its first token's path through the scheduler, by the scheduler's clock: when it was
+    # submitted, assigned, its DE ready (``FIRST_TOKEN_STAGES``). None once it is placed again
+    # (a re-placement's first token is ``replacement_delays``').
+    first_token_marks_s: list[float] | None = None
 
     def go_on_from_output(self) -> None:
         """The next placement prefills the prompt and every token sent so far, and goes on
@@ -59,6 +63,14 @@ class RequestState:
                 self.output_token_ids
             )
             self.num_output_tokens = len(self.output_token_ids)
+
+
+# The stages of a first token's path that the scheduler sees, each from the end of the last:
+# ``placement`` from submit to the Assignment (the scheduler's queue, and a wait for blocks a
+# DE is still writing), ``decode_ready`` to the DE's DecodeReady (its buffer slots and its
+# side's reads, relayed to the PE), ``prefill`` to the PE's PrefillDone (the PE's reads, its
+# engine's prefill and the KV sent to the DE). A vLLM server PE's path has no DecodeReady.
+FIRST_TOKEN_STAGES = ("placement", "decode_ready", "prefill")
 
 
 def may_place_again(state: RequestState) -> bool:

@@ -136,6 +136,17 @@ class ClusterCollector(Collector):
             count_value=snapshot.num_replacement_delays,
             sum_value=snapshot.replacement_delay_s_sum,
         )
+        stages = SummaryMetricFamily(
+            "dualpath_first_token_stage_seconds",
+            "Each stage of a request's path to its first token as the scheduler sees it, each "
+            "from the end of the last: placement (submit to assignment), decode_ready (to the "
+            "DE's buffer slots and its side's reads), prefill (to the PE's first token, its KV "
+            "sent to the DE). First placements only.",
+            labels=["stage"],
+        )
+        for stage, (count, sum_s) in snapshot.first_token_stages.items():
+            stages.add_metric([stage], count_value=count, sum_value=sum_s)
+        yield stages
         yield _gauge(
             "dualpath_scheduler_replacement_first_token_max_seconds",
             "The longest time from an engine's loss to a re-placed request's next token.",

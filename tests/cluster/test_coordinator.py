@@ -117,6 +117,33 @@ def test_request_is_placed_relayed_and_finished(cluster) -> None:
     assert coordinator.link_bytes()[0] == {"snic": 1}
 
 
+def test_each_stage_of_the_first_tokens_path_is_timed_once_on_the_schedulers_clock(
+    cluster,
+) -> None:
+    coordinator, engines, clock, _ = cluster
+    clock.now_s = 1.0
+    request_id = coordinator.submit(list(range(10)), SamplingParams(max_tokens=3))
+    settle(coordinator, engines)
+    clock.now_s = 1.5  # the engines' reports let the scheduler place it now
+    for engine in engines:
+        engine.report()
+        settle(coordinator, engines)
+    (assignment,) = engines[0].receive(Assignment)
+    clock.now_s = 1.75
+    engines[assignment.decode_engine_id].client.send(DecodeReady(request_id, (5, 6), 0))
+    settle(coordinator, engines)
+    clock.now_s = 2.5
+    for _ in range(2):  # a PrefillDone sent twice is timed once
+        engines[0].client.send(PrefillDone(request_id, 42, None, 0))
+        settle(coordinator, engines)
+    stages = coordinator.snapshot(clock.now_s).first_token_stages
+    assert stages == {
+        "placement": (1, pytest.approx(0.5)),
+        "decode_ready": (1, pytest.approx(0.25)),
+        "prefill": (1, pytest.approx(0.75)),
+    }
+
+
 def test_the_scheduler_fetches_for_idle_groups_until_they_are_given_work(cluster) -> None:
     coordinator, engines, _, _ = cluster
     for engine in engines:  # each says once that it is idle, then stays silent
