@@ -29,7 +29,13 @@ from dualpath.protocol import (
     TokenUpdate,
 )
 from dualpath.types import sampling_params_from_dict
-from dualpath.vllm.engine import logprobs_of, vllm_prompt, vllm_sampling_params, with_plan
+from dualpath.vllm.engine import (
+    logprobs_of,
+    step_between_layers,
+    vllm_prompt,
+    vllm_sampling_params,
+    with_plan,
+)
 
 if TYPE_CHECKING:  # the role runs without vLLM's imports where its engine is given (tests)
     from dualpath.vllm.connector import ConnectorHost
@@ -177,18 +183,30 @@ class VllmDecodeRole:
         with self.lock:
             self.store_reads.release(request)
 
-    def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
+    def _send_ready(self, send: Send) -> None:
+        """DecodeReady for every request whose slots and reads are done: its PE may prefill."""
         for request in self.requests.values():
             if request.is_ready_sent or not request.is_read:
                 continue
             request.is_ready_sent = True
             num_covered = request.num_skipped + request.reads.result()
             send(DecodeReady(request.request_id, tuple(request.slots), num_covered))
+
+    def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
+        self._send_ready(send)
         self._adopt_prefilled()
         if not self.engine.has_unfinished_requests():
             return False
+
+        # Mid-step, requests placed meanwhile take their slots, start their reads and tell
+        # their PEs they are ready, rather than waiting for the step's end: the PE waits for
+        # that to prefill, and the scheduler for this DE's report to place more.
+        def between_layers_and_send() -> None:
+            between_layers()
+            self._send_ready(send)
+
         try:
-            outputs = self.engine.step()
+            outputs = step_between_layers(self.engine, self.host, between_layers_and_send)
         except Exception as exc:  # a bug: every request of the step fails, the engine goes on
             logger.exception("decode step failed")
             for request_id in list(self.requests):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,20 @@ def build_engine(spec: VllmEngineSpec) -> Any:
     args.update(mla_args(spec.model_dir))
     args.update(spec.args)
     return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def step_between_layers(engine: Any, host: Any, between_layers: Callable[[], None]) -> list:
+    """One step of ``engine``, ``between_layers`` called after each layer's KV is saved (the
+    connector's hook, ``host.between_layers``): the engine process takes the scheduler's
+    messages and reports mid-step. An engine that steps itself on another thread (a vLLM
+    server's) is not ours to call into: its step is only waited for."""
+    if getattr(engine, "steps_itself", False):
+        return engine.step()
+    host.between_layers = between_layers
+    try:
+        return engine.step()
+    finally:
+        host.between_layers = None
 
 
 def mla_args(model_dir: Path) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from dualpath.types import sampling_params_from_dict
 from dualpath.vllm.engine import (
     PrefixCacheProbe,
     logprobs_of,
+    step_between_layers,
     vllm_prompt,
     vllm_sampling_params,
     with_plan,
@@ -231,14 +232,7 @@ class VllmPrefillRole:
             between_layers()
             self._flush_outbox(send)
 
-        if getattr(self.engine, "steps_itself", False):  # on its own thread: not ours to call
-            outputs = self.engine.step()
-        else:
-            self.host.between_layers = between_layers_and_send
-            try:
-                outputs = self.engine.step()
-            finally:
-                self.host.between_layers = None
+        outputs = step_between_layers(self.engine, self.host, between_layers_and_send)
         for output in outputs:
             if output.finished:
                 self._finish(int(output.request_id), output, send)
