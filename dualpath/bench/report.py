@@ -72,6 +72,21 @@ def cpu_lines(run: dict) -> str:
     return "CPU cores busy (mean over the run):\n" + "\n".join(lines) if lines else ""
 
 
+def first_token_lines(run: dict) -> str:
+    """Per mode, the mean of each stage of the first token's path the server reported
+    (``first_token_stages_s``): its TTFT, then the scheduler's stages within it."""
+    lines = []
+    for mode, r in run["modes"].items():
+        stages = r.get("first_token_stages_s")
+        if stages:
+            lines.append(f"- {mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
+    if not lines:
+        return ""
+    return "First token, mean seconds (the server's TTFT; the scheduler's stages):\n" + "\n".join(
+        lines
+    )
+
+
 def write_markdown(report: dict, path: Path | None) -> str:
     """The summary as Markdown (returned, and written to ``path`` if given)."""
     runs = report.get("runs", [report])
@@ -90,9 +105,9 @@ def write_markdown(report: dict, path: Path | None) -> str:
             )
         parts.append(head)
         parts.append(markdown_table(run))
-        cpu = cpu_lines(run)
-        if cpu:
-            parts.append(cpu)
+        for extra in (cpu_lines(run), first_token_lines(run)):
+            if extra:
+                parts.append(extra)
         if run.get("slo") is not None:
             slo = run["slo"]
             parts.append(

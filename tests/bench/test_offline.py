@@ -40,6 +40,12 @@ def test_every_mode_replays_the_workload_with_the_same_tokens(report: dict) -> N
         assert result["snic_load_balance"] >= 1.0
         assert result["snic_read_load_balance"] is None or result["snic_read_load_balance"] >= 1
         assert result["server_exit_code"] == 0
+        # The scheduler's stages of each first token lie within the server's TTFT of it.
+        stages = dict(result["first_token_stages_s"])
+        server_s = stages.pop("server")
+        assert set(stages) == {"placement", "decode_ready", "prefill"}
+        assert all(s >= 0 for s in stages.values()) and stages["prefill"] > 0
+        assert sum(stages.values()) <= server_s + 1e-3  # means rounded to 0.1 ms
     assert set(report["ratios"]) >= {"dualpath_vs_basic_jct", "dualpath_vs_oracle_jct"}
     assert report["link_caps_emulated"] is True
 
