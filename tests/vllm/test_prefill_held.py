@@ -1,7 +1,8 @@
 """The vLLM roles' ``PrefillHeld`` exchange, driven without vLLM (fake engines, a memory
 store): a DE waits for the PE's word before its side's reads only where the Assignment says
 the PE sends it (``is_prefill_held_sent``); a PE sends it exactly there. And both read, and
-ask vLLM's prefix cache, in the Assignment's cache salt's namespace only."""
+ask vLLM's prefix cache, in the Assignment's cache salt's namespace only. A DE placed while it
+steps sends ``DecodeReady`` from the step's between-layers hook, not after the step."""
 
 from __future__ import annotations
 
@@ -118,6 +119,54 @@ def test_a_de_whose_pe_reports_nothing_reads_at_once(decode: VllmDecodeRole) -> 
     (ready,) = _work(decode)
     assert ready == DecodeReady(7, tuple(request.slots), 2)
     assert decode.num_read_bytes == 2 * LAYOUT.full_block_bytes
+
+
+class _SteppingEngine(_Engine):
+    """An engine with one request in one step, whose connector calls the host's
+    between-layers hook after each layer, as vLLM saves each layer's KV."""
+
+    def __init__(self, host: SimpleNamespace) -> None:
+        super().__init__()
+        self.host = host
+        self.num_steps = 0
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_steps == 0
+
+    def step(self) -> list:
+        self.num_steps += 1
+        for _ in range(LAYOUT.num_layers):
+            if self.host.between_layers is not None:
+                self.host.between_layers()
+        return []
+
+
+def test_a_de_placed_mid_step_tells_its_pe_before_the_step_ends(store: MemoryKVStore) -> None:
+    host = _host(store)
+    host.between_layers = None
+    engine = _SteppingEngine(host)
+    decode = VllmDecodeRole(
+        engine,
+        host,
+        KVBuffer(LAYOUT, 8 * LAYOUT.full_block_bytes),
+        wake=lambda: None,
+        eos_token_ids=(),
+        num_io_threads=1,
+    )
+
+    def between_layers() -> None:  # the engine process hands over an Assignment that came
+        if 7 not in decode.requests:
+            decode.add(_assignment(is_prefill_held_sent=False))
+            decode.requests[7].reads.result()  # read before the next layer
+
+    sent: list[object] = []
+    try:
+        assert decode.work(sent.append, between_layers)
+    finally:
+        decode.close(flush_timeout_s=1.0)
+    assert engine.num_steps == 1
+    assert sent == [DecodeReady(7, tuple(decode.requests[7].slots), 2)]
+    assert host.between_layers is None  # the hook is the step's only
 
 
 def test_a_de_whose_pe_reports_waits_for_it_and_skips_what_it_holds(
