@@ -142,6 +142,22 @@ def add_threads_argument(
     )
 
 
+def add_decode_threads_argument(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, *, default_help: str
+) -> None:
+    """``--decode-threads``: torch's CPU threads in each decode engine, instead of
+    ``--threads`` (None when not given: the command's default says what it takes)."""
+    p.add_argument(
+        "--decode-threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads per decode engine instead of --threads (default: "
+        f"{default_help}). A DE steps small batches, where a second thread gains less than "
+        "its fork-join costs; where engines share cores, `--threads <cores> --decode-threads "
+        "1` leaves them to the PE's prefill",
+    )
+
+
 def add_repeats_argument(
     p: argparse.ArgumentParser, *, default: int, reported: str = "medians"
 ) -> None:

@@ -33,6 +33,7 @@ from dualpath.cluster_options import (
     add_transport_argument,
 )
 from dualpath.flags import non_negative_float, positive_float, positive_int
+from dualpath.options import add_decode_threads_argument
 from dualpath.server.config import GENERATION_CONFIG_MODES
 
 # Flags that exclude each other: the command line giving one drops the file's other.
@@ -134,15 +135,7 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         "already charged to the NIC it crosses",
     )
     add_engine_memory_arguments(group)
-    group.add_argument(
-        "--decode-threads",
-        type=positive_int,
-        default=None,
-        help="torch CPU threads per decode engine instead of --threads (default: --threads). "
-        "A DE steps small batches, where a second thread gains less than its fork-join costs; "
-        "where engines share cores, `--threads <cores> --decode-threads 1` leaves them to "
-        "the PE's prefill",
-    )
+    add_decode_threads_argument(group, default_help="--threads")
     add_transport_argument(group)
     group.add_argument(
         "--scheduler-endpoint",

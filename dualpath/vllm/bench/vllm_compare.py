@@ -77,11 +77,12 @@ from dualpath.bench.spec import (
 )
 from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.cluster_options import add_kv_cache_argument, add_transport_argument
-from dualpath.flags import non_negative_float, positive_float, positive_int
+from dualpath.flags import non_negative_float, positive_float
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import (
     add_clones_argument,
+    add_decode_threads_argument,
     add_max_sessions_argument,
     add_model_argument,
     add_seed_argument,
@@ -287,13 +288,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         detail=" of ours (serve --threads; engine e on cores e*threads ...: with as many "
         "threads as cores every engine may use every core)",
     )
-    parser.add_argument(
-        "--decode-threads",
-        type=positive_int,
-        default=None,
-        help="torch CPU threads per decode engine of ours (serve --decode-threads; default: "
-        "1 with --regime, where a DE's small decode batches gain less from a second thread "
-        "than the PE's prefill loses to it; else --threads)",
+    add_decode_threads_argument(
+        parser, default_help="1 with --regime, else --threads; ours' engines, as serve's"
     )
     parser.add_argument(
         "--start-timeout-s",
