@@ -8,6 +8,8 @@ caller bug raises ``RuntimeError`` that says so.
 
 from __future__ import annotations
 
+import errno
+
 
 class DualPathError(Exception):
     """Base of every error dualpath raises on purpose."""
@@ -59,3 +61,30 @@ class ClusterUnavailable(DualPathError):
 class CalibrationError(DualPathError):
     """A benchmark's calibration run could not fix its link caps: the settings it ran with
     (the engines' KV memory, the workload) do not give the regime it calibrates for."""
+
+
+# A file system (a network mount) whose servers this host cannot reach now: it may come back.
+OUT_OF_REACH_ERRNOS = frozenset(
+    {
+        errno.ENOTCONN,  # a FUSE mount (GlusterFS) that lost its servers
+        errno.ESTALE,  # NFS
+        errno.ETIMEDOUT,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+        errno.ENETDOWN,
+        errno.ENETUNREACH,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+    }
+)
+
+
+def is_out_of_reach(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is an ``OSError`` whose errno says
+    the storage is out of reach rather than refused (permissions, a missing path, a full disk)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in OUT_OF_REACH_ERRNOS:
+            return True
+        exc = exc.__cause__
+    return False

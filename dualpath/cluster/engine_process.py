@@ -17,7 +17,8 @@ itself hears the scheduler's ``Heartbeat``s between its units of work.
 It exits on ``Shutdown`` or SIGTERM (0), when it loses the scheduler (``EXIT_SCHEDULER_LOST``:
 no answer to its hello, silence for ``SCHEDULER_SILENCE_TIMEOUTS`` heartbeat timeouts seen
 between units of work, or the scheduler no longer knowing it, having declared it dead; also
-when its transport cannot start, as on a host whose network is down), and (Linux) when its
+when its transport cannot start, as on a host whose network is down, or its store's file
+system is out of reach, as a network mount not reconnected yet), and (Linux) when its
 parent dies.
 Whoever supervises it (``dualpath serve``, or ``dualpath engine`` itself: ``engine_processes``)
 starts it again after a lost scheduler: a fresh engine rejoins under its id, with nothing of
@@ -46,7 +47,7 @@ from dualpath.control.codec import encode
 from dualpath.engine.buffers import KVBuffer
 from dualpath.engine.capacity import role_buffer_bytes
 from dualpath.engine.role import RoleEngine
-from dualpath.errors import TransferError, TransferTimeout
+from dualpath.errors import KVStoreError, TransferError, TransferTimeout, is_out_of_reach
 from dualpath.lifetime import die_with_parent, ignore_stop_signals
 from dualpath.model.identity import checkpoint_kv_identity, kv_identity, vllm_device
 from dualpath.model.loader import LoadedModel, load_model
@@ -109,6 +110,15 @@ def run_engine(config: EngineProcessConfig, token: str) -> int:
         # device while the link is cut). Not a configuration refused (exit 2, never started
         # again): a host cut off rejoins once it is back, as after a lost scheduler.
         logger.error("engine %d: %s: exiting", config.engine_id, exc)
+        return EXIT_SCHEDULER_LOST
+    except (KVStoreError, OSError) as exc:
+        if not is_out_of_reach(exc):
+            raise
+        # The store's file system is out of reach (a network mount whose servers this host
+        # cannot reach yet, as after its link was cut): started again until it is back, as
+        # after a lost scheduler. A store refused otherwise (permissions, no such path) is
+        # still the configuration error it was.
+        logger.error("engine %d: the KV store is out of reach (%s): exiting", config.engine_id, exc)
         return EXIT_SCHEDULER_LOST
     exit_code = 1  # a crash, unless run() returns
     try:

@@ -13,7 +13,8 @@ What its exit code says decides (``engine_process``):
     0                     stopped on purpose (Shutdown, SIGTERM): not restarted
     2                     a configuration refused (flags, cluster token): not restarted
     EXIT_SCHEDULER_LOST   it lost the scheduler, or its transport could not start (no usable
-                          network device): restarted however often (backoff at most
+                          network device), or its store's file system was out of reach (a
+                          network mount not reconnected yet): restarted however often (backoff at most
                           MAX_BACKOFF_S), so a host cut off for a while rejoins when it is back
     any other             a crash (or a kill): at most ``max_restarts`` times per engine within
                           RESTART_WINDOW_S; one that keeps dying stays dead, and the scheduler

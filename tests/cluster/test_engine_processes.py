@@ -20,7 +20,7 @@ from dualpath.cluster.engine_processes import (
     EngineProcesses,
     openmp_env,
 )
-from dualpath.config import EngineConfig, EngineProcessConfig, config_to_dict
+from dualpath.config import EngineConfig, EngineProcessConfig, KVStoreConfig, config_to_dict
 
 HANG_GUARD_S = 60.0  # only a bug waits this long
 
@@ -136,3 +136,43 @@ def test_an_engine_whose_transport_cannot_start_exits_to_be_started_again(
     )
     assert done.returncode == EXIT_SCHEDULER_LOST, done.stderr[-2000:]
     assert "no usable devices: exiting" in done.stderr
+
+
+@pytest.mark.parametrize(("errno_name", "is_restarted"), [("ENOTCONN", True), ("EACCES", False)])
+def test_an_engine_whose_store_is_out_of_reach_exits_to_be_started_again(
+    tiny_model_dir: Path, tmp_path: Path, errno_name: str, is_restarted: bool
+) -> None:
+    """A host whose network mount lost its servers (GlusterFS's FUSE client answers ENOTCONN
+    until it reconnects) exits as after a lost scheduler, to be started again until the store
+    is back; a store refused (no permission) stays a configuration error, never started again."""
+    config = EngineProcessConfig(
+        role="decode", engine_id=3, node_id=1, scheduler_endpoint="tcp://127.0.0.1:1",
+        model_dir=tiny_model_dir, engine=EngineConfig(num_threads=1),
+        store=KVStoreConfig(root_dir=tmp_path / "kv"),
+    )  # fmt: skip
+    code = (
+        "import errno, json, sys\n"
+        "from dualpath.cluster import engine_process\n"
+        "from dualpath.config import config_from_dict, EngineProcessConfig\n"
+        "from dualpath.errors import StoreWriteError\n"
+        "from dualpath.kv.file_store import FileKVStore\n"
+        "def unreachable(*args, **kwargs):\n"
+        f"    cause = OSError(errno.{errno_name}, 'the mount says so')\n"
+        "    raise StoreWriteError('cannot create store namespace') from cause\n"
+        "FileKVStore.from_config = unreachable\n"
+        "config = config_from_dict(EngineProcessConfig, json.loads(sys.stdin.read()))\n"
+        "sys.exit(engine_process.run_engine(config, 'token'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(config_to_dict(config)),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    if is_restarted:
+        assert done.returncode == EXIT_SCHEDULER_LOST, done.stderr[-2000:]
+        assert "the KV store is out of reach" in done.stderr
+    else:  # raised: the CLI names it and exits 2; run bare here, a traceback
+        assert done.returncode not in (0, EXIT_SCHEDULER_LOST), done.stderr[-2000:]
+        assert "StoreWriteError: cannot create store namespace" in done.stderr
