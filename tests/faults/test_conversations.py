@@ -52,8 +52,10 @@ HEARTBEAT_TIMEOUT_S = 4.0  # the multi-host cluster's remote engines
 # Hang guards, far above a loaded 2-core machine's times: each wait ends on what it waits for.
 BACK_TIMEOUT_S = 300.0  # a restarted engine in /health (a cut-off one backs off up to 30 s)
 EXIT_TIMEOUT_S = 120.0  # a server or `dualpath engine` told to stop
-# A replay in which the fault found no request to strike is run again, at most this often.
-MAX_REPLAYS = 4
+# A replay in which the fault found no request to strike is run again, at most this often. On
+# a warm server a decode engine holds each request for milliseconds, and a replay (a second or
+# two) can end before a scrape sees it holding one: four replays in a row once missed engine 3.
+MAX_REPLAYS = 10
 
 
 @dataclass(frozen=True)
