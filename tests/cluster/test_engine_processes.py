@@ -106,33 +106,46 @@ def test_an_engine_outlives_the_thread_that_asked_for_it(tmp_path: Path) -> None
         processes.terminate(timeout_s=HANG_GUARD_S)
 
 
+def _run_engine_failing_at_start(
+    tiny_model_dir: Path, store_dir: Path, patch: str
+) -> subprocess.CompletedProcess:
+    """``run_engine`` of a decode engine in a process of its own, ``patch`` (Python run
+    first, with ``engine_process`` imported) making its start fail; its exit code and output."""
+    config = EngineProcessConfig(
+        role="decode", engine_id=3, node_id=1, scheduler_endpoint="tcp://127.0.0.1:1",
+        model_dir=tiny_model_dir, engine=EngineConfig(num_threads=1),
+        store=KVStoreConfig(root_dir=store_dir),
+    )  # fmt: skip
+    code = (
+        "import errno, json, sys\n"
+        "from dualpath.cluster import engine_process\n"
+        "from dualpath.config import config_from_dict, EngineProcessConfig\n"
+        f"{patch}"
+        "config = config_from_dict(EngineProcessConfig, json.loads(sys.stdin.read()))\n"
+        "sys.exit(engine_process.run_engine(config, 'token'))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(config_to_dict(config)),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+
+
 def test_an_engine_whose_transport_cannot_start_exits_to_be_started_again(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """On a host whose link is cut, UCX finds no usable device and the NIXL agent cannot be
     created: the engine must exit as after a lost scheduler (started again until the host is
     back), not as a configuration refused (never started again)."""
-    config = EngineProcessConfig(
-        role="decode", engine_id=3, node_id=1, scheduler_endpoint="tcp://127.0.0.1:1",
-        model_dir=tiny_model_dir, engine=EngineConfig(num_threads=1),
-    )  # fmt: skip
-    code = (
-        "import json, sys\n"
-        "from dualpath.cluster import engine_process\n"
-        "from dualpath.config import config_from_dict, EngineProcessConfig\n"
+    done = _run_engine_failing_at_start(
+        tiny_model_dir,
+        tmp_path / "kv",
         "from dualpath.errors import TransferError\n"
         "def no_device(*args, **kwargs):\n"
         "    raise TransferError(\"creating NIXL agent 'engine-3': no usable devices\")\n"
-        "engine_process.create_transport = no_device\n"
-        "config = config_from_dict(EngineProcessConfig, json.loads(sys.stdin.read()))\n"
-        "sys.exit(engine_process.run_engine(config, 'token'))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(config_to_dict(config)),
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
+        "engine_process.create_transport = no_device\n",
     )
     assert done.returncode == EXIT_SCHEDULER_LOST, done.stderr[-2000:]
     assert "no usable devices: exiting" in done.stderr
@@ -145,30 +158,15 @@ def test_an_engine_whose_store_is_out_of_reach_exits_to_be_started_again(
     """A host whose network mount lost its servers (GlusterFS's FUSE client answers ENOTCONN
     until it reconnects) exits as after a lost scheduler, to be started again until the store
     is back; a store refused (no permission) stays a configuration error, never started again."""
-    config = EngineProcessConfig(
-        role="decode", engine_id=3, node_id=1, scheduler_endpoint="tcp://127.0.0.1:1",
-        model_dir=tiny_model_dir, engine=EngineConfig(num_threads=1),
-        store=KVStoreConfig(root_dir=tmp_path / "kv"),
-    )  # fmt: skip
-    code = (
-        "import errno, json, sys\n"
-        "from dualpath.cluster import engine_process\n"
-        "from dualpath.config import config_from_dict, EngineProcessConfig\n"
+    done = _run_engine_failing_at_start(
+        tiny_model_dir,
+        tmp_path / "kv",
         "from dualpath.errors import StoreWriteError\n"
         "from dualpath.kv.file_store import FileKVStore\n"
         "def unreachable(*args, **kwargs):\n"
         f"    cause = OSError(errno.{errno_name}, 'the mount says so')\n"
         "    raise StoreWriteError('cannot create store namespace') from cause\n"
-        "FileKVStore.from_config = unreachable\n"
-        "config = config_from_dict(EngineProcessConfig, json.loads(sys.stdin.read()))\n"
-        "sys.exit(engine_process.run_engine(config, 'token'))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(config_to_dict(config)),
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
+        "FileKVStore.from_config = unreachable\n",
     )
     if is_restarted:
         assert done.returncode == EXIT_SCHEDULER_LOST, done.stderr[-2000:]
