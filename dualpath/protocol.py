@@ -320,6 +320,9 @@ class RequestEvent:
     # A forwarded request's DE refused its placement's prompt (``RequestFailed``): its server
     # serves the request alone, and its HTTP answer is the client's as ever.
     is_prompt_refused: bool = False
+    # On the event that brings a first placement's first token: the seconds of each stage of
+    # its path through the scheduler (``cluster.request_state.FIRST_TOKEN_STAGES``).
+    first_token_stages_s: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

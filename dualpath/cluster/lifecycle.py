@@ -317,7 +317,11 @@ class RequestLifecycle:
             return
         state.finish_reason_pending = msg.finish_reason
         logprobs = None if msg.first_token_logprob is None else (msg.first_token_logprob,)
-        self._emit(state, (msg.first_token_id,), None, logprobs, now_s)
+        marks = state.first_token_marks_s
+        stages_s = None
+        if marks is not None and len(marks) == len(FIRST_TOKEN_STAGES) + 1:
+            stages_s = tuple(end - start for start, end in itertools.pairwise(marks))
+        self._emit(state, (msg.first_token_id,), None, logprobs, now_s, stages_s)
         self.relay(msg.request_id, msg, to_prefill=False)
 
     def on_tokens(self, msg: TokenUpdate, now_s: float) -> None:
@@ -345,6 +349,7 @@ class RequestLifecycle:
         finish_reason: str | None,
         logprobs: tuple | None,
         now_s: float,
+        first_token_stages_s: tuple[float, ...] | None = None,
     ) -> None:
         """Tokens to the caller, remembered (a placement after a loss goes on from them)."""
         if token_ids:
@@ -360,6 +365,7 @@ class RequestLifecycle:
                 state.reported_cached_tokens or 0,
                 logprobs=logprobs,
                 time_s=now_s,
+                first_token_stages_s=first_token_stages_s,
             )
         )
 

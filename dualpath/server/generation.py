@@ -61,6 +61,8 @@ class Choice:
     first_token_s: float | None = None
     second_token_s: float | None = None
     last_token_s: float | None = None  # the latest event that brought tokens
+    # The scheduler's stages of its first token (``RequestEvent.first_token_stages_s``).
+    first_token_stages_s: tuple[float, ...] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -188,9 +190,11 @@ class Generation:
     def _log_summary(self) -> None:
         usage = self.usage()
         first_token_s = [c.first_token_s for c in self.choices if c.first_token_s is not None]
+        stages_s = self.choices[0].first_token_stages_s if self.choices else None
         logger.info(
             "request_id=%s generations=%d prompt_tokens=%d cached_tokens=%d "
-            "completion_tokens=%d finish_reasons=%s ttft_s=%s e2e_s=%.4f",
+            "completion_tokens=%d finish_reasons=%s ttft_s=%s e2e_s=%.4f "
+            "first_token_stages_s=%s",
             self.request_id,
             len(self.choices),
             usage["prompt_tokens"],
@@ -199,6 +203,7 @@ class Generation:
             ",".join(c.finish_reason or "cancelled" for c in self.choices),
             f"{min(first_token_s) - self.arrival_s:.4f}" if first_token_s else "none",
             time.monotonic() - self.arrival_s,
+            "/".join(f"{s:.4f}" for s in stages_s) if stages_s else "none",
         )
 
     # --- events -> deltas -----------------------------------------------------------------------
@@ -235,6 +240,8 @@ class Generation:
         num_after = len(choice.token_ids)
         if num_before == 0 and num_after >= 1:
             choice.first_token_s = now_s
+        if event.first_token_stages_s is not None:
+            choice.first_token_stages_s = event.first_token_stages_s
         if num_before <= 1 < num_after:
             choice.second_token_s = now_s
         if num_after > num_before:

@@ -142,6 +142,10 @@ def test_each_stage_of_the_first_tokens_path_is_timed_once_on_the_schedulers_clo
         "decode_ready": (1, pytest.approx(0.25)),
         "prefill": (1, pytest.approx(0.75)),
     }
+    # The event with the first token carries them too (the server's per-request log line).
+    first, *_ = coordinator.drain_events()
+    assert first.token_ids == (42,)
+    assert first.first_token_stages_s == pytest.approx((0.5, 0.25, 0.75))
 
 
 def test_the_scheduler_fetches_for_idle_groups_until_they_are_given_work(cluster) -> None:

@@ -153,6 +153,25 @@ def test_n_choices_are_seeded_and_reproducible(server: Server) -> None:
     assert first.usage.completion_tokens == 12
 
 
+def test_each_requests_log_line_gives_its_first_tokens_stages(server: Server) -> None:
+    """The server's per-request log line ends with the scheduler's stages of its first token:
+    placement / decode_ready / prefill, each in seconds, which lie within its TTFT."""
+    response = server.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "stages", "max_tokens": 2}
+    )
+    assert response.status_code == 200, response.text
+    request_id = response.headers["x-request-id"]
+    deadline_s = time.monotonic() + 30  # logged as the request closes: a hang guard
+    summary = f"request_id={request_id} generations="  # not its access line
+    while not (lines := [x for x in server.log.splitlines() if summary in x]):
+        assert time.monotonic() < deadline_s, server.log[-2000:]
+        time.sleep(0.05)
+    fields = dict(item.split("=", 1) for item in lines[-1].split() if "=" in item)
+    stages_s = [float(v) for v in fields["first_token_stages_s"].split("/")]
+    assert len(stages_s) == 3 and all(s >= 0 for s in stages_s), lines[-1]
+    assert sum(stages_s) <= float(fields["ttft_s"]) + 1e-3, lines[-1]  # logged to 0.1 ms
+
+
 def test_logprobs_of_the_first_token(server: Server) -> None:
     out = server.client.chat.completions.create(
         model=MODEL,
