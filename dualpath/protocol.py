@@ -321,7 +321,7 @@ class RequestEvent:
     # serves the request alone, and its HTTP answer is the client's as ever.
     is_prompt_refused: bool = False
     # On the event that brings a first placement's first token: the seconds of each stage of
-    # its path through the scheduler (``cluster.request_state.FIRST_TOKEN_STAGES``).
+    # its path through the scheduler (``cluster.first_token.FIRST_TOKEN_STAGES``).
     first_token_stages_s: tuple[float, ...] | None = None
 
 

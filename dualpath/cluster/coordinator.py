@@ -94,7 +94,7 @@ class ClusterSnapshot:
     num_replacement_delays: int = 0
     replacement_delay_s_sum: float = 0.0
     replacement_delay_s_max: float = 0.0
-    # Each stage of first placements' first-token path (``FIRST_TOKEN_STAGES``): stage ->
+    # Each stage of first placements' first-token path (``first_token.py``): stage ->
     # (count, sum of seconds), since the start.
     first_token_stages: dict[str, tuple[int, float]] = field(default_factory=dict)
     # Engine and group load reports received (each a fetch when sent by a group's leader).
@@ -188,7 +188,7 @@ class Coordinator:
                 engine.info.engine_id,
                 msg,  # the sender's id, whatever the report says
             ),
-            DecodeReady: lambda engine, msg, now_s: lifecycle.on_decode_ready(msg),
+            DecodeReady: lambda engine, msg, now_s: lifecycle.on_decode_ready(msg, now_s),
             PrefillHeld: lambda engine, msg, now_s: lifecycle.relay(
                 msg.request_id, msg, to_prefill=False
             ),
@@ -281,10 +281,7 @@ class Coordinator:
             num_replacement_delays=self.requests.replacement_delays.count,
             replacement_delay_s_sum=self.requests.replacement_delays.sum_s,
             replacement_delay_s_max=self.requests.replacement_delays.max_s,
-            first_token_stages={
-                stage: (delays.count, delays.sum_s)
-                for stage, delays in self.requests.first_token_stages.items()
-            },
+            first_token_stages=self.requests.first_token.totals(),
             num_reports=self.num_reports,
             link_bytes=self.link_bytes(),
             num_live_engines_by_role={

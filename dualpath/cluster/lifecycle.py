@@ -20,16 +20,17 @@ import logging
 import queue
 from collections.abc import Callable, Sequence
 
+from dualpath.cluster.first_token import FirstTokenStages
 from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.membership import Membership
 from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.cluster.replacement import DelayedPlacements, retry_after_failure
 from dualpath.cluster.request_state import (
-    FIRST_TOKEN_STAGES,
     Delays,
     RequestState,
     may_place_again,
     needs_engine,
+    num_requests_by_engine,
 )
 from dualpath.cluster.sessions import Sessions
 from dualpath.control.codec import check_encodable, encode
@@ -86,8 +87,8 @@ class RequestLifecycle:
         self.num_failed_unavailable = 0  # failed for lack of an engine of a role
         # From an engine's loss to the first token of the request's next placement.
         self.replacement_delays = Delays()
-        # Each stage of first placements' first-token path (``FIRST_TOKEN_STAGES``).
-        self.first_token_stages = {stage: Delays() for stage in FIRST_TOKEN_STAGES}
+        # Each stage of first placements' path to their first token.
+        self.first_token = FirstTokenStages()
 
     # --- the serving side (any thread) --------------------------------------------------------
 
@@ -106,7 +107,7 @@ class RequestLifecycle:
         check_encodable(sampling, "sampling parameters")
         request_id = next(self._request_ids)
         state = RequestState(request_id, request_id, token_ids, params, sampling, 0, scope=scope)
-        state.first_token_marks_s = [self.clock()]
+        self.first_token.start(state, self.clock())
         self._look_up_hit(state)
         self._submissions.put(state)
         return request_id
@@ -125,17 +126,10 @@ class RequestLifecycle:
         return None if state is None else (state.prefill_engine_id, state.decode_engine_id)
 
     def num_requests_by_engine(self) -> dict[int, int]:
-        """Engine id -> requests in flight that its loss would place again (or fail, past
-        MAX_PLACEMENTS; see ``engine_lost``); engines that hold none are left out. For
-        /metrics, and for tests that must strike an engine while it holds requests."""
-        counts: dict[int, int] = {}
-        for request in self._requests.values():
-            if request.finish_reason_pending is not None:
-                continue  # only its finish is outstanding: a loss sends that, nothing more
-            for engine_id in (request.prefill_engine_id, request.decode_engine_id):
-                if engine_id is not None and needs_engine(request, engine_id):
-                    counts[engine_id] = counts.get(engine_id, 0) + 1
-        return counts
+        """``request_state.num_requests_by_engine`` of the requests in flight (see
+        ``engine_lost``). For /metrics, and for tests that must strike an engine while it
+        holds requests."""
+        return num_requests_by_engine(self._requests.values())
 
     def drain_events(self) -> list[RequestEvent]:
         events = []
@@ -244,8 +238,9 @@ class RequestLifecycle:
             self._fail(request_id, f"engine unavailable at assignment: {exc}")
             return
         self.num_assigned += 1
-        self._mark_first_token_stage(state, "placement")
-        self.sessions.on_assigned(state.scope.session_id, de, self.clock())
+        now_s = self.clock()
+        self.first_token.mark(state, "placement", now_s)
+        self.sessions.on_assigned(state.scope.session_id, de, now_s)
         self._forward_if_served(state, pe, de)
 
     def _is_prefill_held_sent(self, pe: int, plan: LoadPlan) -> bool:
@@ -274,23 +269,13 @@ class RequestLifecycle:
             )
         )
 
-    def _mark_first_token_stage(self, state: RequestState, stage: str) -> None:
-        """``stage`` of the first token's path is over now: its time is added, unless the
-        request was placed again or its path skipped the stage before."""
-        marks = state.first_token_marks_s
-        if marks is None or len(marks) != FIRST_TOKEN_STAGES.index(stage) + 1:
-            return
-        now_s = self.clock()
-        self.first_token_stages[stage].add(now_s - marks[-1])
-        marks.append(now_s)
-
     # --- the engines' messages (the loop) -----------------------------------------------------
 
-    def on_decode_ready(self, msg: DecodeReady) -> None:
+    def on_decode_ready(self, msg: DecodeReady, now_s: float) -> None:
         """The DE holds the prompt's slots and its side's hit KV: the PE may prefill."""
         state = self._requests.get(msg.request_id)
         if state is not None:
-            self._mark_first_token_stage(state, "decode_ready")
+            self.first_token.mark(state, "decode_ready", now_s)
         self.relay(msg.request_id, msg, to_prefill=True)
 
     def relay(self, request_id: int, msg: object, *, to_prefill: bool) -> None:
@@ -309,7 +294,7 @@ class RequestLifecycle:
         if state is None:
             return
         state.is_prefill_done = True
-        self._mark_first_token_stage(state, "prefill")
+        self.first_token.mark(state, "prefill", now_s)
         if state.reported_cached_tokens is None:
             state.reported_cached_tokens = msg.num_cached_tokens
         if state.is_forwarded:  # the DE's server samples and streams every token itself
@@ -317,10 +302,7 @@ class RequestLifecycle:
             return
         state.finish_reason_pending = msg.finish_reason
         logprobs = None if msg.first_token_logprob is None else (msg.first_token_logprob,)
-        marks = state.first_token_marks_s
-        stages_s = None
-        if marks is not None and len(marks) == len(FIRST_TOKEN_STAGES) + 1:
-            stages_s = tuple(end - start for start, end in itertools.pairwise(marks))
+        stages_s = self.first_token.of(state)
         self._emit(state, (msg.first_token_id,), None, logprobs, now_s, stages_s)
         self.relay(msg.request_id, msg, to_prefill=False)
 
@@ -505,13 +487,7 @@ class RequestLifecycle:
         state.request_id = next(self._request_ids)
         self._requests[state.request_id] = state
         self._client_id_to_request_id[state.client_request_id] = state.request_id
-        state.prefill_engine_id = state.decode_engine_id = None
-        state.num_placements += counts
-        if state.lost_at_s is None:
-            state.lost_at_s = self.clock()
-        state.go_on_from_output()
-        state.is_prefill_done = False
-        state.first_token_marks_s = None
+        state.abandon_placement(counts=counts, now_s=self.clock())
         logger.warning(
             "request %d placed again (placement %d): %s",
             state.client_request_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +51,22 @@ class RequestState:
     is_forwarded: bool = False
     scope: RequestScope = NO_SCOPE  # its tenant's cache salt and its agent session
     # Its first token's path through the scheduler, by the scheduler's clock: when it was
-    # submitted, assigned, its DE ready (``FIRST_TOKEN_STAGES``). None once it is placed again
-    # (a re-placement's first token is ``replacement_delays``').
+    # submitted, then when each stage ended (``first_token.FirstTokenStages``). None once it is
+    # placed again (a re-placement's first token is ``replacement_delays``').
     first_token_marks_s: list[float] | None = None
+
+    def abandon_placement(self, *, counts: bool, now_s: float) -> None:
+        """This placement is given up (``now_s``: when its engine was lost, if no token came
+        since an earlier loss): the next one, on engines yet to be chosen, goes on from the
+        tokens sent (``go_on_from_output``); ``counts`` toward MAX_PLACEMENTS. Its first
+        token is no longer timed by stage."""
+        self.prefill_engine_id = self.decode_engine_id = None
+        self.num_placements += counts
+        if self.lost_at_s is None:
+            self.lost_at_s = now_s
+        self.go_on_from_output()
+        self.is_prefill_done = False
+        self.first_token_marks_s = None
 
     def go_on_from_output(self) -> None:
         """The next placement prefills the prompt and every token sent so far, and goes on
@@ -65,12 +79,17 @@ class RequestState:
             self.num_output_tokens = len(self.output_token_ids)
 
 
-# The stages of a first token's path that the scheduler sees, each from the end of the last:
-# ``placement`` from submit to the Assignment (the scheduler's queue, and a wait for blocks a
-# DE is still writing), ``decode_ready`` to the DE's DecodeReady (its buffer slots and its
-# side's reads, relayed to the PE), ``prefill`` to the PE's PrefillDone (the PE's reads, its
-# engine's prefill and the KV sent to the DE). A vLLM server PE's path has no DecodeReady.
-FIRST_TOKEN_STAGES = ("placement", "decode_ready", "prefill")
+def num_requests_by_engine(states: Iterable[RequestState]) -> dict[int, int]:
+    """Engine id -> requests in flight that its loss would place again (or fail, past
+    MAX_PLACEMENTS); engines that hold none are left out."""
+    counts: dict[int, int] = {}
+    for request in states:
+        if request.finish_reason_pending is not None:
+            continue  # only its finish is outstanding: a loss sends that, nothing more
+        for engine_id in (request.prefill_engine_id, request.decode_engine_id):
+            if engine_id is not None and needs_engine(request, engine_id):
+                counts[engine_id] = counts.get(engine_id, 0) + 1
+    return counts
 
 
 def may_place_again(state: RequestState) -> bool:
