@@ -46,6 +46,7 @@ from dualpath.errors import ClusterUnavailable
 from dualpath.kv.layout import KVLayout
 from dualpath.model.identity import checkpoint_kv_identity, vllm_device
 from dualpath.protocol import DECODE, PREFILL, RequestEvent
+from dualpath.queues import drain
 from dualpath.transfer.links import check_pd_ratio
 from dualpath.types import NO_SCOPE, RequestScope, SamplingParams
 from dualpath.units import gbps_to_bytes_per_s
@@ -269,7 +270,7 @@ class LocalCluster:
         while not self._stop.is_set():
             # Cancellations taken before run_once: their requests were submitted before they
             # were cancelled, so run_once has handed them to the coordinator by now.
-            cancels = _drain(self._cancellations)
+            cancels = drain(self._cancellations)
             self.coordinator.run_once(0.002)
             for request_id in cancels:
                 self.coordinator.cancel(request_id)
@@ -441,12 +442,3 @@ class LocalCluster:
     ) -> list[ClusterOutput]:
         request_ids = [self.submit(p, params) for p in prompts]
         return [self.result(r, timeout_s) for r in request_ids]
-
-
-def _drain(items: queue.SimpleQueue[int]) -> list[int]:
-    drained = []
-    while True:
-        try:
-            drained.append(items.get_nowait())
-        except queue.Empty:
-            return drained

@@ -48,6 +48,7 @@ from dualpath.protocol import (
     TokenUpdate,
     pack_token_ids,
 )
+from dualpath.queues import drain
 from dualpath.scheduler import LoadPlan, SchedulerRequest
 from dualpath.types import NO_SCOPE, RequestScope, SamplingParams, sampling_params_to_dict
 
@@ -132,22 +133,13 @@ class RequestLifecycle:
         return num_requests_by_engine(self._requests.values())
 
     def drain_events(self) -> list[RequestEvent]:
-        events = []
-        while True:
-            try:
-                events.append(self._events.get_nowait())
-            except queue.Empty:
-                return events
+        return drain(self._events)
 
     # --- placement (the loop) -----------------------------------------------------------------
 
     def take_submitted(self) -> None:
         """Queue the submitted requests for placement (failed at once with a role missing)."""
-        while True:
-            try:
-                state = self._submissions.get_nowait()
-            except queue.Empty:
-                return
+        for state in drain(self._submissions):
             self._requests[state.request_id] = state
             reason = self.membership.unavailable_reason
             if reason is not None:

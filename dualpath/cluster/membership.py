@@ -42,6 +42,7 @@ from dualpath.protocol import (
     Shutdown,
     engine_id_of,
 )
+from dualpath.queues import drain
 from dualpath.scheduler import ClusterTopology, EngineRole
 
 logger = logging.getLogger(__name__)
@@ -255,16 +256,13 @@ class Membership:
     def exited_engines(self) -> list[tuple[int, str]]:
         """Live engines whose process exited or whose server is unreachable, with why: to
         declare dead now."""
-        due = []
-        while True:
-            try:
-                engine_id, cause = self._exited.get_nowait()
-            except queue.Empty:
-                return due
+        due: list[tuple[int, str]] = []
+        for engine_id, cause in drain(self._exited):
             if self.is_alive(engine_id) and all(engine_id != e for e, _ in due):
                 # (once: several streams find a lost server unreachable at once)
                 why = cause if isinstance(cause, str) else f"its process exited with code {cause}"
                 due.append((engine_id, why))
+        return due
 
     def check_liveness(self, declare_dead: Callable[[int, str], None]) -> None:
         """``declare_dead(engine_id, why)`` for each live engine silent for

@@ -65,6 +65,7 @@ from dualpath.config import EngineProcessConfig
 from dualpath.control.channel import ControlClient
 from dualpath.model.identity import KVIdentity, checkpoint_kv_identity, vllm_device, vllm_page_order
 from dualpath.protocol import DECODE, RequestFailed
+from dualpath.queues import drain
 from dualpath.transfer.traffic import direct_move
 from dualpath.vllm.args import served_engine_config
 from dualpath.vllm.connector import (
@@ -182,10 +183,7 @@ class ServedEngine:
 
     def step(self) -> list[Any]:
         """The planned requests vLLM ended since the last call, as a step's outputs."""
-        outputs = []
-        while not self._outputs.empty():
-            outputs.append(self._outputs.get_nowait())
-        return outputs
+        return drain(self._outputs)
 
     def add_busy_s(self, seconds: float) -> None:
         """Time vLLM's worker spent on a step with our requests."""
@@ -195,10 +193,7 @@ class ServedEngine:
                 process.busy_s += seconds
 
     def take_refused(self) -> list[tuple[int, str]]:
-        refused = []
-        while not self._refused.empty():
-            refused.append(self._refused.get_nowait())
-        return refused
+        return drain(self._refused)
 
     # --- the engine's threads ---------------------------------------------------------------
 
