@@ -28,7 +28,6 @@ the requests the scheduler has already placed elsewhere.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -40,8 +39,9 @@ import msgpack
 
 from dualpath.cluster.engine_heartbeat import HeartbeatThread
 from dualpath.cluster.engine_processes import EXIT_SCHEDULER_LOST
+from dualpath.cluster.engine_traffic import make_engine_traffic
 from dualpath.cluster.roles import make_role
-from dualpath.config import EngineProcessConfig, TrafficConfig
+from dualpath.config import EngineProcessConfig
 from dualpath.control.channel import ControlClient, Rejected
 from dualpath.control.codec import encode
 from dualpath.engine.buffers import KVBuffer
@@ -67,10 +67,7 @@ from dualpath.protocol import (
     RequestFailed,
     Shutdown,
 )
-from dualpath.transfer.clock import MonotonicClock
-from dualpath.transfer.links import TrafficClass, engine_link_specs
-from dualpath.transfer.node_limiter import NodeLimiter
-from dualpath.transfer.traffic import TrafficManager
+from dualpath.transfer.links import TrafficClass
 from dualpath.transfer.transport import create_transport
 
 logger = logging.getLogger(__name__)
@@ -189,7 +186,7 @@ class EngineProcess:
                 engine_config.dtype,
                 engine_config.block_size_tokens,
             )
-        self.traffic, self._link_names, self._limiter = _make_traffic(config, token)
+        self.traffic, self._link_names, self._limiter = make_engine_traffic(config, token)
         self.transport = create_transport(config.transport, f"engine-{config.engine_id}")
         max_model_len = engine_config.max_model_len or model_config.max_position_embeddings
         buffer_bytes = role_buffer_bytes(
@@ -478,34 +475,3 @@ def _same_but_reports(report: EngineReport, last: EngineReport | None) -> bool:
 def _without_inference(counters: dict[str, int]) -> dict[str, int]:
     suffix = "." + TrafficClass.INFERENCE.name.lower()
     return {name: n for name, n in counters.items() if not name.endswith(suffix)}
-
-
-def _make_traffic(
-    config: EngineProcessConfig, token: str
-) -> tuple[TrafficManager, dict[str, str], NodeLimiter | None]:
-    """The engine's traffic manager, its short link names ("snic", "cnic") -> link names,
-    and the node-wide SNIC limiter shared with the node's other engines (SPEC §1)."""
-    cluster = config.cluster
-    traffic_config = cluster.traffic
-    if cluster.settings.is_io_free:  # oracle: no link costs anything
-        traffic_config = TrafficConfig()
-    links = engine_link_specs(traffic_config, node_id=config.node_id, engine_id=config.engine_id)
-    clock = MonotonicClock()
-    node_limiters = {}
-    limiter = None
-    if links.snic.is_capped:
-        # Named after the cluster (a hash of its token, which must not leak into a file name).
-        cluster_id = hashlib.sha256(token.encode()).hexdigest()[:12]
-        limiter = NodeLimiter.for_node(
-            config.node_id, links.snic.bandwidth_gbps, clock=clock, cluster_id=cluster_id
-        )
-        node_limiters[links.snic.name] = limiter
-    traffic = TrafficManager(
-        links.all(),
-        clock=clock,
-        weights=traffic_config.class_weights,
-        window_s=traffic_config.utilisation_window_s,
-        gap_fill_s=traffic_config.gap_fill_s,
-        node_limiters=node_limiters,
-    )
-    return traffic, {"snic": links.snic.name, "cnic": links.cnic.name}, limiter
