@@ -144,15 +144,15 @@ def strike_while_holding(
             time.sleep(POLL_S)
             continue
         fault.freeze()
-        _snapshot_after_now(url)
-        if num_held(_snapshot_after_now(url), engine_id) > 0:
+        snapshot_after_now(url)
+        if num_held(snapshot_after_now(url), engine_id) > 0:
             fault.strike()
             return True
         fault.thaw()
     return False
 
 
-def _snapshot_after_now(url: str) -> Samples:
+def snapshot_after_now(url: str) -> Samples:
     """A scrape whose snapshot was taken after this call began (see the module docstring)."""
     num_reports_before = _num_reports(read_metrics(url))
     deadline_s = time.monotonic() + WAIT_TIMEOUT_S

@@ -37,7 +37,7 @@ from dualpath.bench.agents import TurnRecord, run_agents
 from dualpath.workload.mooncake import load_mooncake_trace, packaged_trace_path
 from dualpath.workload.shape import cap_turns, scale_generations
 from tests.faults.cluster import MultiHostCluster
-from tests.faults.strike import Cut, Fault, Kill, strike_while_holding
+from tests.faults.strike import Cut, Fault, Kill, snapshot_after_now, strike_while_holding
 from tests.server.serving import API_KEY, MODEL, engine_pids, is_running, start_server
 
 pytest.importorskip("nixl_cu12")
@@ -192,6 +192,9 @@ def replay_through_fault(
         )
 
     replay_until_struck(target, sessions, strike, check)
+    # /metrics shows the scheduler's snapshot, republished every 0.1 s: the last requests placed
+    # again can have finished (and the replay ended) before one taken after them is published.
+    snapshot_after_now(target.url)
     replaced = target.metric("dualpath_scheduler_replaced_requests_total") - before
     delay_s = target.metric("dualpath_scheduler_replacement_first_token_max_seconds")
     print(

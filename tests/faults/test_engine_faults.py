@@ -21,7 +21,14 @@ from pathlib import Path
 import pytest
 
 from tests.faults.cluster import MultiHostCluster, random_ids, reference_tokens
-from tests.faults.strike import Cut, Fault, Kill, engine_sample, strike_while_holding
+from tests.faults.strike import (
+    Cut,
+    Fault,
+    Kill,
+    engine_sample,
+    snapshot_after_now,
+    strike_while_holding,
+)
 
 pytest.importorskip("nixl_cu12")
 
@@ -82,6 +89,7 @@ def check_outcome(cluster: MultiHostCluster, responses, expected, lost_engine_id
     assert not failed, f"requests failed with engine {lost_engine_id}'s loss: {failed}"
     for response, want in zip(responses, expected, strict=True):
         assert response.json()["choices"][0]["token_ids"] == want
+    snapshot_after_now(cluster.url)  # one that counts the last requests placed again
     replaced = cluster.metric("dualpath_scheduler_replaced_requests_total")
     assert replaced >= 1, "the fault hit no request (strike_while_holding should make sure)"
     delays = cluster.metric("dualpath_scheduler_replacement_first_token_seconds_count")

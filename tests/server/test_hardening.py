@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.faults.strike import snapshot_after_now
 from tests.server.serving import (
     MODEL,
     Server,
@@ -255,6 +256,7 @@ def test_a_killed_decode_engines_streams_go_on_with_the_same_tokens(server: Serv
     assert body["num_live_engines_by_role"] == {"prefill": 1, "decode": 1}
     assert "exited" in body["dead_engines"][str(victim_id)]  # seen by its exit, not silence
     assert not is_running(victim)  # reaped, not a zombie
+    snapshot_after_now(server.url)  # one that counts the last streams placed again
     metrics = dict(
         line.rsplit(" ", 1)
         for line in server.http.get("/metrics").text.splitlines()

@@ -44,7 +44,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.faults.strike import Kill, Samples, engine_sample, strike_while_holding
+from tests.faults.strike import (
+    Kill,
+    Samples,
+    engine_sample,
+    snapshot_after_now,
+    strike_while_holding,
+)
 from tests.server.serving import MODEL, Server, auth, engine_pids, metric_values, start_server
 from tests.vllm.reference import PlainVllm, near_ties
 
@@ -274,6 +280,7 @@ def _kill_a_decode_engine_under_load(
         near_ties(reference, stream["token_ids"], f"stream {i}")
         for i, (stream, reference) in enumerate(zip(streams, references, strict=True))
     )
+    snapshot_after_now(server.url)  # one that counts the last streams placed again
     samples = metric_values(server)
     replaced = samples[("dualpath_scheduler_replaced_requests_total", ())] - replaced_before
     assert replaced >= 1, "the kill hit no stream"
