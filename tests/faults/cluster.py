@@ -11,7 +11,7 @@ supervises its engine (its default): a host's engine that dies or loses the sche
 started again there; without, it runs ``--no-restart`` and stays dead.
 
 Each process gets ``--kv-store`` from ``store_dir_of(host)`` (its own mount of a shared volume,
-or ``None`` for no store). PE<->DE KV moves over NIXL/UCX restricted to TCP on the host's veth
+or ``None`` for no store). PE<->DE KV moves over NIXL/UCX restricted to TCP on the host's compute NIC
 (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=dp0``): without that, UCX on one machine would take shared
 memory or cross-memory attach and bypass the links the tests cut and shape.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.faults.hosts import HOST_DEVICE, Host
+from dualpath.testbed.hosts import HOST_DEVICE, Host
 
 SCHEDULER_PORT = 5555
 API_PORT = 8000
@@ -225,11 +225,6 @@ def random_ids(num_tokens: int, seed: int) -> list[int]:
     import numpy as np
 
     return np.random.default_rng(seed).integers(0, 1024, num_tokens).tolist()
-
-
-def link_bytes_into(host: Host) -> int:
-    """Bytes the root namespace has sent down ``host``'s link so far (what the host received)."""
-    return int(Path(f"/sys/class/net/{host.root_device}/statistics/tx_bytes").read_text())
 
 
 def reference_tokens(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""Fixtures for the fault tests: test hosts (network namespaces), a GlusterFS volume on them.
+"""Fixtures for the fault tests: test hosts (network namespaces), a GlusterFS volume on them
+(bricks on two storage hosts, mounted on the four hosts the clusters run on).
 
 Run with ``make test-faults`` (root; installs glusterfs-server). The default ``make test``
 excludes these tests (the ``faults`` marker). Without root or network namespaces they skip,
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.faults import gluster, hosts
+from dualpath.testbed import gluster, hosts
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -34,6 +35,7 @@ def test_hosts() -> Iterator[hosts.TestHosts]:
 @pytest.fixture(scope="session")
 def gluster_volume(test_hosts: hosts.TestHosts) -> Iterator[gluster.GlusterVolume]:
     gluster.check_gluster_possible()
-    every = test_hosts.hosts
-    with gluster.GlusterVolume(brick_hosts=every[1:3], client_hosts=every) as volume:
+    with gluster.GlusterVolume(
+        brick_hosts=test_hosts.storage_hosts, client_hosts=test_hosts.hosts
+    ) as volume:
         yield volume

@@ -33,7 +33,7 @@ from typing import Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.faults.hosts import Host, TestHosts
+from dualpath.testbed.hosts import Host, TestHosts
 
 # Hang guards only: every wait here ends on what it waits for.
 WATCH_TIMEOUT_S = 600.0

@@ -1,5 +1,7 @@
-"""A 1P2D cluster over four test hosts with its KV store on GlusterFS: the same tokens as the
-single-process engine, KV crossing the veth links, and the benchmark's ci preset on it."""
+"""A 1P2D cluster over four test hosts with its KV store on GlusterFS (bricks on two storage
+hosts): the same tokens as the single-process engine, KV between engines crossing the compute
+NICs and KV to and from the store the storage NICs (the kernel's counters), and the benchmark's
+ci preset on it."""
 
 from __future__ import annotations
 
@@ -12,12 +14,8 @@ from pathlib import Path
 import pytest
 
 from dualpath.model.identity import checkpoint_kv_identity
-from tests.faults.cluster import (
-    MultiHostCluster,
-    link_bytes_into,
-    random_ids,
-    reference_tokens,
-)
+from dualpath.testbed.hosts import COMPUTE, STORAGE, Host, nic_bytes
+from tests.faults.cluster import MultiHostCluster, random_ids, reference_tokens
 
 pytest.importorskip("nixl_cu12")
 
@@ -44,11 +42,15 @@ def test_multi_turn_tokens_equal_the_single_node_engine_and_reuse_the_gluster_st
     decode_hosts = [spec.host for spec in cluster.engines if spec.role == "decode"]
     _, identity = checkpoint_kv_identity(tiny_model_dir, None, 64)
     kv_bytes_per_token = identity.layout.full_block_bytes // identity.layout.block_size_tokens
+    engine_hosts = [spec.host for spec in cluster.engines]
+    storage_at_start = nic_counts(engine_hosts, STORAGE)
     previous_lengths: list[int] = []
     for turn in range(2):
-        into_decode_before = sum(link_bytes_into(h) for h in decode_hosts)
+        storage_before = nic_counts(engine_hosts, STORAGE)
+        into_decode_before = sum(nic_bytes(h, COMPUTE)[1] for h in decode_hosts)
         bodies = [cluster.complete(c, MAX_TOKENS).json() for c in contexts]
-        into_decode_bytes = sum(link_bytes_into(h) for h in decode_hosts) - into_decode_before
+        into_decode_bytes = sum(nic_bytes(h, COMPUTE)[1] for h in decode_hosts) - into_decode_before
+        storage_now = nic_counts(engine_hosts, STORAGE)
         expected = reference_tokens(tiny_model_dir, contexts, MAX_TOKENS)
         for body, want in zip(bodies, expected, strict=True):
             assert body["choices"][0]["token_ids"] == want, f"turn {turn}: {body}"
@@ -62,6 +64,13 @@ def test_multi_turn_tokens_equal_the_single_node_engine_and_reuse_the_gluster_st
             # Turn 1 persisted every full block of its prompt and of its generation (all but
             # the last token have KV) to the volume; turn 2 finds them there.
             assert cached == [(n + MAX_TOKENS - 1) // 64 * 64 for n in previous_lengths]
+            # They went to the bricks over the storage network, and came back over it.
+            hit_bytes = sum(cached) * kv_bytes_per_token
+            sent = storage_now[0] - storage_at_start[0]
+            received = storage_now[1] - storage_before[1]
+            print(f"\nstorage NICs: {sent / hit_bytes:.3f}x the persisted KV sent, "
+                  f"{received / hit_bytes:.3f}x the hit KV received")  # fmt: skip
+            assert sent >= hit_bytes and received >= hit_bytes, (sent, received, hit_bytes)
         previous_lengths = [len(c) for c in contexts]
         contexts = [
             c + t + random_ids(100, seed=turn) for c, t in zip(contexts, expected, strict=True)
@@ -69,6 +78,12 @@ def test_multi_turn_tokens_equal_the_single_node_engine_and_reuse_the_gluster_st
     for host in gluster_volume.brick_hosts:  # the volume spreads files over its bricks
         blocks = list((gluster_volume.brick_dir(host) / NAMESPACE).rglob("*.kvb"))
         assert blocks, f"no block file on {host.name}'s brick"
+
+
+def nic_counts(hosts: list[Host], nic: str) -> tuple[int, int]:
+    """(sent, received) bytes of ``nic`` summed over ``hosts``, from the kernel's counters."""
+    counts = [nic_bytes(host, nic) for host in hosts]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
 def test_the_ci_benchmark_runs_against_the_cluster(cluster: MultiHostCluster, tmp_path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.kv.block_file import HEADER_BYTES
+from dualpath.testbed.hosts import STORAGE
 from tests.faults.cluster import MultiHostCluster, random_ids, reference_tokens
 
 pytest.importorskip("nixl_cu12")
@@ -162,8 +163,8 @@ def test_a_slow_store_slows_answers_but_keeps_them_correct(
         ask(cluster, prompts)
         wait_for_full_hits(cluster, prompts, timeout_s=HITS_TIMEOUT_S)
         if is_slow:
-            for host in gluster_volume.brick_hosts:  # every store byte crosses these links
-                test_hosts.shape(host, rate_mbit=8)
+            for host in gluster_volume.brick_hosts:  # every store byte crosses these NICs
+                test_hosts.shape(host, rate_mbit=8, nic=STORAGE)
         return timed_ask(cluster, [p + random_ids(100, seed=seed) for p in prompts])
 
     baseline_s, _ = second_turns(60, is_slow=False)
@@ -171,7 +172,7 @@ def test_a_slow_store_slows_answers_but_keeps_them_correct(
         elapsed_s, cached = second_turns(30, is_slow=True)
     finally:
         for host in gluster_volume.brick_hosts:
-            test_hosts.unshape(host)
+            test_hosts.unshape(host, STORAGE)
     print(f"store links at 8 Mbit/s: 3 turns answered in {elapsed_s:.1f} s "
           f"({baseline_s:.1f} s unshaped), cached {cached}")  # fmt: skip
     assert cached == [full_hit(list(range(800)))] * 3

@@ -1,6 +1,7 @@
-"""A GlusterFS volume on the test hosts: bricks on some hosts, a FUSE mount on every host.
+"""A GlusterFS volume on the test hosts: bricks on the storage hosts, a FUSE mount on every
+host, all of it spoken over the storage network (the hosts' storage addresses).
 
-    volume = GlusterVolume(brick_hosts=[h1, h2], client_hosts=[h0, h1, h2, h3]).create()
+    volume = GlusterVolume(brick_hosts=[h4, h5], client_hosts=[h0, h1, h2, h3]).create()
     store_dir = volume.mount_point(h2)      # any POSIX path: give it to --kv-store
     volume.stop_brick(h1); volume.restore_bricks()
     volume.close()                          # or cleanup() after a crashed run
@@ -29,12 +30,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from xml.etree import ElementTree
 
-from tests.faults.hosts import Host, list_namespaces, namespace_pids
+from dualpath.testbed.hosts import Host, list_namespaces, namespace_pids
 
 STATE_DIR = Path("/var/tmp/dualpath-gluster")  # per brick host: lib/, log/, brick/
 MOUNT_DIR = Path("/mnt/dualpath-gluster")  # per host: <host name>/
 VOLUME = "dpkv"
 PING_TIMEOUT_S = 5
+# The client's caching translators, turned off: each would answer some reads from the host.
+CLIENT_CACHES = (
+    "performance.io-cache",
+    "performance.quick-read",
+    "performance.read-ahead",
+    "performance.stat-prefetch",
+    "performance.open-behind",
+)
 _START_TIMEOUT_S = 120.0  # a hang guard for every wait here: each ends on what it waits for
 # glusterd's parent: a child subreaper that reaps the bricks glusterd daemonizes. Without it they
 # reparent to PID 1, which need not reap them, and glusterd takes a zombie brick for a live one
@@ -81,17 +90,21 @@ class GlusterVolume:
                 self._start_glusterd(host)
             first = self.brick_hosts[0]
             for host in self.brick_hosts[1:]:
-                self.gluster("peer", "probe", host.address)
+                self.gluster("peer", "probe", host.storage_address)
                 _wait_for(lambda h=host: self._is_peer_connected(h), "peer connected")
-            bricks = [f"{h.address}:{self.brick_dir(h)}" for h in self.brick_hosts]
+            bricks = [f"{h.storage_address}:{self.brick_dir(h)}" for h in self.brick_hosts]
             # force: the bricks sit on the root file system, which gluster warns about.
             self.gluster("volume", "create", VOLUME, *bricks, "force")
             # A client notices a dead server after this many seconds of silence; until then
             # its calls on the mount block (42 s by default: too long for serving).
             self.gluster("volume", "set", VOLUME, "network.ping-timeout", str(PING_TIMEOUT_S))
+            # A store's reads cross the storage network, as on a cluster's file system: no
+            # client-side cache may answer them (nor the kernel's page cache: ``_mount``).
+            for cache in CLIENT_CACHES:
+                self.gluster("volume", "set", VOLUME, cache, "off")
             self.gluster("volume", "start", VOLUME)
             for host in self.client_hosts:
-                self._mount(host, first.address)
+                self._mount(host, first.storage_address)
         except BaseException:
             self.close()
             raise
@@ -135,9 +148,9 @@ class GlusterVolume:
         """The brick process on ``host``, or ``None`` if it is not online."""
         status = ElementTree.fromstring(self.gluster("volume", "status", VOLUME, "--xml"))
         for node in status.iter("node"):
-            is_ours = node.findtext("hostname") == host.address and node.findtext("path") == str(
-                self.brick_dir(host)
-            )
+            is_ours = node.findtext("hostname") == host.storage_address and node.findtext(
+                "path"
+            ) == str(self.brick_dir(host))
             if is_ours and node.findtext("status") == "1":
                 return int(node.findtext("pid") or 0) or None
         return None
@@ -185,13 +198,22 @@ class GlusterVolume:
 
     def _is_peer_connected(self, host: Host) -> bool:
         status = self.gluster("peer", "status")
-        return f"Hostname: {host.address}" in status and "(Connected)" in status
+        return f"Hostname: {host.storage_address}" in status and "(Connected)" in status
 
     def _mount(self, host: Host, server_address: str) -> None:
         mount_point = self.mount_point(host)
         mount_point.mkdir(parents=True, exist_ok=True)
         argv = host.net_only_argv(
-            ["mount", "-t", "glusterfs", f"{server_address}:/{VOLUME}", str(mount_point)]
+            # direct-io-mode: every read goes to the bricks, none to the kernel's page cache.
+            [
+                "mount",
+                "-t",
+                "glusterfs",
+                "-o",
+                "direct-io-mode=enable",
+                f"{server_address}:/{VOLUME}",
+                str(mount_point),
+            ]  # fmt: skip
         )
         result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         if result.returncode != 0 or not os.path.ismount(mount_point):

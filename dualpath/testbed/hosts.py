@@ -1,19 +1,28 @@
-"""Test hosts: network namespaces on one machine, each with its own address, on one bridge.
+"""Test hosts: network namespaces on one machine, each with a storage NIC and a compute NIC,
+on a bridge per network.
 
-    python scripts/testhosts.py up      # 4 hosts: dp-h0 10.77.0.1 ... dp-h3 10.77.0.4
+    python scripts/testhosts.py up      # 4 hosts dp-h0..dp-h3 and 2 storage hosts dp-h4, dp-h5
     python scripts/testhosts.py status
     python scripts/testhosts.py down    # idempotent; also cleans up after a crashed run
 
 Layout (root namespace on the left, one namespace per host on the right)::
 
-    dpbr0 10.77.0.254 ─┬─ dpv-h0 ══ veth ══ dp0 10.77.0.1   (netns dp-h0)
-                       ├─ dpv-h1 ══ veth ══ dp0 10.77.0.2   (netns dp-h1)
+    dpbr0 10.77.0.254 ─┬─ dpv-h0 ══ veth ══ dp0 10.77.0.1   (netns dp-h0: compute NIC)
+    (compute)          ├─ dpv-h1 ══ veth ══ dp0 10.77.0.2   (netns dp-h1)
+                       └─ ...
+    dpbr1 10.78.0.254 ─┬─ dps-h0 ══ veth ══ dp1 10.78.0.1   (netns dp-h0: storage NIC)
+    (storage)          ├─ dps-h1 ══ veth ══ dp1 10.78.0.2   (netns dp-h1)
                        └─ ...
 
-Every host's interface is called ``dp0``, so ``UCX_NET_DEVICES=dp0`` fits all of them. The root
-namespace has an address on the bridge, so tests can talk to any host directly. A link can be
-cut (``set_link_up``) and shaped on both directions (``shape``: a ``tbf`` rate cap; ``netem``
-delay only where the kernel has it). Needs root and ``ip``/``tc`` (iproute2).
+As in the paper's clusters, each host has two networks: the compute network carries the
+scheduler's messages, the API and the KV that moves between engines (NIXL/UCX on ``dp0``), the
+storage network carries what the hosts read from and write to the store (the GlusterFS bricks
+sit on storage hosts, reached at their storage addresses). Every host's NICs have the same
+names, so ``UCX_NET_DEVICES=dp0`` fits all of them. The root namespace has an address on each
+bridge, so tests can talk to any host directly. A host can be cut off (``set_link_up``: both
+NICs) and each NIC shaped in both directions (``shape``: a ``tbf`` rate cap; ``netem`` delay
+only where the kernel has it); each NIC's bytes are read from the kernel's counters
+(``nic_bytes``). Needs root and ``ip``/``tc`` (iproute2).
 
 Commands run in a host through ``ip netns exec``, which also gives them a private copy of the
 mount table taken at start: a mount made in the root namespace afterwards is not seen by
@@ -32,13 +41,36 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 PREFIX = "dp"
-BRIDGE = f"{PREFIX}br0"
-SUBNET = "10.77.0"  # /24: host i is .(i+1), the bridge is .254
-BRIDGE_ADDRESS = f"{SUBNET}.254"
-HOST_DEVICE = f"{PREFIX}0"  # the interface's name inside every host
+COMPUTE = "compute"
+STORAGE = "storage"
+NICS = (COMPUTE, STORAGE)
+
+
+@dataclass(frozen=True, slots=True)
+class Network:
+    """One network: a bridge in the root namespace, one NIC (veth) per host on it."""
+
+    bridge: str
+    subnet: str  # /24: host i is .(i+1), the bridge is .254
+    host_device: str  # the NIC's name inside every host
+    root_prefix: str  # the NIC's peer in the root namespace: <root_prefix><host name suffix>
+
+    @property
+    def bridge_address(self) -> str:
+        return f"{self.subnet}.254"
+
+
+NETWORKS = {
+    COMPUTE: Network(f"{PREFIX}br0", "10.77.0", f"{PREFIX}0", f"{PREFIX}v-h"),
+    STORAGE: Network(f"{PREFIX}br1", "10.78.0", f"{PREFIX}1", f"{PREFIX}s-h"),
+}
+HOST_DEVICE = NETWORKS[COMPUTE].host_device  # the compute NIC: UCX_NET_DEVICES
+STORAGE_DEVICE = NETWORKS[STORAGE].host_device
 _KILL_GRACE_S = 3.0
+MAX_HOSTS = 16
 
 
 class HostsUnavailable(RuntimeError):
@@ -47,7 +79,7 @@ class HostsUnavailable(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Host:
-    """One test host: a network namespace with one veth link to the bridge."""
+    """One test host: a network namespace with a veth link to each network's bridge."""
 
     index: int
 
@@ -57,12 +89,19 @@ class Host:
 
     @property
     def address(self) -> str:
-        return f"{SUBNET}.{self.index + 1}"
+        """The compute NIC's address: the host's name on the cluster's network."""
+        return self.address_on(COMPUTE)
 
     @property
-    def root_device(self) -> str:
-        """The link's end in the root namespace (on the bridge)."""
-        return f"{PREFIX}v-h{self.index}"
+    def storage_address(self) -> str:
+        return self.address_on(STORAGE)
+
+    def address_on(self, nic: str) -> str:
+        return f"{NETWORKS[nic].subnet}.{self.index + 1}"
+
+    def root_device(self, nic: str = COMPUTE) -> str:
+        """The end in the root namespace (on the network's bridge) of the host's ``nic``."""
+        return f"{NETWORKS[nic].root_prefix}{self.index}"
 
     def argv(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this host (network namespace)."""
@@ -95,30 +134,48 @@ def check_hosts_possible() -> None:
 
 
 class TestHosts:
-    """``num_hosts`` hosts on one bridge. ``up`` first tears down leftovers of a crashed run."""
+    """``num_hosts`` hosts for the cluster's processes and ``num_storage_hosts`` more for the
+    store's servers, each on both networks. ``up`` first tears down leftovers of a crashed run."""
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, num_hosts: int = 4) -> None:
-        if not 1 <= num_hosts <= 16:
-            raise ValueError(f"num_hosts must be in 1..16, got {num_hosts}")
-        self.hosts = [Host(i) for i in range(num_hosts)]
+    def __init__(self, num_hosts: int = 4, num_storage_hosts: int = 2) -> None:
+        if (
+            not 1 <= num_hosts + num_storage_hosts <= MAX_HOSTS
+            or min(num_hosts, num_storage_hosts) < 0
+        ):
+            raise ValueError(
+                f"hosts and storage hosts must number 1..{MAX_HOSTS} together, "
+                f"got {num_hosts} and {num_storage_hosts}"
+            )
+        every = [Host(i) for i in range(num_hosts + num_storage_hosts)]
+        self.hosts = every[:num_hosts]
+        self.storage_hosts = every[num_hosts:]
+
+    @property
+    def every_host(self) -> list[Host]:
+        return self.hosts + self.storage_hosts
 
     def up(self) -> TestHosts:
         down()
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
-        for host in self.hosts:
+        for network in NETWORKS.values():
+            _run(["ip", "link", "add", network.bridge, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{network.bridge_address}/24", "dev", network.bridge])
+            _run(["ip", "link", "set", network.bridge, "up"])
+        for host in self.every_host:
             _run(["ip", "netns", "add", host.name])
-            _run(["ip", "link", "add", host.root_device, "type", "veth",
-                  "peer", "name", HOST_DEVICE, "netns", host.name])  # fmt: skip
-            _run(["ip", "link", "set", host.root_device, "master", BRIDGE, "up"])
-            _run(["ip", "-n", host.name, "addr", "add", f"{host.address}/24", "dev", HOST_DEVICE])
-            _run(["ip", "-n", host.name, "link", "set", HOST_DEVICE, "up"])
             _run(["ip", "-n", host.name, "link", "set", "lo", "up"])
-        for host in self.hosts:
-            wait_reachable(host.address)
+            for nic, network in NETWORKS.items():
+                device = network.host_device
+                _run(["ip", "link", "add", host.root_device(nic), "type", "veth",
+                      "peer", "name", device, "netns", host.name])  # fmt: skip
+                _run(["ip", "link", "set", host.root_device(nic), "master", network.bridge, "up"])
+                _run(["ip", "-n", host.name, "addr", "add", f"{host.address_on(nic)}/24",
+                      "dev", device])  # fmt: skip
+                _run(["ip", "-n", host.name, "link", "set", device, "up"])
+        for host in self.every_host:
+            for nic in NICS:
+                wait_reachable(host.address_on(nic))
         return self
 
     def down(self) -> None:
@@ -131,13 +188,21 @@ class TestHosts:
         self.down()
 
     def set_link_up(self, host: Host, is_up: bool) -> None:
-        """Connect or cut ``host`` off the bridge (its link's root end)."""
-        _run(["ip", "link", "set", host.root_device, "up" if is_up else "down"])
+        """Connect or cut ``host`` off both networks (its NICs' root ends)."""
+        for nic in NICS:
+            _run(["ip", "link", "set", host.root_device(nic), "up" if is_up else "down"])
 
-    def shape(self, host: Host, *, rate_mbit: float | None = None, delay_ms: float = 0.0) -> None:
-        """Cap both directions of ``host``'s link at ``rate_mbit`` (``tbf``), or delay them by
-        ``delay_ms`` (``netem``, which not every kernel has: ``RuntimeError`` then)."""
-        for argv_prefix, device in _link_ends(host):
+    def shape(
+        self,
+        host: Host,
+        *,
+        rate_mbit: float | None = None,
+        delay_ms: float = 0.0,
+        nic: str = COMPUTE,
+    ) -> None:
+        """Cap both directions of ``host``'s ``nic`` at ``rate_mbit`` (``tbf``), or delay them
+        by ``delay_ms`` (``netem``, which not every kernel has: ``RuntimeError`` then)."""
+        for argv_prefix, device in _link_ends(host, nic):
             if delay_ms > 0:
                 qdisc = ["netem", "delay", f"{delay_ms}ms"]
                 if rate_mbit:
@@ -152,16 +217,16 @@ class TestHosts:
                 raise ValueError("shape needs rate_mbit or delay_ms")
             _run([*argv_prefix, "qdisc", "replace", "dev", device, "root", *qdisc])
 
-    def unshape(self, host: Host) -> None:
-        for argv_prefix, device in _link_ends(host):
+    def unshape(self, host: Host, nic: str = COMPUTE) -> None:
+        for argv_prefix, device in _link_ends(host, nic):
             subprocess.run([*argv_prefix, "qdisc", "del", "dev", device, "root"],
                            capture_output=True)  # fmt: skip
 
-    def rate_caps_bytes_per_s(self, host: Host) -> list[float | None]:
-        """The ``tbf`` rate of each end of ``host``'s link (root end first), as the kernel
+    def rate_caps_bytes_per_s(self, host: Host, nic: str = COMPUTE) -> list[float | None]:
+        """The ``tbf`` rate of each end of ``host``'s ``nic`` (root end first), as the kernel
         has it; None for an end without one."""
         caps: list[float | None] = []
-        for argv_prefix, device in _link_ends(host):
+        for argv_prefix, device in _link_ends(host, nic):
             qdiscs = json.loads(_run([*argv_prefix, "-j", "qdisc", "show", "dev", device, "root"]))
             tbf = [q for q in qdiscs if q.get("kind") == "tbf"]
             caps.append(float(tbf[0]["options"]["rate"]) if tbf else None)
@@ -169,22 +234,34 @@ class TestHosts:
 
     def status(self) -> list[dict[str, object]]:
         existing = set(list_namespaces())
+        storage = set(self.storage_hosts)
         return [
             {
                 "host": host.name,
-                "address": host.address,
+                "role": "storage" if host in storage else "cluster",
+                "addresses": {nic: host.address_on(nic) for nic in NICS},
                 "exists": host.name in existing,
                 "pids": namespace_pids(host.name) if host.name in existing else [],
             }
-            for host in self.hosts
+            for host in self.every_host
         ]
 
 
-def _link_ends(host: Host) -> tuple[tuple[list[str], str], ...]:
-    """(the ``tc`` command, the device) for each end of ``host``'s link: root end, host end."""
+def nic_bytes(host: Host, nic: str) -> tuple[int, int]:
+    """(sent, received) bytes of ``host``'s ``nic`` since it was made, from the kernel's
+    counters: read at the NIC's peer in the root namespace, whose received bytes are what the
+    host sent (a veth pair hands each frame to its peer whole), so no process enters the host."""
+    statistics = Path("/sys/class/net") / host.root_device(nic) / "statistics"
+    received_by_peer = int((statistics / "rx_bytes").read_text())
+    sent_by_peer = int((statistics / "tx_bytes").read_text())
+    return received_by_peer, sent_by_peer
+
+
+def _link_ends(host: Host, nic: str) -> tuple[tuple[list[str], str], ...]:
+    """(the ``tc`` command, the device) for each end of ``host``'s ``nic``: root end, host end."""
     return (
-        (["tc"], host.root_device),
-        (["ip", "netns", "exec", host.name, "tc"], HOST_DEVICE),
+        (["tc"], host.root_device(nic)),
+        (["ip", "netns", "exec", host.name, "tc"], NETWORKS[nic].host_device),
     )
 
 
@@ -213,7 +290,8 @@ def down() -> None:
         subprocess.run(["ip", "link", "del", device], capture_output=True)
     for name in ours:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+    for network in NETWORKS.values():
+        subprocess.run(["ip", "link", "del", network.bridge], capture_output=True)
     deadline = time.monotonic() + 30
     while _our_root_devices():
         if time.monotonic() > deadline:
@@ -222,8 +300,8 @@ def down() -> None:
 
 
 def _our_root_devices() -> list[str]:
-    prefix = f"{PREFIX}v-h"
-    return [name for name in os.listdir("/sys/class/net") if name.startswith(prefix)]
+    prefixes = tuple(network.root_prefix for network in NETWORKS.values())
+    return [name for name in os.listdir("/sys/class/net") if name.startswith(prefixes)]
 
 
 def _kill_all(pids: list[int]) -> None:
