@@ -203,18 +203,10 @@ class GlusterVolume:
     def _mount(self, host: Host, server_address: str) -> None:
         mount_point = self.mount_point(host)
         mount_point.mkdir(parents=True, exist_ok=True)
-        argv = host.net_only_argv(
-            # direct-io-mode: every read goes to the bricks, none to the kernel's page cache.
-            [
-                "mount",
-                "-t",
-                "glusterfs",
-                "-o",
-                "direct-io-mode=enable",
-                f"{server_address}:/{VOLUME}",
-                str(mount_point),
-            ]  # fmt: skip
-        )
+        # direct-io-mode: every read goes to the bricks, none to the kernel's page cache.
+        options = ["-o", "direct-io-mode=enable"]
+        source = f"{server_address}:/{VOLUME}"
+        argv = host.net_only_argv(["mount", "-t", "glusterfs", *options, source, str(mount_point)])
         result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         if result.returncode != 0 or not os.path.ismount(mount_point):
             raise RuntimeError(f"mounting {VOLUME} on {host.name} failed: {result.stderr.strip()}")

@@ -68,7 +68,6 @@ NETWORKS = {
     STORAGE: Network(f"{PREFIX}br1", "10.78.0", f"{PREFIX}1", f"{PREFIX}s-h"),
 }
 HOST_DEVICE = NETWORKS[COMPUTE].host_device  # the compute NIC: UCX_NET_DEVICES
-STORAGE_DEVICE = NETWORKS[STORAGE].host_device
 _KILL_GRACE_S = 3.0
 MAX_HOSTS = 16
 
@@ -99,7 +98,7 @@ class Host:
     def address_on(self, nic: str) -> str:
         return f"{NETWORKS[nic].subnet}.{self.index + 1}"
 
-    def root_device(self, nic: str = COMPUTE) -> str:
+    def root_device(self, nic: str) -> str:
         """The end in the root namespace (on the network's bridge) of the host's ``nic``."""
         return f"{NETWORKS[nic].root_prefix}{self.index}"
 
@@ -332,15 +331,17 @@ def wait_reachable(address: str, *, timeout_s: float = 120.0) -> None:
     is refused (RST) once the link is up, and times out while it is not. ``timeout_s`` is a
     hang guard: a new link answers within a second on an idle machine."""
     deadline = time.monotonic() + timeout_s
-    while not _is_refused(address):
+    while not answers(address):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{address} not reachable in {timeout_s} s")
         time.sleep(0.05)
 
 
-def _is_refused(address: str) -> bool:
+def answers(address: str, *, timeout_s: float = 1.0) -> bool:
+    """Whether ``address`` answers one TCP connect from the root namespace within
+    ``timeout_s`` (refused counts: something answered); a cut link does not."""
     with socket.socket() as sock:
-        sock.settimeout(1.0)  # one try; a loaded machine answers late, not never
+        sock.settimeout(timeout_s)  # one try; a loaded machine answers late, not never
         try:
             sock.connect((address, 9))  # discard: nothing listens there
         except ConnectionRefusedError:

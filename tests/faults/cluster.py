@@ -11,9 +11,9 @@ supervises its engine (its default): a host's engine that dies or loses the sche
 started again there; without, it runs ``--no-restart`` and stays dead.
 
 Each process gets ``--kv-store`` from ``store_dir_of(host)`` (its own mount of a shared volume,
-or ``None`` for no store). PE<->DE KV moves over NIXL/UCX restricted to TCP on the host's compute NIC
-(``UCX_TLS=tcp``, ``UCX_NET_DEVICES=dp0``): without that, UCX on one machine would take shared
-memory or cross-memory attach and bypass the links the tests cut and shape.
+or ``None`` for no store). PE<->DE KV moves over NIXL/UCX restricted to TCP on the host's
+compute NIC (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=dp0``): without that, UCX on one machine would
+take shared memory or cross-memory attach and bypass the links the tests cut and shape.
 """
 
 from __future__ import annotations

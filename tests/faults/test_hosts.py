@@ -22,8 +22,8 @@ def test_every_host_has_an_address_on_each_network_and_reaches_the_others(test_h
     assert [h.address for h in every] == [f"10.77.0.{i + 1}" for i in range(len(every))]
     assert [h.storage_address for h in every] == [f"10.78.0.{i + 1}" for i in range(len(every))]
     first = every[0]
-    for nic, device in ((COMPUTE, hosts.HOST_DEVICE), (STORAGE, hosts.STORAGE_DEVICE)):
-        out = first.run(["ip", "-4", "-o", "addr", "show", device])
+    for nic in NICS:
+        out = first.run(["ip", "-4", "-o", "addr", "show", hosts.NETWORKS[nic].host_device])
         assert first.address_on(nic) in out
         for host in every[1:]:
             assert host.address_on(nic) not in out
@@ -35,7 +35,8 @@ def test_a_cut_off_host_is_isolated_on_both_networks_until_restored(test_hosts) 
     test_hosts.set_link_up(host, False)
     try:
         for nic in NICS:
-            assert not _answers(host.address_on(nic)), f"{host.name} answered on its {nic} NIC"
+            is_answered = hosts.answers(host.address_on(nic), timeout_s=0.5)
+            assert not is_answered, f"{host.name} answered on its {nic} NIC"
     finally:
         test_hosts.set_link_up(host, True)
     for nic in NICS:
@@ -87,15 +88,3 @@ def _connect(address: str, port: int) -> socket.socket:
             continue
         sock.settimeout(WAIT_TIMEOUT_S)
         return sock
-
-
-def _answers(address: str) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        try:
-            sock.connect((address, 9))
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            return False
-    return True

@@ -47,9 +47,9 @@ def test_multi_turn_tokens_equal_the_single_node_engine_and_reuse_the_gluster_st
     previous_lengths: list[int] = []
     for turn in range(2):
         storage_before = nic_counts(engine_hosts, STORAGE)
-        into_decode_before = sum(nic_bytes(h, COMPUTE)[1] for h in decode_hosts)
+        into_decode_before = nic_counts(decode_hosts, COMPUTE)[1]
         bodies = [cluster.complete(c, MAX_TOKENS).json() for c in contexts]
-        into_decode_bytes = sum(nic_bytes(h, COMPUTE)[1] for h in decode_hosts) - into_decode_before
+        into_decode_bytes = nic_counts(decode_hosts, COMPUTE)[1] - into_decode_before
         storage_now = nic_counts(engine_hosts, STORAGE)
         expected = reference_tokens(tiny_model_dir, contexts, MAX_TOKENS)
         for body, want in zip(bodies, expected, strict=True):
