@@ -35,12 +35,7 @@ def make_engine_traffic(
             config.node_id, links.snic.bandwidth_gbps, clock=clock, cluster_id=cluster_id
         )
         node_limiters[links.snic.name] = limiter
-    traffic = TrafficManager(
-        links.all(),
-        clock=clock,
-        weights=traffic_config.class_weights,
-        window_s=traffic_config.utilisation_window_s,
-        gap_fill_s=traffic_config.gap_fill_s,
-        node_limiters=node_limiters,
+    traffic = TrafficManager.from_config(
+        links.all(), traffic_config, clock=clock, node_limiters=node_limiters
     )
     return traffic, {"snic": links.snic.name, "cnic": links.cnic.name}, limiter

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TypeVar
 
+from dualpath.config import TrafficConfig
 from dualpath.errors import StorageTimeout, TransferTimeout
 from dualpath.transfer.clock import Clock, MonotonicClock
 from dualpath.transfer.links import LinkCounter, LinkKind, LinkSpec, LinkStats, TrafficClass
@@ -264,6 +265,25 @@ class TrafficManager:
     has a ``timeout_s``: when its emulated finish would come later, it is dropped and the
     call raises ``StorageTimeout`` (SNIC links) or ``TransferTimeout`` (the others).
     """
+
+    @classmethod
+    def from_config(
+        cls,
+        links: Sequence[LinkSpec],
+        config: TrafficConfig,
+        *,
+        clock: Clock,
+        node_limiters: Mapping[str, NodeLimiter] | None = None,
+    ) -> TrafficManager:
+        """A manager with ``config``'s class weights, utilisation window and gap fill."""
+        return cls(
+            links,
+            clock=clock,
+            weights=config.class_weights,
+            window_s=config.utilisation_window_s,
+            gap_fill_s=config.gap_fill_s,
+            node_limiters=node_limiters,
+        )
 
     def __init__(
         self,

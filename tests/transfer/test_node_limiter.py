@@ -129,13 +129,8 @@ def test_engine_wiring_reads_a_full_block_and_sends_its_layer_blocks(tmp_path: P
     snic_limiter = NodeLimiter.for_node(
         0, config.snic_bandwidth_gbps, directory=tmp_path, clock=clock
     )
-    manager = TrafficManager(
-        links.all(),
-        clock=clock,
-        weights=config.class_weights,
-        window_s=config.utilisation_window_s,
-        gap_fill_s=config.gap_fill_s,
-        node_limiters={links.snic.name: snic_limiter},
+    manager = TrafficManager.from_config(
+        links.all(), config, clock=clock, node_limiters={links.snic.name: snic_limiter}
     )
     layout = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
     fingerprint = model_fingerprint(
