@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dualpath.bench.kernel_links import LINKS
 from dualpath.bench.presets import PRESETS
 from dualpath.bench.report import add_output_arguments
 from dualpath.bench.spec import CALIBRATION_SOURCES, DEFAULT_CALIBRATION_RUNS
@@ -73,6 +74,18 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "get --kv-cache-gb as vLLM's --num-gpu-blocks-override and the model's context; the "
         "front door gets --read-path and the scheduler's flags. Refused with --vllm-arg, "
         "--vllm-prefill-batching quota and --url",
+    )
+    parser.add_argument(
+        "--links",
+        choices=LINKS,
+        default="emulated",
+        help="what shapes the cluster's links: 'emulated', every process on this host, the "
+        "SNIC/CNIC caps our token buckets; 'kernel', one network namespace per engine and one "
+        "for the router, each with a storage NIC and a compute NIC that tc caps at the same "
+        "rates, the store on GlusterFS bricks of two storage hosts, our token buckets off, and "
+        "each NIC's bytes read from the kernel's counters beside our accounting (needs root "
+        "and glusterfs-server: make test-faults installs it; not with --vllm-servers or --url) "
+        "(default emulated)",
     )
     add_kv_cache_argument(
         parser,

@@ -20,17 +20,19 @@ OpenAI-compatible one): the link figures are then None.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm import tqdm
 
 from dualpath.bench.agents import TurnRecord, run_agents
+from dualpath.bench.kernel_links import KernelTestbed, NicSampler, nic_figures, no_nic_sampler
+from dualpath.bench.mode_flags import SERVED_MODEL_NAME, serve_args
 from dualpath.bench.process_cpu import ProcessCpu
 from dualpath.bench.server_process import MetricsSampler, ServerProcess, metric_sum, snic_totals
 from dualpath.bench.spec import VLLM_SERVERS
@@ -42,7 +44,6 @@ from dualpath.workload import Workload
 
 logger = logging.getLogger(__name__)
 
-SERVED_MODEL_NAME = "dualpath-bench"
 # ``snic_load_balance_busy`` counts the windows whose mean SNIC moved at least this much of
 # its cap.
 BUSY_FRACTION_OF_CAP = 0.5
@@ -72,42 +73,13 @@ class ModeRun:
     vllm_prefill_batching: str = "vllm"  # with engine "vllm": serve --vllm-prefill-batching
     attention_quota_s: float | None = None  # the PEs' compute quota (None: serve's default)
     extra_serve_args: tuple[str, ...] = ()
+    # The test hosts every mode runs on (``--links kernel``); None: one host, our caps.
+    testbed: KernelTestbed | None = field(default=None, compare=False, repr=False)
 
-
-def serve_args(run: ModeRun, store_dir: Path, log_dir: Path) -> list[str]:
-    """``dualpath serve``'s flags for ``run`` (not for "vllm-servers": ``served_run.py``)."""
-    if run.engine == VLLM_SERVERS:
-        raise RuntimeError("caller bug: the vLLM servers' deployment is served_run.py's")
-    args = [
-        "--model", str(run.model_dir),
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--kv-store", str(store_dir),
-        "--mode", run.mode,
-        "--nodes", run.nodes,
-        "--snic-gbps", str(run.snic_bandwidth_gbps),
-        "--cnic-gbps", str(run.cnic_bandwidth_gbps),
-        "--transport", run.transport,
-        "--engine-log-dir", str(log_dir),
-        # No request may be refused for queueing in a benchmark: every agent is in flight.
-        "--max-waiting-requests", "100000",
-    ]  # fmt: skip
-    if run.read_path is not None:
-        args += ["--read-path", run.read_path]
-    if run.prefill_tokens_per_s is not None:
-        args += ["--prefill-tokens-per-s", f"{run.prefill_tokens_per_s:.1f}"]
-    if run.max_prompt_tokens is not None:
-        args += ["--max-prompt-tokens", str(run.max_prompt_tokens)]
-    if run.engine != "native":
-        args += ["--engine", run.engine]
-    for key, value in run.vllm_args:
-        args += ["--vllm-arg", f"{key}={json.dumps(value)}"]
-    if run.kv_cache_gb is not None:
-        args += ["--kv-cache-gb", str(run.kv_cache_gb)]
-    if run.attention_quota_s is not None:
-        args += ["--attention-quota-s", str(run.attention_quota_s)]
-    if run.vllm_prefill_batching != "vllm":
-        args += ["--vllm-prefill-batching", run.vllm_prefill_batching]
-    return args + list(run.extra_serve_args)
+    @property
+    def links(self) -> str:
+        """``--links``: "kernel" (test hosts, ``tc``) or "emulated" (our token buckets)."""
+        return "emulated" if self.testbed is None else "kernel"
 
 
 class ModeServers(Protocol):
@@ -121,6 +93,9 @@ class ModeServers(Protocol):
     def process_cpu(self) -> ProcessCpu: ...  # its processes' cores, not started
 
     def stop(self) -> dict: ...  # stop it; the result's exit-code keys
+
+    # Its NICs' counters over the run (``kernel_links``), or nothing without test hosts.
+    def nic_sampler(self) -> AbstractContextManager[NicSampler | None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +115,23 @@ class ServeServers:
     def stop(self) -> dict:
         return {"server_exit_code": self.server.stop()}
 
+    def nic_sampler(self) -> AbstractContextManager[None]:
+        return no_nic_sampler()
 
-def start_servers(run: ModeRun, store_dir: Path, log_dir: Path) -> ModeServers:
-    """``run``'s cluster, its store in ``store_dir`` and its logs in ``log_dir``; returns once
-    it serves."""
+
+def start_servers(
+    run: ModeRun, store_dir: Path, log_dir: Path, memory_dir: Path | None = None
+) -> ModeServers:
+    """``run``'s cluster, its store in ``store_dir`` (in ``memory_dir``, where given) and its
+    logs in ``log_dir``; returns once it serves."""
     if run.engine == VLLM_SERVERS:
+        if run.testbed is not None:
+            raise ValueError(
+                "--links kernel runs our engines (--engine native or vllm), not --vllm-servers"
+            )
         return start_served(run, store_dir, log_dir)
+    if run.testbed is not None:
+        return run.testbed.start(run, store_dir.name, log_dir, memory_dir)
     args = serve_args(run, store_dir, log_dir)
     return ServeServers(ServerProcess(args, log_path=log_dir / "serve.log").start())
 
@@ -175,10 +161,13 @@ def run_mode(
     store_dir = (memory_dir or work_dir) / f"kv-{name}"
     log_dir = work_dir / f"logs-{name}"
     try:
-        servers = start_servers(run, store_dir, log_dir)
+        servers = start_servers(run, store_dir, log_dir, memory_dir)
         try:
             cpu = servers.process_cpu().start()
-            with MetricsSampler(servers.url, period_s=metrics_period_s) as sampler:
+            with (
+                servers.nic_sampler() as nics,
+                MetricsSampler(servers.url, period_s=metrics_period_s) as sampler,
+            ):
                 records, tokens = _replay(
                     servers.url,
                     workload,
@@ -201,6 +190,12 @@ def run_mode(
     if result["num_failed"]:
         logger.warning("%s: the servers' logs are in %s", run.mode, log_dir)
     result.update(link_figures(final, sampler.samples, result["jct_s"], run.snic_bandwidth_gbps))
+    if nics is not None:
+        ours = {"snic_load_balance_accounting": result["snic_load_balance"]}
+        figures = nic_figures(nics, final, store_on_network=memory_dir is None)
+        result.update(ours | figures)
+        result["snic_load_balance"] = result.pop("snic_load_balance_counters")
+    result["links"] = run.links
     result["process_cpu"] = process_cpu
     result["store_in_memory"] = memory_dir is not None
     result.update(exit_codes)

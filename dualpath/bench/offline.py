@@ -74,6 +74,7 @@ from dualpath.bench.calibration import (
 )
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_against_url, run_mode, token_mismatches
+from dualpath.bench.kernel_links import KernelTestbed, links_testbed
 from dualpath.bench.presets import (
     PRESETS,
     BenchPreset,
@@ -280,9 +281,10 @@ def workload_report(workload: Workload, shape: WorkloadShape) -> dict:
     return {"shaping": asdict(shape), "workload": {"source": workload.source, **asdict(stats)}}
 
 
-def run_offline(spec: RunSpec) -> dict:
+def run_offline(spec: RunSpec, testbed: KernelTestbed | None = None) -> dict:
     """Every mode of ``spec`` on its shaped workload; the report, ``valid`` or not
-    (``validity.py``)."""
+    (``validity.py``). ``--links kernel`` builds its test hosts for the run, or runs on
+    ``testbed``'s."""
     preset = run_preset(spec)
     shape = spec.workload.shape(preset)
     workload = load_workload(
@@ -299,11 +301,16 @@ def run_offline(spec: RunSpec) -> dict:
         **run_header("offline", spec, preset, base, kv_cache_gb_source),
         "transport": spec.engine.transport,
         "read_path": spec.engine.read_path,
+        "links": spec.engine.links,
         **workload_report(workload, shape),
         "hardware": hardware_info(),
     }
-    with tempfile.TemporaryDirectory(prefix="dualpath-bench-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="dualpath-bench-") as tmp,
+        testbed or links_testbed(spec.engine.links, base.nodes) as testbed,
+    ):
         root = Path(spec.output.work_dir or tmp)
+        base = replace(base, testbed=testbed)
         if preset.snic_bandwidth_gbps is None:
             assert preset.rho is not None, "a calibrated preset names its rho"
             base, calibration, problems = calibrated_run(
@@ -447,10 +454,10 @@ def main(args: argparse.Namespace) -> int:
         if args.modes is not None:
             raise ValueError("--url runs against one existing server: do not give --modes")
         ours = (args.engine != "native", args.vllm_arg, args.vllm_servers, args.calibration)
-        if any(ours) or args.calibration_runs is not None:
+        if any(ours) or args.calibration_runs is not None or args.links != "emulated":
             raise ValueError(
                 "--url runs against one existing server: do not give --engine, --vllm-servers, "
-                "--calibration or --calibration-runs"
+                "--calibration, --calibration-runs or --links"
             )
         return finish(_run_url(args, model_dir), args, "offline")
     check_url_flags(args)

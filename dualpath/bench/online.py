@@ -70,6 +70,7 @@ from dualpath.bench.calibration import (
 )
 from dualpath.bench.hardware import hardware_info
 from dualpath.bench.harness import ModeRun, run_mode
+from dualpath.bench.kernel_links import links_testbed
 from dualpath.bench.offline import (
     base_run,
     load_workload,
@@ -209,6 +210,7 @@ def run_online(spec: OnlineSpec) -> dict:
     report: dict = {
         **run_header("online", run, preset, base, kv_cache_gb_source),
         "read_path": run.engine.read_path,
+        "links": run.engine.links,
         **workload_report(calibration_workload, shape),
         "replay_gaps": spec.replay_gaps,
         "max_gap_s": spec.max_gap_s,
@@ -216,8 +218,12 @@ def run_online(spec: OnlineSpec) -> dict:
     }
     problems: list[str] = []
     progress = run.output.progress
-    with tempfile.TemporaryDirectory(prefix="dualpath-online-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="dualpath-online-") as tmp,
+        links_testbed(run.engine.links, base.nodes) as testbed,
+    ):
         root = Path(run.output.work_dir or tmp)
+        base = replace(base, testbed=testbed)
         # Unloaded: one agent alone on Oracle (uncapped, from memory).
         unloaded = _unloaded(base, workload_of(1), root / "unloaded", spec, problems)
         if preset.snic_bandwidth_gbps is None:

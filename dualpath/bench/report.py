@@ -223,6 +223,9 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
         axes[-1, 0].set_xlabel("time (s)")
         figure.suptitle("per-SNIC throughput")
         written.append(_save(plt, figure, out_dir / f"{stem}_snic.png"))
+    nic_timelines = {m: r["nic_timeline"] for m, r in run["modes"].items() if r.get("nic_timeline")}
+    if nic_timelines:
+        written.append(_nic_plot(plt, nic_timelines, run, out_dir / f"{stem}_nics.png"))
     probed = {m: r["probes"] for m, r in run["modes"].items() if len(r.get("probes", ())) > 1}
     if probed:
         figure, (ttft_axis, tpot_axis) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -249,6 +252,29 @@ def write_plots(report: dict, out_dir: Path, stem: str) -> list[Path]:
         axis.legend()
         written.append(_save(plt, figure, out_dir / f"{stem}_rho.png"))
     return written
+
+
+def _nic_plot(plt, timelines: dict[str, dict], run: dict, path: Path) -> Path:  # noqa: ANN001
+    """``--links kernel``: each NIC's bytes over time from the kernel's counters, a row per
+    mode, the storage NICs left and the compute NICs right."""
+    figure, axes = plt.subplots(
+        len(timelines), 2, figsize=(11, 2.3 * len(timelines)), sharex=True, squeeze=False
+    )
+    for row, (mode, timeline) in zip(axes, timelines.items(), strict=True):
+        for axis, nic in zip(row, ("storage", "compute"), strict=True):
+            for name, rates in timeline["gbps"].items():
+                if name.endswith(f" {nic}"):
+                    axis.plot(timeline["time_s"], rates, label=name.removesuffix(f" {nic}"))
+            cap = run.get("snic_caps_gbps") if nic == "storage" and mode != "oracle" else None
+            if cap:
+                axis.axhline(cap, color="grey", linestyle=":", label="cap, each direction")
+            axis.set_title(f"{mode}: {nic} NICs", fontsize=9)
+            axis.set_ylabel("Gbps sent + received")
+        row[0].legend(fontsize=7, loc="upper right")
+    for axis in axes[-1]:
+        axis.set_xlabel("time (s)")
+    figure.suptitle("each NIC's bytes, from the kernel's counters")
+    return _save(plt, figure, path)
 
 
 def finish(report: dict, args: argparse.Namespace, default_stem: str) -> int:

@@ -56,6 +56,9 @@ class EngineSpec:
     # The servers' longest prompt (None: the context minus one); every turn of the workload is
     # checked against it before any server starts.
     max_prompt_tokens: int | None = None
+    # What shapes the links: "emulated" (our token buckets, one host) or "kernel" (test hosts,
+    # ``tc``: ``kernel_links.py``).
+    links: str = "emulated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +203,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         transport=args.transport,
         read_path=args.read_path,
         max_prompt_tokens=args.max_prompt_tokens,
+        links=args.links,
     )
 
 

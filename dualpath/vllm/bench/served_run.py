@@ -26,9 +26,11 @@ arguments (``--vllm-arg``: the servers' command lines are the benchmark's) and
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dualpath.bench.kernel_links import no_nic_sampler
 from dualpath.bench.process_cpu import ProcessCpu
 from dualpath.bench.spec import BLOCK_SIZE_TOKENS
 from dualpath.model.identity import kv_layout
@@ -121,6 +123,10 @@ class ServedServers:
         exit_codes = self.cluster.stop()
         front_door = exit_codes.pop("front door")
         return {"server_exit_code": front_door, "vllm_server_exit_codes": exit_codes}
+
+    def nic_sampler(self) -> AbstractContextManager[None]:
+        """No NIC of its own: the servers share this host's."""
+        return no_nic_sampler()
 
 
 def start_served(run: ModeRun, store_dir: Path, log_dir: Path) -> ServedServers:

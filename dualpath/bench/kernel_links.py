@@ -1,0 +1,367 @@
+"""``bench offline|online --links kernel``: every mode's cluster on test hosts whose NICs the
+kernel shapes, the kernel's counters as the witness of our own byte accounting.
+
+    with KernelTestbed("1P2D") as testbed:           # hosts, GlusterFS, before the first mode
+        run = replace(run, testbed=testbed)          # harness.run_mode then starts ...
+        servers = testbed.start(run, store_name, log_dir, memory_dir)   # ... one mode's cluster
+
+One host per engine and one for the router (``dualpath serve --external-engines``: scheduler
+and API), each with a compute NIC and a storage NIC, and two storage hosts holding the
+GlusterFS bricks (``dualpath.testbed``). Each engine host's storage NIC is capped with ``tc
+tbf`` at the node's SNIC cap and its compute NIC at the engine's CNIC cap, in each direction
+(a real NIC is full duplex; our token buckets share one budget between a link's reads and
+writes). Our own token buckets are off (the engines run uncapped and only count); the router
+is told the SNIC cap, which sets the scheduler's alpha (SPEC §6) as it does with emulated
+caps. ``oracle`` runs uncapped with its store in memory (/dev/shm, seen by every host), as
+with emulated links. Every mode's store is a fresh directory of the volume.
+
+The counters (``/sys/class/net/*/statistics`` of each NIC's root-namespace peer) are sampled
+through the run (``NicSampler``); ``nic_figures`` sets them against our accounting per NIC
+(``dualpath_link_bytes_total``) and computes SPEC §7's SNIC load balance from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dualpath.bench.mode_flags import (
+    SERVED_MODEL_NAME,
+    engine_kind_flags,
+    scheduler_flags,
+    vllm_arg_flags,
+)
+from dualpath.bench.process_cpu import ProcessCpu
+from dualpath.bench.stats import LinkSample, snic_load_balance
+from dualpath.config import mode_settings, parse_node_shape
+from dualpath.testbed import gluster, hosts
+from dualpath.testbed.cluster import MultiHostCluster
+from dualpath.testbed.hosts import COMPUTE, NICS, STORAGE, Host, nic_bytes
+from dualpath.units import bytes_per_s_to_gbps
+
+if TYPE_CHECKING:
+    from dualpath.bench.harness import ModeRun
+
+LINKS = ("emulated", "kernel")
+NUM_STORAGE_HOSTS = 2  # the GlusterFS bricks' hosts
+START_TIMEOUT_S = 600.0  # a hang guard: vLLM engines take minutes to start on 2 cores
+
+
+def num_engines(nodes: str) -> int:
+    num_prefill, num_decode = parse_node_shape(nodes)
+    return num_prefill + num_decode
+
+
+def check_kernel_links_possible() -> None:
+    """``ValueError`` in one line where this machine cannot build the hosts (no root, no
+    network namespaces, no GlusterFS: ``make test-faults`` installs it)."""
+    try:
+        hosts.check_hosts_possible()
+        gluster.check_gluster_possible()
+    except (hosts.HostsUnavailable, gluster.GlusterUnavailable) as exc:
+        raise ValueError(f"--links kernel: {exc}") from None
+
+
+class KernelTestbed:
+    """The hosts and the GlusterFS volume of every mode of one benchmark run: built on entry
+    and torn down on exit, or, given ``test_hosts`` and ``volume`` already up (the fault
+    tests'), used as they are and left up."""
+
+    def __init__(
+        self,
+        nodes: str,
+        *,
+        test_hosts: hosts.TestHosts | None = None,
+        volume: gluster.GlusterVolume | None = None,
+    ) -> None:
+        if (test_hosts is None) != (volume is None):
+            raise ValueError("caller bug: give both the test hosts and their volume, or neither")
+        self.nodes = nodes
+        self.owns = test_hosts is None
+        self.test_hosts = test_hosts or hosts.TestHosts(1 + num_engines(nodes), NUM_STORAGE_HOSTS)
+        self.volume = volume
+        if len(self.test_hosts.hosts) < 1 + num_engines(nodes):
+            raise ValueError(f"a {nodes} testbed needs {1 + num_engines(nodes)} hosts")
+
+    def __enter__(self) -> KernelTestbed:
+        if not self.owns:
+            return self
+        check_kernel_links_possible()
+        self.test_hosts.up()
+        try:
+            self.volume = gluster.GlusterVolume(
+                brick_hosts=self.test_hosts.storage_hosts, client_hosts=self.test_hosts.hosts
+            ).create()
+        except BaseException:
+            self.test_hosts.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.owns:
+            return
+        if self.volume is not None:
+            self.volume.close()
+        self.test_hosts.down()
+
+    def start(
+        self, run: ModeRun, store_name: str, log_dir: Path, memory_dir: Path | None
+    ) -> HostServers:
+        """``run``'s cluster over the hosts, its NICs capped for its mode; returns once it
+        serves. Its store: ``store_name`` in ``memory_dir`` (oracle), else a fresh directory of
+        the volume."""
+        if run.extra_serve_args:
+            raise ValueError(
+                f"--links kernel: serve arguments {list(run.extra_serve_args)} cannot be split "
+                "between the router and the engines"
+            )
+        if self.volume is None:
+            raise RuntimeError("caller bug: the testbed is not up")
+        volume = self.volume
+        namespace = f"{store_name}-{uuid.uuid4().hex[:8]}"
+
+        def store_dir_of(host: Host) -> Path:
+            if memory_dir is not None:
+                return memory_dir / namespace
+            return volume.mount_point(host) / namespace
+
+        cluster = MultiHostCluster(
+            self.test_hosts.hosts,
+            model_dir=run.model_dir,
+            log_dir=log_dir,
+            store_dir_of=store_dir_of,
+            heartbeat_timeout_s=5.0,
+            extra_serve_args=router_args(run),
+            engine_args=engine_args(run),
+            common_args=common_args(run),
+            nodes=run.nodes,
+            threads=None,
+            served_model_name=SERVED_MODEL_NAME,
+            start_timeout_s=START_TIMEOUT_S,
+        )
+        self.shape(run, [spec.host for spec in cluster.engines])
+        return HostServers(cluster.start(), self.test_hosts)
+
+    def shape(self, run: ModeRun, engine_hosts: list[Host]) -> None:
+        """Cap each engine host's NICs at ``run``'s caps (none for ``oracle``); the router's
+        and the storage hosts' stay uncapped."""
+        is_io_free = mode_settings(run.mode).is_io_free
+        for host in self.test_hosts.every_host:
+            for nic in NICS:
+                self.test_hosts.unshape(host, nic)
+        caps = {STORAGE: run.snic_bandwidth_gbps, COMPUTE: run.cnic_bandwidth_gbps}
+        for host in engine_hosts:
+            for nic, gbps in caps.items():
+                if gbps > 0 and not is_io_free:
+                    self.test_hosts.shape(host, rate_mbit=gbps * 1000, nic=nic)
+
+
+def common_args(run: ModeRun) -> list[str]:
+    """The router's and every engine's: the mode, the transport and what runs the model."""
+    return ["--mode", run.mode, "--transport", run.transport, *engine_kind_flags(run)]
+
+
+def router_args(run: ModeRun) -> list[str]:
+    """The router's: the caps it schedules by (the engines do not enforce them) and the
+    scheduler's flags."""
+    return [
+        "--snic-gbps", str(run.snic_bandwidth_gbps),
+        "--cnic-gbps", str(run.cnic_bandwidth_gbps),
+        *scheduler_flags(run),
+    ]  # fmt: skip
+
+
+def engine_args(run: ModeRun) -> list[str]:
+    """Every engine's: no cap of ours (the kernel's alone), vLLM's engine arguments."""
+    return ["--snic-gbps", "0", "--cnic-gbps", "0", *vllm_arg_flags(run)]
+
+
+@dataclass(frozen=True, slots=True)
+class HostServers:
+    """A mode's cluster on the test hosts, as ``harness.run_mode`` drives it."""
+
+    cluster: MultiHostCluster
+    test_hosts: hosts.TestHosts
+    served_model_name: str = SERVED_MODEL_NAME
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
+
+    def process_cpu(self) -> ProcessCpu:
+        roots = {"serve": self.cluster.server.pid} if self.cluster.server else {}
+        for spec in self.cluster.engines:
+            process = self.cluster.engine_id_to_process[spec.engine_id]
+            roots[f"{spec.role}-{spec.engine_id}"] = process.pid
+        return ProcessCpu(roots)
+
+    def nic_sampler(self) -> NicSampler:
+        labels = {self.cluster.api_host: "router"} | {
+            spec.host: f"{spec.role}-{spec.engine_id}" for spec in self.cluster.engines
+        }
+        engine_nodes = {f"{s.role}-{s.engine_id}": s.node_id for s in self.cluster.engines}
+        return NicSampler(labels, engine_nodes)
+
+    def stop(self) -> dict:
+        codes = self.cluster.close()
+        return {
+            "server_exit_code": codes.pop("server"),
+            "engine_exit_codes": codes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NicSample:
+    time_s: float
+    # "<host>.<nic>" -> (sent, received) bytes since the NIC was made
+    counters: dict[str, tuple[int, int]]
+
+
+class NicSampler:
+    """Reads every host's NIC counters every ``period_s`` on a thread, and once more at the
+    end; ``labels``: host -> what runs there (``router``, ``prefill-0``, ...), ``engine_nodes``:
+    an engine's label -> its node id."""
+
+    def __init__(
+        self, labels: dict[Host, str], engine_nodes: dict[str, int], *, period_s: float = 0.5
+    ) -> None:
+        self.labels = labels
+        self.engine_nodes = engine_nodes
+        self.period_s = period_s
+        self.samples: list[NicSample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nic-sampler", daemon=True)
+
+    def sample(self) -> None:
+        counters = {
+            f"{host.name}.{nic}": nic_bytes(host, nic) for host in self.labels for nic in NICS
+        }
+        self.samples.append(NicSample(time.monotonic(), counters))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.sample()
+
+    def __enter__(self) -> NicSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def nic_figures(
+    sampler: NicSampler,
+    scraped: dict[str, list[tuple[dict[str, str], float]]],
+    *,
+    store_on_network: bool,
+) -> dict:
+    """The run's counters per host and NIC (``nic_bytes``), set against our accounting of the
+    same NIC (``nic_agreement``), each NIC's rate over time (``nic_timeline``), and SPEC §7's
+    SNIC load balance from the storage NICs' counters. A node's SNIC is ``node<id>.snic`` in
+    our accounting, its engine's CNIC ``engine<id>.cnic`` (one engine per node). Without
+    ``store_on_network`` (oracle: the store in memory) no NIC carries the store's bytes, and
+    the storage NICs are not set against our SNICs.
+
+    NOTE: ``nic_agreement`` is reported, not judged. Our CNIC accounting also counts the
+    host<->device copies the paper routes through the CNIC (a memory copy here) and only the
+    side that started a transfer, while a NIC carries both; the store's protocol costs 2-3%
+    on reads and ~20% on writes of the tiny model's 128 KiB blocks (docs/multihost.md)."""
+    engine_nodes = sampler.engine_nodes
+    first, last = sampler.samples[0], sampler.samples[-1]
+    ours = _link_totals(scraped)
+    nic_bytes_out: dict[str, dict] = {}
+    agreement: dict[str, dict] = {}
+    for host, label in sampler.labels.items():
+        per_nic: dict[str, dict] = {"label": label}
+        for nic in NICS:
+            key = f"{host.name}.{nic}"
+            sent = last.counters[key][0] - first.counters[key][0]
+            received = last.counters[key][1] - first.counters[key][1]
+            per_nic[nic] = {"sent": sent, "received": received}
+            if label in engine_nodes and (nic == COMPUTE or store_on_network):
+                node = engine_nodes[label]
+                link = f"node{node}.snic" if nic == STORAGE else f"engine{node}.cnic"
+                counted = sent + received
+                our_bytes = ours.get(link, 0)
+                agreement[f"{label}.{nic}"] = {
+                    "link": link,
+                    "counters_bytes": counted,
+                    "our_bytes": our_bytes,
+                    "ratio": round(counted / our_bytes, 4) if our_bytes else None,
+                }
+        nic_bytes_out[host.name] = per_nic
+    storage_samples = [
+        LinkSample(
+            sample.time_s,
+            {
+                label: sum(sample.counters[f"{host.name}.{STORAGE}"])
+                for host, label in sampler.labels.items()
+                if label in engine_nodes
+            },
+            {},
+        )
+        for sample in sampler.samples
+    ]
+    return {
+        "nic_bytes": nic_bytes_out,
+        "nic_agreement": agreement,
+        "snic_load_balance_counters": snic_load_balance(storage_samples),
+        "nic_timeline": nic_timeline(sampler),
+    }
+
+
+def nic_timeline(sampler: NicSampler) -> dict:
+    """Each NIC's rate (Gbps, sent + received) between consecutive samples, at the interval's
+    end (seconds from the first sample): the data of the per-NIC plot."""
+    samples = sampler.samples
+    names = {
+        f"{host.name}.{nic}": f"{label} {nic}"
+        for host, label in sampler.labels.items()
+        for nic in NICS
+    }
+    times_s: list[float] = []
+    gbps: dict[str, list[float]] = {name: [] for name in names.values()}
+    for before, after in zip(samples[:-1], samples[1:], strict=True):
+        span_s = after.time_s - before.time_s
+        if span_s <= 0:
+            continue
+        times_s.append(after.time_s - samples[0].time_s)
+        for key, name in names.items():
+            moved = sum(after.counters[key]) - sum(before.counters[key])
+            gbps[name].append(bytes_per_s_to_gbps(moved / span_s))
+    return {"time_s": times_s, "gbps": gbps}
+
+
+def _link_totals(scraped: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for labels, value in scraped.get("dualpath_link_bytes_total", ()):
+        link = labels.get("link", "")
+        totals[link] = totals.get(link, 0) + int(value)
+    return totals
+
+
+def links_testbed(
+    links: str, nodes: str
+) -> contextlib.AbstractContextManager[KernelTestbed | None]:
+    """The test hosts of a run whose ``--links`` is "kernel", up for its whole run; nothing for
+    "emulated"."""
+    if links not in LINKS:
+        raise ValueError(f"--links must be one of {', '.join(LINKS)}, got {links!r}")
+    if links == "emulated":
+        return contextlib.nullcontext()
+    check_kernel_links_possible()  # before a testbed is built: one line
+    return KernelTestbed(nodes)
+
+
+def no_nic_sampler() -> contextlib.nullcontext[None]:
+    """What a cluster without test hosts samples: nothing."""
+    return contextlib.nullcontext()
