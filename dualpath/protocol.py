@@ -83,13 +83,20 @@ class EngineReport:
     read_queue_tokens: int
     # Cumulative counters for metrics and benchmarks: bytes by "link.class" (e.g.
     # "node0.snic.kv"), and "store_read_bytes" (hit KV this engine read), "busy_us" (time in
-    # prefill batches or decode steps), "store_<stat>" (its store's StoreStats); and two
-    # levels: "buffer_used_bytes" and "buffer_capacity_bytes" (its host KV buffer).
+    # prefill batches or decode steps), "store_<stat>" (its store's StoreStats),
+    # "transport_written_<peer>" / "transport_read_<peer>" (KV it wrote to or read from engine
+    # <peer> over the transport); and two levels: "buffer_used_bytes" and
+    # "buffer_capacity_bytes" (its host KV buffer).
     link_bytes: dict[str, int]
     num_buffer_slots_used: int
     # Tokens this engine has queued for storage writes (a DE persisting KV, SPEC §2); a node's
     # write_q sums its engines' (``dualpath.scheduler.message.NodeSnapshot``).
     write_queue_tokens: int = 0
+
+
+# EngineReport.link_bytes keys of the transfers an engine started, followed by the peer's id.
+TRANSPORT_WRITTEN_PREFIX = "transport_written_"
+TRANSPORT_READ_PREFIX = "transport_read_"
 
 
 @message("assign")

@@ -27,7 +27,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 
 from dualpath.bench.hardware import hardware_info
@@ -36,8 +36,11 @@ from dualpath.home import data_home
 from dualpath.workload import Workload
 
 PACKAGED_RECORDS = Path(__file__).with_name("data") / "calibrations.json"
-# A ModeRun's fields that the calibration sets or that differ between the runs it serves.
-_NOT_KEYED = ("mode", "model_dir", "snic_bandwidth_gbps", "prefill_tokens_per_s")
+# A ModeRun's fields that the calibration sets or that differ between the runs it serves. The
+# test hosts (``--links kernel``) are not keyed: the calibration measures the PE's prompt rate
+# uncapped with its store in memory, which no link shapes, and a preset's caps are then the
+# same on emulated and on kernel-shaped links.
+_NOT_KEYED = ("mode", "model_dir", "snic_bandwidth_gbps", "prefill_tokens_per_s", "testbed")
 
 
 def user_records_path() -> Path:
@@ -64,7 +67,7 @@ def workload_digest(workload: Workload) -> str:
 def calibration_key(base: ModeRun, rho: float, workload: Workload) -> dict:
     """Everything the calibrated rate depends on (module docstring), readable."""
     config = json.loads((Path(base.model_dir) / "config.json").read_text())
-    engines = {k: v for k, v in asdict(base).items() if k not in _NOT_KEYED}
+    engines = {f.name: getattr(base, f.name) for f in fields(base) if f.name not in _NOT_KEYED}
     engines["vllm_args"] = [list(pair) for pair in base.vllm_args]
     engines["extra_serve_args"] = list(base.extra_serve_args)
     return {

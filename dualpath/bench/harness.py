@@ -125,10 +125,7 @@ def start_servers(
     """``run``'s cluster, its store in ``store_dir`` (in ``memory_dir``, where given) and its
     logs in ``log_dir``; returns once it serves."""
     if run.engine == VLLM_SERVERS:
-        if run.testbed is not None:
-            raise ValueError(
-                "--links kernel runs our engines (--engine native or vllm), not --vllm-servers"
-            )
+        assert run.testbed is None, "caller bug: offline.check_engine refuses --vllm-servers"
         return start_served(run, store_dir, log_dir)
     if run.testbed is not None:
         return run.testbed.start(run, store_dir.name, log_dir, memory_dir)

@@ -266,18 +266,19 @@ def nic_figures(
 ) -> dict:
     """The run's counters per host and NIC (``nic_bytes``), set against our accounting of the
     same NIC (``nic_agreement``), each NIC's rate over time (``nic_timeline``), and SPEC §7's
-    SNIC load balance from the storage NICs' counters. A node's SNIC is ``node<id>.snic`` in
-    our accounting, its engine's CNIC ``engine<id>.cnic`` (one engine per node). Without
-    ``store_on_network`` (oracle: the store in memory) no NIC carries the store's bytes, and
-    the storage NICs are not set against our SNICs.
+    SNIC load balance from the storage NICs' counters (one engine per node).
 
-    NOTE: ``nic_agreement`` is reported, not judged. Our CNIC accounting also counts the
-    host<->device copies the paper routes through the CNIC (a memory copy here) and only the
-    side that started a transfer, while a NIC carries both; the store's protocol costs 2-3%
-    on reads and ~20% on writes of the tiny model's 128 KiB blocks (docs/multihost.md)."""
+    Our accounting of a storage NIC is its node's SNIC (``node<id>.snic``: store reads and
+    writes). Of a compute NIC it is what crossed the network: the KV its engine moved over the
+    transport with any peer and what peers moved with it (``dualpath_transport_bytes_total``,
+    both ends), and the control messages it sent (the inference class of ``engine<id>.cnic``);
+    not the host<->device copies our CNIC links also count (the paper routes those through the
+    CNIC; here they are memory copies). Without ``store_on_network`` (oracle: the store in
+    memory) no NIC carries the store's bytes, and the storage NICs are not set against ours."""
     engine_nodes = sampler.engine_nodes
     first, last = sampler.samples[0], sampler.samples[-1]
     ours = _link_totals(scraped)
+    wire = _transport_totals(scraped)
     nic_bytes_out: dict[str, dict] = {}
     agreement: dict[str, dict] = {}
     for host, label in sampler.labels.items():
@@ -289,9 +290,13 @@ def nic_figures(
             per_nic[nic] = {"sent": sent, "received": received}
             if label in engine_nodes and (nic == COMPUTE or store_on_network):
                 node = engine_nodes[label]
-                link = f"node{node}.snic" if nic == STORAGE else f"engine{node}.cnic"
+                if nic == STORAGE:
+                    link = f"node{node}.snic"
+                    our_bytes = ours.get(link, 0)
+                else:
+                    link = f"engine{node}.cnic"
+                    our_bytes = wire.get(node, 0) + ours.get(f"{link}.inference", 0)
                 counted = sent + received
-                our_bytes = ours.get(link, 0)
                 agreement[f"{label}.{nic}"] = {
                     "link": link,
                     "counters_bytes": counted,
@@ -314,7 +319,9 @@ def nic_figures(
     return {
         "nic_bytes": nic_bytes_out,
         "nic_agreement": agreement,
-        "snic_load_balance_counters": snic_load_balance(storage_samples),
+        "snic_load_balance_counters": (
+            snic_load_balance(storage_samples) if store_on_network else None
+        ),
         "nic_timeline": nic_timeline(sampler),
     }
 
@@ -342,10 +349,22 @@ def nic_timeline(sampler: NicSampler) -> dict:
 
 
 def _link_totals(scraped: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, int]:
+    """Bytes per link (all classes) and per "link.class"."""
     totals: dict[str, int] = {}
     for labels, value in scraped.get("dualpath_link_bytes_total", ()):
         link = labels.get("link", "")
-        totals[link] = totals.get(link, 0) + int(value)
+        for key in (link, f"{link}.{labels.get('traffic_class', '')}"):
+            totals[key] = totals.get(key, 0) + int(value)
+    return totals
+
+
+def _transport_totals(scraped: dict[str, list[tuple[dict[str, str], float]]]) -> dict[int, int]:
+    """Engine id -> KV bytes that crossed its NIC over the transport: the transfers it started
+    and those its peers started with it."""
+    totals: dict[int, int] = {}
+    for labels, value in scraped.get("dualpath_transport_bytes_total", ()):
+        for end in (int(labels["engine"]), int(labels["peer"])):
+            totals[end] = totals.get(end, 0) + int(value)
     return totals
 
 

@@ -217,6 +217,11 @@ def check_engine(engine: EngineSpec) -> None:
     """``ValueError`` before any server starts for an engine kind this Python cannot run (the
     servers run it), or vLLM settings the vLLM servers cannot take (``--vllm-servers``)."""
     if engine.engine == VLLM_SERVERS:
+        if engine.links != "emulated":
+            raise ValueError(
+                "--links kernel runs our engine processes on the test hosts (--engine native "
+                "or vllm), not --vllm-servers"
+            )
         check_served_engine(dict(engine.vllm_args), engine.vllm_prefill_batching)
     if engine.engine in VLLM_ENGINES:
         check_vllm_installed()

@@ -55,6 +55,8 @@ from dualpath.model.registry import AnyModelConfig
 from dualpath.protocol import (
     HEARTBEATS_PER_TIMEOUT,
     SCHEDULER_SILENCE_TIMEOUTS,
+    TRANSPORT_READ_PREFIX,
+    TRANSPORT_WRITTEN_PREFIX,
     Assignment,
     CancelRequest,
     DecodeReady,
@@ -439,6 +441,9 @@ class EngineProcess:
                 counters[f"{link.name}.{TrafficClass(traffic_class).name.lower()}"] = int(moved)
         counters["store_read_bytes"] = store_read_bytes
         counters["engine_cached_bytes"] = self.role.num_engine_cached_bytes
+        for peer, (written, read) in self.role.transport_bytes.items():
+            counters[f"{TRANSPORT_WRITTEN_PREFIX}{peer}"] = written
+            counters[f"{TRANSPORT_READ_PREFIX}{peer}"] = read
         counters["busy_us"] = int(self.busy_s * 1e6)
         counters["buffer_used_bytes"] = self.buffer.num_used_bytes  # a level, not cumulative
         counters["buffer_capacity_bytes"] = (

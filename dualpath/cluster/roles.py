@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from dualpath.config import EngineProcessConfig
 from dualpath.engine.buffers import KVBuffer
@@ -174,6 +175,10 @@ class PrefillRole:
     num_engine_cached_bytes = 0
 
     @property
+    def transport_bytes(self) -> Mapping[int, tuple[int, int]]:
+        return self.peers.moved_bytes()
+
+    @property
     def store(self) -> KVStore | None:
         return self.engine.store
 
@@ -244,6 +249,7 @@ class DecodeRole:
         return self.engine.store_reads.num_read_bytes
 
     num_engine_cached_bytes = 0
+    transport_bytes: Mapping[int, tuple[int, int]] = MappingProxyType({})  # starts none
 
     @property
     def store(self) -> KVStore | None:

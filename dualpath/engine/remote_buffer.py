@@ -46,6 +46,14 @@ class TransportStaging:
         # Peer name -> why a write to it failed, found while draining for another peer: raised
         # by that peer's next write or flush.
         self.failed: dict[str, Exception] = {}
+        # Peer name -> [bytes written to it (posted), bytes read from it (landed)]: what this
+        # PE moved over the transport with each DE, which a NIC carries at both ends.
+        self.moved_bytes: dict[str, list[int]] = {}
+
+    def count(self, peer_name: str, *, written: int = 0, read: int = 0) -> None:
+        moved = self.moved_bytes.setdefault(peer_name, [0, 0])
+        moved[0] += written
+        moved[1] += read
 
     def drain(self, timeout_s: float) -> None:
         """Wait for every write in flight (the ring wraps after); a failure is kept for its
@@ -100,6 +108,7 @@ class TransportRemoteBuffer:
                 self.peer_name, staging.read_descriptor, self.remote, regions
             )
             self.transport.wait(handle, self.timeout_s)
+            staging.count(self.peer_name, read=len(chunk) * block)
             out_bytes = out[start : start + len(chunk)].reshape(-1)
             out_bytes[...] = staging.read_area[: len(chunk) * block]
 
@@ -123,6 +132,7 @@ class TransportRemoteBuffer:
                 self.peer_name, staging.write_descriptor, self.remote, regions
             )
             staging.in_flight.append(handle)
+            staging.count(self.peer_name, written=len(chunk) * block)
 
     def _reserve_ring(self, num_blocks: int) -> int:
         """First of ``num_blocks`` contiguous ring blocks. The ring wraps only after every

@@ -98,6 +98,12 @@ class RoleEngine(Protocol):
         ...
 
     @property
+    def transport_bytes(self) -> Mapping[int, tuple[int, int]]:
+        """Peer engine id -> (bytes this engine wrote to it, bytes it read from it) over the
+        transport, cumulative: the transfers it started (a PE's; a DE starts none)."""
+        ...
+
+    @property
     def store(self) -> KVStore | None: ...
 
     def close(self, flush_timeout_s: float) -> int:
@@ -126,6 +132,16 @@ class DecodePeers:
         self.peer_timeout_s = peer_timeout_s
         self.remotes: dict[int, TransportRemoteBuffer] = {}  # DE engine id -> its buffer
         self._peer_infos: dict[int, EngineInfo] = {}  # what each was connected from
+        self._peer_name_to_engine: dict[str, int] = {}  # every DE ever reached
+
+    def moved_bytes(self) -> dict[int, tuple[int, int]]:
+        """DE engine id -> (bytes written to it, bytes read from it) over the transport, for
+        every DE this PE ever reached (``RoleEngine.transport_bytes``)."""
+        return {
+            self._peer_name_to_engine[name]: (written, read)
+            for name, (written, read) in self.staging.moved_bytes.items()
+            if name in self._peer_name_to_engine
+        }
 
     def connect(self, table: PeerTable) -> None:
         """Reach every live DE's buffer. A DE that joined again (restarted under its id) has
@@ -139,6 +155,7 @@ class DecodePeers:
             if self._peer_infos.get(engine_id) == info:
                 continue
             peer_name = client_id_of(engine_id)
+            self._peer_name_to_engine[peer_name] = engine_id
             self.transport.connect(peer_name, info.transport_metadata)
             descriptor = BufferDescriptor.from_dict(msgpack.unpackb(info.buffer_descriptor))
             self.remotes[engine_id] = TransportRemoteBuffer(

@@ -17,7 +17,12 @@ from prometheus_client.registry import Collector
 
 from dualpath.cluster.coordinator import ClusterSnapshot
 from dualpath.kv.store import StoreStats
-from dualpath.protocol import DECODE, PREFILL
+from dualpath.protocol import (
+    DECODE,
+    PREFILL,
+    TRANSPORT_READ_PREFIX,
+    TRANSPORT_WRITTEN_PREFIX,
+)
 from dualpath.units import gbps_to_bytes_per_s
 
 STORE_READ_KEY = "store_read_bytes"  # EngineReport.link_bytes: hit KV an engine read
@@ -237,6 +242,23 @@ class ClusterCollector(Collector):
         yield rate
         yield utilisation
 
+    @staticmethod
+    def _transport_metric(snapshot: ClusterSnapshot) -> Metric:
+        moved = CounterMetricFamily(
+            "dualpath_transport_bytes",
+            "KV each engine moved over the transport with each peer engine, by the engine that "
+            "started the transfer: 'written' to the peer or 'read' from it (a PE's sends and "
+            "DE-side pulls). Both ends' NICs carry these bytes.",
+            labels=["engine", "peer", "op"],
+        )
+        prefixes = {TRANSPORT_WRITTEN_PREFIX: "written", TRANSPORT_READ_PREFIX: "read"}
+        for engine_id, counters in sorted(snapshot.link_bytes.items()):
+            for key, value in sorted(counters.items()):
+                for prefix, op in prefixes.items():
+                    if key.startswith(prefix):
+                        moved.add_metric([str(engine_id), key.removeprefix(prefix), op], value)
+        return moved
+
     def _store_metrics(self, snapshot: ClusterSnapshot) -> Iterator[Metric]:
         read_path = CounterMetricFamily(
             "dualpath_read_path_bytes",
@@ -275,6 +297,7 @@ class ClusterCollector(Collector):
         for snic, value in sorted(by_snic.items()):
             snic_reads.add_metric([snic], value)
         yield snic_reads
+        yield self._transport_metric(snapshot)
         busy = CounterMetricFamily(
             "dualpath_engine_busy_seconds",
             "Time each engine spent in prefill batches (PE) or decode steps (DE).",

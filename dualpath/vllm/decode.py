@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from dualpath.engine.buffers import BufferedRequest, BufferReads, KVBuffer
@@ -271,6 +272,7 @@ class VllmDecodeRole:
         return self.store_reads.num_read_bytes
 
     num_engine_cached_bytes = 0  # the PE's vLLM holds the hits it did not read
+    transport_bytes: Mapping[int, tuple[int, int]] = MappingProxyType({})  # starts none
 
     @property
     def store(self) -> KVStore | None:

@@ -7,7 +7,7 @@ side's pulled from the DE's buffer) and sending the DE every layer's KV it lacks
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -289,6 +289,10 @@ class VllmPrefillRole:
     @property
     def num_read_bytes(self) -> int:
         return self.store_reads.num_read_bytes
+
+    @property
+    def transport_bytes(self) -> Mapping[int, tuple[int, int]]:
+        return self.peers.moved_bytes()
 
     @property
     def store(self) -> KVStore | None:
