@@ -26,7 +26,7 @@ import contextlib
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,11 +37,17 @@ from dualpath.bench.mode_flags import (
     vllm_arg_flags,
 )
 from dualpath.bench.process_cpu import ProcessCpu
+from dualpath.bench.server_process import snic_read_totals
+from dualpath.bench.spec import BLOCK_SIZE_TOKENS, KV_DTYPE
 from dualpath.bench.stats import LinkSample, snic_load_balance
 from dualpath.config import mode_settings, parse_node_shape
+from dualpath.kv.layout import KVLayout
+from dualpath.model.identity import kv_layout
+from dualpath.model.registry import read_config
 from dualpath.testbed import gluster, hosts
 from dualpath.testbed.cluster import MultiHostCluster
 from dualpath.testbed.hosts import COMPUTE, NICS, STORAGE, Host, nic_bytes
+from dualpath.testbed.store_probe import BlockWireCost, measure_block_cost
 from dualpath.units import bytes_per_s_to_gbps
 
 if TYPE_CHECKING:
@@ -85,6 +91,7 @@ class KernelTestbed:
         self.owns = test_hosts is None
         self.test_hosts = test_hosts or hosts.TestHosts(1 + num_engines(nodes), NUM_STORAGE_HOSTS)
         self.volume = volume
+        self._block_costs: dict[KVLayout, BlockWireCost] = {}
         if len(self.test_hosts.hosts) < 1 + num_engines(nodes):
             raise ValueError(f"a {nodes} testbed needs {1 + num_engines(nodes)} hosts")
 
@@ -144,8 +151,23 @@ class KernelTestbed:
             served_model_name=SERVED_MODEL_NAME,
             start_timeout_s=START_TIMEOUT_S,
         )
-        self.shape(run, [spec.host for spec in cluster.engines])
-        return HostServers(cluster.start(), self.test_hosts)
+        engine_hosts = [spec.host for spec in cluster.engines]
+        block_cost = self.block_cost(run.model_dir, engine_hosts[0])
+        self.shape(run, engine_hosts)
+        return HostServers(cluster.start(), self.test_hosts, block_cost)
+
+    def block_cost(self, model_dir: Path, host: Host) -> BlockWireCost:
+        """The store's cost per block on a storage NIC beyond its KV, measured once per block
+        layout on ``host``'s mount, uncapped (``store_probe.py``)."""
+        assert self.volume is not None, "caller bug: the testbed is not up"
+        config = read_config(Path(model_dir) / "config.json")
+        layout = kv_layout(config, KV_DTYPE, BLOCK_SIZE_TOKENS)
+        if layout not in self._block_costs:
+            for nic in NICS:
+                self.test_hosts.unshape(host, nic)
+            probe_dir = self.volume.mount_point(host) / f"probe-{uuid.uuid4().hex[:8]}"
+            self._block_costs[layout] = measure_block_cost(host, probe_dir, layout)
+        return self._block_costs[layout]
 
     def shape(self, run: ModeRun, engine_hosts: list[Host]) -> None:
         """Cap each engine host's NICs at ``run``'s caps (none for ``oracle``); the router's
@@ -187,6 +209,7 @@ class HostServers:
 
     cluster: MultiHostCluster
     test_hosts: hosts.TestHosts
+    block_cost: BlockWireCost
     served_model_name: str = SERVED_MODEL_NAME
 
     @property
@@ -205,7 +228,7 @@ class HostServers:
             spec.host: f"{spec.role}-{spec.engine_id}" for spec in self.cluster.engines
         }
         engine_nodes = {f"{s.role}-{s.engine_id}": s.node_id for s in self.cluster.engines}
-        return NicSampler(labels, engine_nodes)
+        return NicSampler(labels, engine_nodes, self.block_cost)
 
     def stop(self) -> dict:
         codes = self.cluster.close()
@@ -225,13 +248,20 @@ class NicSample:
 class NicSampler:
     """Reads every host's NIC counters every ``period_s`` on a thread, and once more at the
     end; ``labels``: host -> what runs there (``router``, ``prefill-0``, ...), ``engine_nodes``:
-    an engine's label -> its node id."""
+    an engine's label -> its node id; ``block_cost``: the store's protocol bytes per block on
+    these hosts (None: not measured)."""
 
     def __init__(
-        self, labels: dict[Host, str], engine_nodes: dict[str, int], *, period_s: float = 0.5
+        self,
+        labels: dict[Host, str],
+        engine_nodes: dict[str, int],
+        block_cost: BlockWireCost | None = None,
+        *,
+        period_s: float = 0.5,
     ) -> None:
         self.labels = labels
         self.engine_nodes = engine_nodes
+        self.block_cost = block_cost
         self.period_s = period_s
         self.samples: list[NicSample] = []
         self._stop = threading.Event()
@@ -274,11 +304,17 @@ def nic_figures(
     both ends), and the control messages it sent (the inference class of ``engine<id>.cnic``);
     not the host<->device copies our CNIC links also count (the paper routes those through the
     CNIC; here they are memory copies). Without ``store_on_network`` (oracle: the store in
-    memory) no NIC carries the store's bytes, and the storage NICs are not set against ours."""
+    memory) no NIC carries the store's bytes, and the storage NICs are not set against ours.
+
+    A storage NIC also carries the file system's protocol: per block, the round trips the
+    probe measured on these hosts (``sampler.block_cost``, ``store_probe.py``). Its
+    ``ratio`` is the counters over our bytes plus that (``protocol_bytes``: our accounting's
+    blocks, each at the measured cost); ``ratio_to_our_bytes`` leaves it out."""
     engine_nodes = sampler.engine_nodes
     first, last = sampler.samples[0], sampler.samples[-1]
     ours = _link_totals(scraped)
     wire = _transport_totals(scraped)
+    reads = snic_read_totals(scraped)
     nic_bytes_out: dict[str, dict] = {}
     agreement: dict[str, dict] = {}
     for host, label in sampler.labels.items():
@@ -290,18 +326,25 @@ def nic_figures(
             per_nic[nic] = {"sent": sent, "received": received}
             if label in engine_nodes and (nic == COMPUTE or store_on_network):
                 node = engine_nodes[label]
+                protocol_bytes = 0
                 if nic == STORAGE:
                     link = f"node{node}.snic"
                     our_bytes = ours.get(link, 0)
+                    protocol_bytes = _protocol_bytes(
+                        sampler.block_cost, our_bytes, reads.get(link, 0)
+                    )
                 else:
                     link = f"engine{node}.cnic"
                     our_bytes = wire.get(node, 0) + ours.get(f"{link}.inference", 0)
                 counted = sent + received
+                expected = our_bytes + protocol_bytes
                 agreement[f"{label}.{nic}"] = {
                     "link": link,
                     "counters_bytes": counted,
                     "our_bytes": our_bytes,
-                    "ratio": round(counted / our_bytes, 4) if our_bytes else None,
+                    "protocol_bytes": protocol_bytes,
+                    "ratio": round(counted / expected, 4) if expected else None,
+                    "ratio_to_our_bytes": round(counted / our_bytes, 4) if our_bytes else None,
                 }
         nic_bytes_out[host.name] = per_nic
     storage_samples = [
@@ -319,6 +362,7 @@ def nic_figures(
     return {
         "nic_bytes": nic_bytes_out,
         "nic_agreement": agreement,
+        "store_block_cost": asdict(sampler.block_cost) if sampler.block_cost else None,
         "snic_load_balance_counters": (
             snic_load_balance(storage_samples) if store_on_network else None
         ),
@@ -346,6 +390,16 @@ def nic_timeline(sampler: NicSampler) -> dict:
             moved = sum(after.counters[key]) - sum(before.counters[key])
             gbps[name].append(bytes_per_s_to_gbps(moved / span_s))
     return {"time_s": times_s, "gbps": gbps}
+
+
+def _protocol_bytes(cost: BlockWireCost | None, snic_bytes: int, read_bytes: int) -> int:
+    """The file system's bytes around the blocks of a SNIC that moved ``snic_bytes`` of KV,
+    ``read_bytes`` of them reads: each block at the measured cost (0 unmeasured)."""
+    if cost is None:
+        return 0
+    num_read = read_bytes / cost.payload_bytes
+    num_written = (snic_bytes - read_bytes) / cost.payload_bytes
+    return round(num_read * cost.read_extra_bytes + num_written * cost.write_extra_bytes)
 
 
 def _link_totals(scraped: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, int]:

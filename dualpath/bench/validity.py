@@ -14,6 +14,9 @@ broken must say so).
 from __future__ import annotations
 
 MAX_ERRORS_SHOWN = 3  # failed turns quoted per mode in a problem (the count is always given)
+# On kernel-shaped links (``kernel_links.py``) a mode is a result only where each NIC's
+# counters and our accounting of the same NIC agree this closely.
+MAX_COUNTER_DISAGREEMENT = 0.05
 
 
 def mode_problems(
@@ -31,7 +34,8 @@ def mode_problems(
     vLLM engines). The cached tokens are the server's count of store hits
     (``store_hit_tokens``) where it reports one, else the answers' ``cached_tokens``; a request
     a front door placed again reads its hits again, so those of its later placements count too
-    (``replaced_hit_tokens``)."""
+    (``replaced_hit_tokens``). On kernel-shaped links each NIC's counters must agree with our
+    accounting (``nic_problems``)."""
     problems = []
     num_failed = result.get("num_failed", 0)
     if num_failed:
@@ -65,11 +69,31 @@ def mode_problems(
                 f"{hit_tokens} cached tokens{replaced} hold {expected_bytes} B "
                 f"({kv_bytes_per_token} B per token)"
             )
+    problems += nic_problems(label, result)
     if result.get("token_mismatches"):
         problems.append(
             f"{label}: {result['token_mismatches']} turns generated other tokens than "
             f"{reference or 'the first mode'}"
         )
+    return problems
+
+
+def nic_problems(label: str, result: dict) -> list[str]:
+    """Kernel-shaped links: the NICs whose counters and our accounting (with the store's
+    measured protocol bytes on a storage NIC: ``kernel_links.nic_figures``) are more than
+    ``MAX_COUNTER_DISAGREEMENT`` apart; [] without test hosts."""
+    problems = []
+    for nic, row in (result.get("nic_agreement") or {}).items():
+        ratio = row["ratio"]
+        if ratio is None and row["counters_bytes"] == 0:
+            continue  # neither side moved a byte
+        if ratio is None or abs(ratio - 1) > MAX_COUNTER_DISAGREEMENT:
+            problems.append(
+                f"{label}: {nic}'s counters moved {row['counters_bytes']} B against "
+                f"{row['our_bytes']} B in our accounting of {row['link']} and "
+                f"{row['protocol_bytes']} B of the store's protocol (ratio {ratio}; the limit is "
+                f"{MAX_COUNTER_DISAGREEMENT:.0%} either way)"
+            )
     return problems
 
 

@@ -57,6 +57,9 @@ _STALE_TMP_AGE_S = 3600.0
 _TOUCH_INTERVAL_S = 60.0
 
 
+NUM_FANOUT_DIRS = 256  # <key[:2]>: two hex digits
+
+
 @dataclass(slots=True)
 class _FileEntry:
     size_bytes: int
@@ -112,7 +115,13 @@ class FileKVStore(KVStore):
         self._stat_name_to_count = dict.fromkeys(STAT_NAMES, 0)
         self._is_closed = False
         try:
+            is_new = not os.path.isdir(self._namespace_dir)
             os.makedirs(self._namespace_dir, exist_ok=True)
+            if is_new:
+                # Every fan-out directory at once: on a distributed file system each mkdir is
+                # a round trip to every server, which the first write into it would pay.
+                for fanout in range(NUM_FANOUT_DIRS):
+                    os.makedirs(f"{self._namespace_dir}/{fanout:02x}", exist_ok=True)
         except OSError as exc:
             raise StoreWriteError(
                 f"cannot create store namespace {self._namespace_dir}: {exc}"

@@ -584,10 +584,24 @@ def test_namespace_file_is_rewritten_and_never_trusted(tmp_path: Path, damage: s
     assert info["fingerprint"] == TINY_FINGERPRINT and info["num_layers"] == 2
 
 
+def test_a_new_namespace_has_every_fan_out_directory_and_an_old_one_is_left_as_it_is(
+    tmp_path: Path,
+) -> None:
+    _file_store(tmp_path)
+    namespace_dir = tmp_path / TINY_FINGERPRINT
+    assert sorted(p.name for p in namespace_dir.iterdir() if p.is_dir()) == [
+        f"{i:02x}" for i in range(256)
+    ]
+    (namespace_dir / "00").rmdir()
+    _file_store(tmp_path)  # opened again: nothing made
+    assert not (namespace_dir / "00").exists()
+
+
 def test_write_error_leaves_no_partial_block(tmp_path: Path) -> None:
     (key,) = make_keys(1)
     store = _file_store(tmp_path)
     fanout_dir = _path(tmp_path, key).parent
+    fanout_dir.rmdir()  # made with the namespace
     fanout_dir.write_bytes(b"a regular file where the fan-out directory should be")
     with pytest.raises(StoreWriteError, match=key) as error:
         store.write(key, make_block(0))
