@@ -66,6 +66,11 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# ``dualpath serve``'s torch threads per engine: its engines share the host, one thread each
+# (``dualpath engine`` and ``generate`` keep torch's choice).
+SERVE_ENGINE_THREADS = 1
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, *, default_threads: int | None = None) -> None:
     """What one engine runs and how: the model, the store, device, dtype, block size, threads,
     context and the engine kind (generate, demo, engine, serve)."""

@@ -36,10 +36,9 @@ from dualpath.home import data_home
 from dualpath.workload import Workload
 
 PACKAGED_RECORDS = Path(__file__).with_name("data") / "calibrations.json"
-# A ModeRun's fields that the calibration sets or that differ between the runs it serves. The
-# test hosts (``--links kernel``) are not keyed: the calibration measures the PE's prompt rate
-# uncapped with its store in memory, which no link shapes, and a preset's caps are then the
-# same on emulated and on kernel-shaped links.
+# A ModeRun's fields that the calibration sets or that differ between the runs it serves; the
+# test hosts are keyed by what they are (``links``): on kernel-shaped links the transport's
+# TCP and the store's file system cost the hosts' CPU, and the PE's rate differs.
 _NOT_KEYED = ("mode", "model_dir", "snic_bandwidth_gbps", "prefill_tokens_per_s", "testbed")
 
 
@@ -70,6 +69,8 @@ def calibration_key(base: ModeRun, rho: float, workload: Workload) -> dict:
     engines = {f.name: getattr(base, f.name) for f in fields(base) if f.name not in _NOT_KEYED}
     engines["vllm_args"] = [list(pair) for pair in base.vllm_args]
     engines["extra_serve_args"] = list(base.extra_serve_args)
+    if base.links != "emulated":  # the keys recorded before links were a choice stay valid
+        engines["links"] = base.links
     return {
         "machine": machine_kind(),
         "engines": engines,

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
+
 from dualpath.bench.mode_flags import (
     SERVED_MODEL_NAME,
     engine_kind_flags,
@@ -44,9 +46,10 @@ from dualpath.config import mode_settings, parse_node_shape
 from dualpath.kv.layout import KVLayout
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
+from dualpath.options import SERVE_ENGINE_THREADS
 from dualpath.testbed import gluster, hosts
 from dualpath.testbed.cluster import MultiHostCluster
-from dualpath.testbed.hosts import COMPUTE, NICS, STORAGE, Host, nic_bytes
+from dualpath.testbed.hosts import COMPUTE, NICS, STORAGE, Host, namespace_pids, nic_bytes
 from dualpath.testbed.store_probe import BlockWireCost, measure_block_cost
 from dualpath.units import bytes_per_s_to_gbps
 
@@ -147,7 +150,7 @@ class KernelTestbed:
             engine_args=engine_args(run),
             common_args=common_args(run),
             nodes=run.nodes,
-            threads=None,
+            threads=SERVE_ENGINE_THREADS,  # as the emulated runs' serve gives its engines
             served_model_name=SERVED_MODEL_NAME,
             start_timeout_s=START_TIMEOUT_S,
         )
@@ -217,10 +220,21 @@ class HostServers:
         return self.cluster.url
 
     def process_cpu(self) -> ProcessCpu:
+        """The router's and every engine's cores, and the store's file system's: each host's
+        GlusterFS client and each storage host's servers (labelled by the host they run on)."""
         roots = {"serve": self.cluster.server.pid} if self.cluster.server else {}
         for spec in self.cluster.engines:
             process = self.cluster.engine_id_to_process[spec.engine_id]
             roots[f"{spec.role}-{spec.engine_id}"] = process.pid
+        ours = set(roots.values())
+        labels = {self.cluster.api_host: "router"} | {
+            spec.host: f"{spec.role}-{spec.engine_id}" for spec in self.cluster.engines
+        }
+        for host in self.test_hosts.every_host:
+            pids = set(namespace_pids(host.name))
+            for pid in pids:  # the trees' roots in the host, counted with what runs below
+                if not _is_below(pid, ours | (pids - {pid})):
+                    roots[f"{_name_of(pid)}@{labels.get(host, host.name)}-{pid}"] = pid
         return ProcessCpu(roots)
 
     def nic_sampler(self) -> NicSampler:
@@ -420,6 +434,23 @@ def _transport_totals(scraped: dict[str, list[tuple[dict[str, str], float]]]) ->
         for end in (int(labels["engine"]), int(labels["peer"])):
             totals[end] = totals.get(end, 0) + int(value)
     return totals
+
+
+def _is_below(pid: int, roots: set[int]) -> bool:
+    """Whether ``pid`` is one of ``roots`` or runs below one (a vLLM engine's core, a brick
+    below its reaper)."""
+    try:
+        process = psutil.Process(pid)
+        return pid in roots or any(parent.pid in roots for parent in process.parents())
+    except psutil.NoSuchProcess:
+        return True  # gone: nothing to count
+
+
+def _name_of(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.NoSuchProcess:
+        return "gone"
 
 
 def links_testbed(

@@ -62,6 +62,7 @@ import argparse
 import math
 import tempfile
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -312,7 +313,7 @@ def run_offline(spec: RunSpec, testbed: KernelTestbed | None = None) -> dict:
     }
     with (
         tempfile.TemporaryDirectory(prefix="dualpath-bench-") as tmp,
-        testbed or links_testbed(spec.engine.links, base.nodes) as testbed,
+        _given_or(testbed, lambda: links_testbed(spec.engine.links, base.nodes)) as testbed,
     ):
         root = Path(spec.output.work_dir or tmp)
         base = replace(base, testbed=testbed)
@@ -344,6 +345,13 @@ def run_offline(spec: RunSpec, testbed: KernelTestbed | None = None) -> dict:
     report["modes"] = results
     finish_report(report, list(spec.modes))
     return report
+
+
+def _given_or(
+    testbed: KernelTestbed | None, build: Callable[[], AbstractContextManager[KernelTestbed | None]]
+) -> AbstractContextManager[KernelTestbed | None]:
+    """``testbed`` as it is (its caller's to take down), or the one ``build`` makes."""
+    return build() if testbed is None else nullcontext(testbed)
 
 
 def run_preset(spec: RunSpec) -> BenchPreset:

@@ -11,7 +11,7 @@ from pathlib import Path
 from dualpath.cli.configs import engine_config, store_config
 from dualpath.home import data_home, default_kv_store_dir, default_responses_dir
 from dualpath.model.default import resolve_model_dir
-from dualpath.options import add_engine_arguments
+from dualpath.options import SERVE_ENGINE_THREADS, add_engine_arguments
 from dualpath.units import gb_to_bytes
 
 
@@ -28,7 +28,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "Without flags: the embedded SmolLM2-135M-Instruct (converted on first use), the store under "
         "$DUALPATH_HOME/kv, 1 prefill and 2 decode engines, no link caps, 127.0.0.1:8000.",
     )
-    add_engine_arguments(p, default_threads=1)  # engines share the host: one thread each
+    add_engine_arguments(p, default_threads=SERVE_ENGINE_THREADS)
     add_serve_arguments(p)
     p.set_defaults(func=_run_serve, serve_options=detach_defaults(p))
 

@@ -15,6 +15,7 @@ from dualpath.bench.offline import main as offline_main
 from dualpath.bench.offline import run_preset, run_spec
 from dualpath.cli import build_parser
 from dualpath.testbed.hosts import Host
+from dualpath.testbed.store_probe import BlockWireCost
 
 
 def _run(model_dir: Path, **fields) -> ModeRun:
@@ -80,9 +81,14 @@ def test_a_machine_without_root_is_told_so_in_one_line(monkeypatch) -> None:
 
 def test_the_counters_become_per_nic_bytes_their_agreement_and_the_balance() -> None:
     router, prefill, decode = Host(0), Host(1), Host(2)
+    # Each block read costs 1 KB of the file system's protocol, each written 10 KB.
+    cost = BlockWireCost(
+        payload_bytes=10**6, write_extra_bytes=10**4, read_extra_bytes=10**3, num_blocks=64
+    )
     sampler = NicSampler(
         {router: "router", prefill: "prefill-0", decode: "decode-1"},
         {"prefill-0": 0, "decode-1": 1},
+        cost,
     )
     # (sent, received) per NIC: 1 s apart, the PE's storage NIC receiving 100 MB, the DE's
     # 50 MB, the DE's compute NIC receiving 80 MB from the PE.
@@ -94,6 +100,7 @@ def test_the_counters_become_per_nic_bytes_their_agreement_and_the_balance() -> 
     end[f"{decode.name}.compute"] = (1000, 2000 + 80 * 10**6)
     sampler.samples = [NicSample(0.0, start), NicSample(1.0, end)]
     scraped = {
+        "dualpath_snic_read_bytes_total": [({"link": "node0.snic"}, 100e6)],
         "dualpath_link_bytes_total": [
             ({"link": "node0.snic", "traffic_class": "kv"}, 100e6),
             ({"link": "node1.snic", "traffic_class": "kv"}, 40e6),
@@ -111,13 +118,20 @@ def test_the_counters_become_per_nic_bytes_their_agreement_and_the_balance() -> 
     assert figures["nic_bytes"][prefill.name]["storage"] == {"sent": 10**6, "received": 100 * 10**6}
     assert figures["nic_bytes"][router.name]["label"] == "router"
     agreement = figures["nic_agreement"]
-    assert agreement["prefill-0.storage"]["ratio"] == pytest.approx(1.01)
-    assert agreement["decode-1.storage"]["ratio"] == pytest.approx(1.25)
+    # The PE's node read 100 blocks (100 KB of protocol), the DE's wrote 40 (400 KB).
+    assert agreement["prefill-0.storage"]["protocol_bytes"] == 100_000
+    assert agreement["prefill-0.storage"]["ratio"] == pytest.approx(101 / 100.1, abs=1e-4)
+    assert agreement["prefill-0.storage"]["ratio_to_our_bytes"] == pytest.approx(1.01)
+    assert agreement["decode-1.storage"]["protocol_bytes"] == 400_000
+    assert agreement["decode-1.storage"]["ratio"] == pytest.approx(50 / 40.4, abs=1e-4)
+    assert figures["store_block_cost"]["write_extra_bytes"] == 10**4
     assert agreement["prefill-0.compute"] == {
         "link": "engine0.cnic",
         "counters_bytes": 80 * 10**6,
         "our_bytes": 81 * 10**6,  # the transport's 80 MB and the control messages' 1 MB
+        "protocol_bytes": 0,
         "ratio": pytest.approx(80 / 81, abs=1e-4),
+        "ratio_to_our_bytes": pytest.approx(80 / 81, abs=1e-4),
     }
     assert agreement["decode-1.compute"]["our_bytes"] == 80 * 10**6
     assert "router.compute" not in agreement

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dualpath.bench.offline import finish_report
+from dualpath.bench.validity import mode_problems
 from dualpath.cli import main
 from tests.bench.fake_server import fake_completions_server
 
@@ -204,3 +205,29 @@ def test_hit_kv_counts_the_reads_of_requests_a_front_door_placed_again() -> None
         "basic: the sides read 163840 B of hit KV, but 128 cached tokens (and 64 of placements "
         "made again) hold 245760 B (1280 B per token)"
     ]
+
+
+def test_a_nic_whose_counters_and_our_accounting_disagree_makes_the_mode_invalid() -> None:
+    def row(counters: int, ours: int, protocol: int = 0) -> dict:
+        expected = ours + protocol
+        return {
+            "link": "node1.snic",
+            "counters_bytes": counters,
+            "our_bytes": ours,
+            "protocol_bytes": protocol,
+            "ratio": counters / expected if expected else None,
+        }
+
+    agreeing = {
+        "decode-1.storage": row(104_000_000, 90_000_000, 13_000_000),  # 1.0097
+        "decode-2.storage": row(210, 0),  # keep-alive pings of an idle NIC
+        "prefill-0.compute": row(0, 0),
+    }
+    assert mode_problems("dualpath", {"nic_agreement": agreeing}) == []
+    (problem,) = mode_problems(
+        "dualpath",
+        {"nic_agreement": {**agreeing, "prefill-0.storage": row(108_000_000, 100_000_000)}},
+    )
+    assert "prefill-0.storage" in problem and "ratio 1.08" in problem
+    (problem,) = mode_problems("basic", {"nic_agreement": {"decode-1.compute": row(5_000_000, 0)}})
+    assert "ratio None" in problem
