@@ -227,9 +227,7 @@ class HostServers:
             process = self.cluster.engine_id_to_process[spec.engine_id]
             roots[f"{spec.role}-{spec.engine_id}"] = process.pid
         ours = set(roots.values())
-        labels = {self.cluster.api_host: "router"} | {
-            spec.host: f"{spec.role}-{spec.engine_id}" for spec in self.cluster.engines
-        }
+        labels = self.host_labels()
         for host in self.test_hosts.every_host:
             pids = set(namespace_pids(host.name))
             for pid in pids:  # the trees' roots in the host, counted with what runs below
@@ -237,10 +235,14 @@ class HostServers:
                     roots[f"{_name_of(pid)}@{labels.get(host, host.name)}-{pid}"] = pid
         return ProcessCpu(roots)
 
-    def nic_sampler(self) -> NicSampler:
-        labels = {self.cluster.api_host: "router"} | {
+    def host_labels(self) -> dict[Host, str]:
+        """Each cluster host -> what runs there: ``router``, ``prefill-0``, ``decode-1``, ..."""
+        return {self.cluster.api_host: "router"} | {
             spec.host: f"{spec.role}-{spec.engine_id}" for spec in self.cluster.engines
         }
+
+    def nic_sampler(self) -> NicSampler:
+        labels = self.host_labels()
         engine_nodes = {f"{s.role}-{s.engine_id}": s.node_id for s in self.cluster.engines}
         return NicSampler(labels, engine_nodes, self.block_cost)
 
@@ -454,10 +456,12 @@ def _name_of(pid: int) -> str:
 
 
 def links_testbed(
-    links: str, nodes: str
+    links: str, nodes: str, *, given: KernelTestbed | None = None
 ) -> contextlib.AbstractContextManager[KernelTestbed | None]:
     """The test hosts of a run whose ``--links`` is "kernel", up for its whole run; nothing for
-    "emulated"."""
+    "emulated"; ``given`` as it is (its caller's to take down)."""
+    if given is not None:
+        return contextlib.nullcontext(given)
     if links not in LINKS:
         raise ValueError(f"--links must be one of {', '.join(LINKS)}, got {links!r}")
     if links == "emulated":

@@ -61,8 +61,6 @@ from __future__ import annotations
 import argparse
 import math
 import tempfile
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -81,6 +79,7 @@ from dualpath.bench.presets import (
     BenchPreset,
     WorkloadShape,
     engine_kv_cache_gb,
+    fitting_length_scale,
     shaped_workload,
 )
 from dualpath.bench.report import finish
@@ -155,34 +154,6 @@ def load_workload(
         f"the workload does not fit {Path(model_dir).name}: {misfit.describe()}; every mode "
         f"would fail those requests, so no server was started: {fix}"
     )
-
-
-def fitting_length_scale(
-    shape: WorkloadShape,
-    misfit: Misfit,
-    fits: Callable[[WorkloadShape], bool],
-    max_tries: int = 8,
-) -> float | None:
-    """A two-significant-digit ``length_scale`` at which ``fits(shape)`` holds: the current one
-    divided by the misfit's overshoot, rounded down, then 3% less at a time (lengths scale a
-    little unevenly: blocks and outputs round, a clone's first turn does not scale); None if
-    none within ``max_tries``."""
-    candidate = _round_down(shape.length_scale / misfit.max_fill)
-    for _ in range(max_tries):
-        if candidate <= 0:
-            return None
-        if fits(replace(shape, length_scale=candidate)):
-            return candidate
-        candidate = _round_down(candidate * 0.97)
-    return None
-
-
-def _round_down(value: float) -> float:
-    """``value`` cut to two significant digits (0.1249 -> 0.12)."""
-    if value <= 0:
-        return 0.0
-    unit = 10.0 ** (math.floor(math.log10(value)) - 1)
-    return round(math.floor(value / unit + 1e-9) * unit, 12)
 
 
 def checked_preset(preset_name: str, modes: list[str]) -> BenchPreset:
@@ -313,7 +284,7 @@ def run_offline(spec: RunSpec, testbed: KernelTestbed | None = None) -> dict:
     }
     with (
         tempfile.TemporaryDirectory(prefix="dualpath-bench-") as tmp,
-        _given_or(testbed, lambda: links_testbed(spec.engine.links, base.nodes)) as testbed,
+        links_testbed(spec.engine.links, base.nodes, given=testbed) as testbed,
     ):
         root = Path(spec.output.work_dir or tmp)
         base = replace(base, testbed=testbed)
@@ -345,13 +316,6 @@ def run_offline(spec: RunSpec, testbed: KernelTestbed | None = None) -> dict:
     report["modes"] = results
     finish_report(report, list(spec.modes))
     return report
-
-
-def _given_or(
-    testbed: KernelTestbed | None, build: Callable[[], AbstractContextManager[KernelTestbed | None]]
-) -> AbstractContextManager[KernelTestbed | None]:
-    """``testbed`` as it is (its caller's to take down), or the one ``build`` makes."""
-    return build() if testbed is None else nullcontext(testbed)
 
 
 def run_preset(spec: RunSpec) -> BenchPreset:

@@ -25,13 +25,14 @@ calibration before the timed runs" (``paper-ratio``: SNIC cap = hit-KV consumpti
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dualpath.units import GB
 from dualpath.workload import (
     DEFAULT_CLONE_PREFIX_TOKENS,
+    Misfit,
     Workload,
     cap_turns,
     clone_sessions,
@@ -316,3 +317,31 @@ def engine_kv_cache_gb(
     size_bytes = max(fraction * final_context_tokens(workload) * kv_bytes_per_token, min_bytes)
     num_mb = math.floor(size_bytes / (GB // 1000)) + 1
     return num_mb / 1000
+
+
+def fitting_length_scale(
+    shape: WorkloadShape,
+    misfit: Misfit,
+    fits: Callable[[WorkloadShape], bool],
+    max_tries: int = 8,
+) -> float | None:
+    """A two-significant-digit ``length_scale`` at which ``fits(shape)`` holds: the current one
+    divided by the misfit's overshoot, rounded down, then 3% less at a time (lengths scale a
+    little unevenly: blocks and outputs round, a clone's first turn does not scale); None if
+    none within ``max_tries``."""
+    candidate = _round_down(shape.length_scale / misfit.max_fill)
+    for _ in range(max_tries):
+        if candidate <= 0:
+            return None
+        if fits(replace(shape, length_scale=candidate)):
+            return candidate
+        candidate = _round_down(candidate * 0.97)
+    return None
+
+
+def _round_down(value: float) -> float:
+    """``value`` cut to two significant digits (0.1249 -> 0.12)."""
+    if value <= 0:
+        return 0.0
+    unit = 10.0 ** (math.floor(math.log10(value)) - 1)
+    return round(math.floor(value / unit + 1e-9) * unit, 12)

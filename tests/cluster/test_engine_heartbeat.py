@@ -38,6 +38,7 @@ class BlockingRole:
     num_kv_blocks = 0
     num_read_bytes = 0
     num_engine_cached_bytes = 0
+    transport_bytes: dict[int, tuple[int, int]] = {}  # noqa: RUF012 (never written)
     store = None
 
     def __init__(self) -> None:
