@@ -182,7 +182,10 @@ CASES = {
     ),
     "bench-offline/calibration-with-url": Case(
         "bench offline --model {model} --url http://127.0.0.1:9 --calibration run",
-        "--vllm-servers, --calibration or --calibration-runs",
+        "--vllm-servers, --calibration, --calibration-runs or --links",
+    ),
+    "bench-offline/kernel-links-with-vllm-servers": Case(
+        "bench offline --model {model} --links kernel --vllm-servers", "not --vllm-servers"
     ),
     "bench-online/calibration-with-fixed-caps": Case(
         "bench online --model {model} --calibration record", "--calibration record: preset ci"
