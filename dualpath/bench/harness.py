@@ -13,6 +13,10 @@ The cluster is ``dualpath serve`` with its engines below it, or, with ``engine``
 serve --external-engines`` in front (``served_run.py``). Either way the agents and the
 ``/metrics`` sampler talk to one URL, and the result is judged alike.
 
+With a ``testbed`` (``--links kernel``) the cluster runs over test hosts whose NICs the kernel
+caps, our token buckets off (``kernel_links.py``), and the result adds each NIC's counters
+beside our accounting (``nic_bytes``, ``nic_agreement``) and the SNIC balance from them.
+
 With ``url`` set, the agents run against that server instead (ours or any other
 OpenAI-compatible one): the link figures are then None.
 """

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 LINKS = ("emulated", "kernel")
 NUM_STORAGE_HOSTS = 2  # the GlusterFS bricks' hosts
 START_TIMEOUT_S = 600.0  # a hang guard: vLLM engines take minutes to start on 2 cores
+HEARTBEAT_TIMEOUT_S = 10.0  # serve's default, as the emulated runs have it
 
 
 def num_engines(nodes: str) -> int:
@@ -145,7 +146,7 @@ class KernelTestbed:
             model_dir=run.model_dir,
             log_dir=log_dir,
             store_dir_of=store_dir_of,
-            heartbeat_timeout_s=5.0,
+            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
             extra_serve_args=router_args(run),
             engine_args=engine_args(run),
             common_args=common_args(run),
@@ -247,7 +248,11 @@ class HostServers:
         return NicSampler(labels, engine_nodes, self.block_cost)
 
     def stop(self) -> dict:
+        """Stop the cluster and lift its caps; the result's exit-code keys."""
         codes = self.cluster.close()
+        for spec in self.cluster.engines:
+            for nic in NICS:
+                self.test_hosts.unshape(spec.host, nic)
         return {
             "server_exit_code": codes.pop("server"),
             "engine_exit_codes": codes,

@@ -55,7 +55,7 @@ def test_the_ci_benchmark_on_kernel_shaped_links(
         storage_rows = [k for k in result["nic_agreement"] if k.endswith(".storage")]
         assert len(storage_rows) == 3
     assert not [k for k in oracle["nic_agreement"] if k.endswith(".storage")]
-    # Nothing is left capped after the run (oracle, last, runs uncapped).
+    # Each mode's caps are lifted when its cluster stops.
     for host in test_hosts.every_host:
         for which in ("storage", "compute"):
             assert test_hosts.rate_caps_bytes_per_s(host, which) == [None, None]
