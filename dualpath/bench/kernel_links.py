@@ -221,19 +221,23 @@ class HostServers:
         return self.cluster.url
 
     def process_cpu(self) -> ProcessCpu:
-        """The router's and every engine's cores, and the store's file system's: each host's
-        GlusterFS client and each storage host's servers (labelled by the host they run on)."""
+        """The router's and every engine's cores, and the store's file system's: each cluster
+        host's client (``store-client@prefill-0``: its GlusterFS mount) and each storage host's
+        servers (``store-server@dp-h4``), every process below them counted with them."""
         roots = {"serve": self.cluster.server.pid} if self.cluster.server else {}
         for spec in self.cluster.engines:
             process = self.cluster.engine_id_to_process[spec.engine_id]
             roots[f"{spec.role}-{spec.engine_id}"] = process.pid
         ours = set(roots.values())
         labels = self.host_labels()
+        storage_hosts = set(self.test_hosts.storage_hosts)
         for host in self.test_hosts.every_host:
             pids = set(namespace_pids(host.name))
-            for pid in pids:  # the trees' roots in the host, counted with what runs below
+            kind = "store-server" if host in storage_hosts else "store-client"
+            for pid in sorted(pids):  # the trees' roots in the host
                 if not _is_below(pid, ours | (pids - {pid})):
-                    roots[f"{_name_of(pid)}@{labels.get(host, host.name)}-{pid}"] = pid
+                    label = f"{kind}@{labels.get(host, host.name)}"
+                    roots[label if label not in roots else f"{label}-{pid}"] = pid
         return ProcessCpu(roots)
 
     def host_labels(self) -> dict[Host, str]:
@@ -451,13 +455,6 @@ def _is_below(pid: int, roots: set[int]) -> bool:
         return pid in roots or any(parent.pid in roots for parent in process.parents())
     except psutil.NoSuchProcess:
         return True  # gone: nothing to count
-
-
-def _name_of(pid: int) -> str:
-    try:
-        return psutil.Process(pid).name()
-    except psutil.NoSuchProcess:
-        return "gone"
 
 
 def links_testbed(

@@ -34,6 +34,10 @@ def test_the_ci_benchmark_on_kernel_shaped_links(
         assert result["links"] == "kernel", mode
         assert result["engine_exit_codes"] == {"engine-0": 0, "engine-1": 0, "engine-2": 0}
         assert set(result["nic_bytes"]) == {host.name for host in test_hosts.hosts}
+        # The store's processes have cores of their own in the figures.
+        storage_host = test_hosts.storage_hosts[0].name
+        cores = result["process_cpu"]["cores"]
+        assert {"store-client@prefill-0", f"store-server@{storage_host}"} <= set(cores), cores
     basic, dualpath, oracle = modes["basic"], modes["dualpath"], modes["oracle"]
     # Basic: the prefill host's storage NIC received every hit block the PE read.
     assert basic["path_bytes"]["de"] == 0 < basic["path_bytes"]["pe"]
