@@ -13,7 +13,7 @@ a host's engine that dies or loses the scheduler is started again there; without
 ``--no-restart`` and stays dead.
 
 Each process gets ``--kv-store`` from ``store_dir_of(host)`` (its own mount of a shared volume,
-or ``None`` for no store); ``serve_args`` go to the router alone, ``engine_args`` to every
+or ``None`` for no store); ``extra_serve_args`` go to the router alone, ``engine_args`` to every
 engine, ``common_args`` to both (the benchmarks' mode, engine kind and caps). PE<->DE KV moves
 over NIXL/UCX restricted to TCP on the host's compute NIC (``UCX_TLS=tcp``,
 ``UCX_NET_DEVICES=dp0``): without that, UCX on one machine would take shared memory or
@@ -38,7 +38,7 @@ from dualpath.testbed.hosts import HOST_DEVICE, Host
 
 SCHEDULER_PORT = 5555
 API_PORT = 8000
-TOKEN = "fault-tests-token"  # the hosts are private to this machine
+TOKEN = "testbed-cluster-token"  # the hosts are private to this machine
 START_TIMEOUT_S = 300.0  # a hang guard, as the server tests' (tests/server/serving.py)
 # One HTTP request's hang guard: a loaded 2-core machine answers late, not never.
 HTTP_TIMEOUT_S = 60.0
