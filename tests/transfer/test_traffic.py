@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpath.errors import StorageTimeout, TransferTimeout
+from dualpath.transfer.arbiter import WeightedArbiter
 from dualpath.transfer.clock import MonotonicClock, VirtualClock
 from dualpath.transfer.links import LinkKind, LinkSpec, TrafficClass
-from dualpath.transfer.traffic import MoveTicket, TrafficManager, WeightedArbiter
+from dualpath.transfer.traffic import MoveTicket, TrafficManager
 
 INFERENCE, KV = TrafficClass.INFERENCE, TrafficClass.KV
 MB = 1_000_000
