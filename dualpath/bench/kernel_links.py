@@ -39,7 +39,7 @@ from dualpath.bench.mode_flags import (
     vllm_arg_flags,
 )
 from dualpath.bench.process_cpu import ProcessCpu
-from dualpath.bench.server_process import snic_read_totals
+from dualpath.bench.server_process import metric_sum, snic_read_totals
 from dualpath.bench.spec import BLOCK_SIZE_TOKENS, KV_DTYPE
 from dualpath.bench.stats import LinkSample, snic_load_balance
 from dualpath.config import mode_settings, parse_node_shape
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 LINKS = ("emulated", "kernel")
 NUM_STORAGE_HOSTS = 2  # the GlusterFS bricks' hosts
+LINK_BYTES = "dualpath_link_bytes_total"  # our accounting, per link and traffic class
 START_TIMEOUT_S = 600.0  # a hang guard: vLLM engines take minutes to start on 2 cores
 HEARTBEAT_TIMEOUT_S = 10.0  # serve's default, as the emulated runs have it
 
@@ -177,14 +178,13 @@ class KernelTestbed:
         """Cap each engine host's NICs at ``run``'s caps (none for ``oracle``); the router's
         and the storage hosts' stay uncapped."""
         is_io_free = mode_settings(run.mode).is_io_free
-        for host in self.test_hosts.every_host:
-            for nic in NICS:
-                self.test_hosts.unshape(host, nic)
         caps = {STORAGE: run.snic_bandwidth_gbps, COMPUTE: run.cnic_bandwidth_gbps}
         for host in engine_hosts:
             for nic, gbps in caps.items():
                 if gbps > 0 and not is_io_free:
-                    self.test_hosts.shape(host, rate_mbit=gbps * 1000, nic=nic)
+                    self.test_hosts.shape(host, rate_mbit=gbps * 1000, nic=nic)  # replaces
+                else:
+                    self.test_hosts.unshape(host, nic)
 
 
 def common_args(run: ModeRun) -> list[str]:
@@ -337,7 +337,6 @@ def nic_figures(
     blocks, each at the measured cost); ``ratio_to_our_bytes`` leaves it out."""
     engine_nodes = sampler.engine_nodes
     first, last = sampler.samples[0], sampler.samples[-1]
-    ours = _link_totals(scraped)
     wire = _transport_totals(scraped)
     reads = snic_read_totals(scraped)
     nic_bytes_out: dict[str, dict] = {}
@@ -354,13 +353,14 @@ def nic_figures(
                 protocol_bytes = 0
                 if nic == STORAGE:
                     link = f"node{node}.snic"
-                    our_bytes = ours.get(link, 0)
+                    our_bytes = int(metric_sum(scraped, LINK_BYTES, link=link))
                     protocol_bytes = _protocol_bytes(
                         sampler.block_cost, our_bytes, reads.get(link, 0)
                     )
                 else:
                     link = f"engine{node}.cnic"
-                    our_bytes = wire.get(node, 0) + ours.get(f"{link}.inference", 0)
+                    control = metric_sum(scraped, LINK_BYTES, link=link, traffic_class="inference")
+                    our_bytes = wire.get(node, 0) + int(control)
                 counted = sent + received
                 expected = our_bytes + protocol_bytes
                 agreement[f"{label}.{nic}"] = {
@@ -388,9 +388,7 @@ def nic_figures(
         "nic_bytes": nic_bytes_out,
         "nic_agreement": agreement,
         "store_block_cost": asdict(sampler.block_cost) if sampler.block_cost else None,
-        "snic_load_balance_counters": (
-            snic_load_balance(storage_samples) if store_on_network else None
-        ),
+        "snic_load_balance": snic_load_balance(storage_samples) if store_on_network else None,
         "nic_timeline": nic_timeline(sampler),
     }
 
@@ -425,16 +423,6 @@ def _protocol_bytes(cost: BlockWireCost | None, snic_bytes: int, read_bytes: int
     num_read = read_bytes / cost.payload_bytes
     num_written = (snic_bytes - read_bytes) / cost.payload_bytes
     return round(num_read * cost.read_extra_bytes + num_written * cost.write_extra_bytes)
-
-
-def _link_totals(scraped: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, int]:
-    """Bytes per link (all classes) and per "link.class"."""
-    totals: dict[str, int] = {}
-    for labels, value in scraped.get("dualpath_link_bytes_total", ()):
-        link = labels.get("link", "")
-        for key in (link, f"{link}.{labels.get('traffic_class', '')}"):
-            totals[key] = totals.get(key, 0) + int(value)
-    return totals
 
 
 def _transport_totals(scraped: dict[str, list[tuple[dict[str, str], float]]]) -> dict[int, int]:

@@ -136,7 +136,7 @@ def test_the_counters_become_per_nic_bytes_their_agreement_and_the_balance() -> 
     assert agreement["decode-1.compute"]["our_bytes"] == 80 * 10**6
     assert "router.compute" not in agreement
     # One window, storage NICs at 101 MB and 50 MB: max / mean.
-    assert figures["snic_load_balance_counters"] == pytest.approx(101 / 75.5)
+    assert figures["snic_load_balance"] == pytest.approx(101 / 75.5)
     assert figures["nic_timeline"]["time_s"] == [1.0]
     assert figures["nic_timeline"]["gbps"]["decode-1 storage"] == [pytest.approx(0.4)]
     # The store in memory (oracle): no storage NIC is set against our SNICs.
