@@ -104,6 +104,9 @@ def write_markdown(report: dict, path: Path | None) -> str:
                 f"ideal speedup {run['ideal_speedup']:.2f})"
             )
         parts.append(head)
+        machine = machine_line(run.get("hardware") or report.get("hardware"))
+        if machine:
+            parts.append(machine)
         parts.append(markdown_table(run))
         for extra in (cpu_lines(run), first_token_lines(run)):
             if extra:
@@ -143,6 +146,17 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="write the Markdown summary and PNG plots here (default: beside --json)",
+    )
+
+
+def machine_line(hardware: dict | None) -> str:
+    """The machine a run's figures belong to, in one line (empty when it is not recorded):
+    figures from hosts whose CPU or vector ISA differ are not comparable."""
+    if not hardware:
+        return ""
+    isa = hardware.get("cpu_vector_isa") or "unknown"
+    return (
+        f"Machine: {hardware.get('cpu_model')}, {hardware.get('cpu_count')} cores, vector ISA {isa}"
     )
 
 
