@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 
 from dualpath.bench.engine_bench import DEFAULT_ENGINES, EngineBenchConfig, Timing, Workload
-from dualpath.bench.hardware import hardware_info
+from dualpath.bench.hardware import hardware_info, machine_line
 from dualpath.model.identity import kv_facts
 
 # The targets: (name, the ratio it judges, the least value that meets it).
@@ -203,7 +203,8 @@ def markdown(report: dict) -> str:
     engines = cfg.get("engines", DEFAULT_ENGINES)
     names = list(next(iter(report["results"].values()))["ours"]["tokens_per_s"])
     lines = [
-        f"## engine · {cfg['architecture']} · {cfg['num_threads']} threads · {hw['cpu_model']}",
+        f"## engine · {cfg['architecture']} · {cfg['num_threads']} threads",
+        machine_line(hw),
         "",
         f"prefill: {cfg['prompt_tokens']}-token prompt; decode: {cfg['decode_prompt_tokens']}"
         f"-token prompts, {cfg['decode_tokens']} output tokens, aggregate tokens/s from the "

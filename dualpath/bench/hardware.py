@@ -47,3 +47,14 @@ def hardware_info(**versions: str) -> dict[str, object]:
         "python_implementation": platform.python_implementation(),
         **versions,
     }
+
+
+def machine_line(hardware: dict | None) -> str:
+    """The machine a run's figures belong to, in one line (empty when it is not recorded):
+    figures from hosts whose CPU or vector ISA differ are not comparable."""
+    if not hardware:
+        return ""
+    isa = hardware.get("cpu_vector_isa") or "unknown"
+    return (
+        f"Machine: {hardware.get('cpu_model')}, {hardware.get('cpu_count')} cores, vector ISA {isa}"
+    )

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from dualpath.bench.hardware import machine_line
 from dualpath.bench.stats import ideal_speedup
 from dualpath.bench.validity import invalid_message
 from dualpath.options import add_json_argument
@@ -146,17 +147,6 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="write the Markdown summary and PNG plots here (default: beside --json)",
-    )
-
-
-def machine_line(hardware: dict | None) -> str:
-    """The machine a run's figures belong to, in one line (empty when it is not recorded):
-    figures from hosts whose CPU or vector ISA differ are not comparable."""
-    if not hardware:
-        return ""
-    isa = hardware.get("cpu_vector_isa") or "unknown"
-    return (
-        f"Machine: {hardware.get('cpu_model')}, {hardware.get('cpu_count')} cores, vector ISA {isa}"
     )
 
 

@@ -1,7 +1,6 @@
 """The machine facts every benchmark records: the CPU's vector ISA beside its model name."""
 
-from dualpath.bench.hardware import cpu_vector_isa, hardware_info
-from dualpath.bench.report import machine_line
+from dualpath.bench.hardware import cpu_vector_isa, hardware_info, machine_line
 
 X86_AVX2 = [
     "processor\t: 0\n",
