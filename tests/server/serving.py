@@ -20,6 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 API_KEY = "test-key"
 MODEL = "tiny"
 START_TIMEOUT_S = 300  # a hang guard: 45 s to healthy on 2 cores at a load average of 10
+# A hang guard per request, not a latency bound: a 1,000-token prompt on the real SmolLM2 took
+# 25-30 s beside the other test worker on an AVX2-only 2-core host, and failed at 30.
+REQUEST_TIMEOUT_S = 180
 
 
 class Server:
@@ -28,9 +31,9 @@ class Server:
         self.url = url
         self.root = root
         self.health_statuses_before_ready = health  # /health statuses seen while starting
-        self.http = httpx.Client(base_url=url, headers=auth(), timeout=30)
+        self.http = httpx.Client(base_url=url, headers=auth(), timeout=REQUEST_TIMEOUT_S)
         self.client = openai.OpenAI(
-            base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=30
+            base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=REQUEST_TIMEOUT_S
         )
 
     @property
@@ -38,7 +41,7 @@ class Server:
         return (self.root / "server.log").read_text()
 
     def health(self) -> httpx.Response:
-        return httpx.get(f"{self.url}/health", timeout=30)  # as long as every other request
+        return httpx.get(f"{self.url}/health", timeout=REQUEST_TIMEOUT_S)  # as every other request
 
 
 def auth(key: str = API_KEY) -> dict[str, str]:
