@@ -350,6 +350,11 @@ class ClusterConfig:
     # as Anthropic's and OpenAI's prompt caches keep an idle prefix: agents pace their tool
     # calls to it.
     session_retention_s: float = 300.0
+    # Conditional disaggregation: a request whose prompt the store misses by at most this
+    # many tokens (an agent's short append to its session) is prefilled on its DE, which then
+    # decodes it, where the DE can (``EngineInfo.prefills_locally``: ``--engine vllm``); no
+    # PE nor transfer takes part. 0: every request is disaggregated (SPEC §2).
+    local_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_prefill_nodes", "num_decode_nodes", "engines_per_node"):
@@ -373,6 +378,8 @@ class ClusterConfig:
             raise ValueError(
                 f"session_retention_s must be finite and >= 0, got {self.session_retention_s}"
             )
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
 
     @property
     def node_shape(self) -> str:

@@ -62,6 +62,10 @@ class EngineInfo:
     # reads none of those. False (ours; a vLLM server's, whose cache is not probed): it never
     # says, and its DEs must not wait to hear it (``Assignment.is_prefill_held_sent``).
     reports_prefill_held: bool = False
+    # A DE that prefills a request itself when the scheduler places it there alone
+    # (``Assignment.is_local_prefill``: a short append to a session it holds, ``--engine vllm``).
+    # False (ours; a vLLM server's, whose requests come over HTTP): always a PE's.
+    prefills_locally: bool = False
 
 
 @message("peers")
@@ -143,6 +147,12 @@ class Assignment:
     def num_hit_blocks(self) -> int:
         return self.num_prefill_side_blocks + self.num_decode_side_blocks
 
+    @property
+    def is_local_prefill(self) -> bool:
+        """Placed on its DE alone (conditional disaggregation, ``local_prefill_tokens``): the
+        DE reads every hit block, prefills the rest and decodes; no PE takes part."""
+        return self.prefill_engine_id == self.decode_engine_id
+
 
 def client_id_of(engine_id: int) -> str:
     """An engine's control client id, and its transport peer name: ``engine-<id>``."""
@@ -203,7 +213,9 @@ class DecodeReady:
 @message("prefill-done")
 @dataclass(frozen=True, slots=True)
 class PrefillDone:
-    """PE -> DE: every layer's prompt KV is in the DE buffer; the PE sampled the first token."""
+    """PE -> DE: every layer's prompt KV is in the DE buffer; the PE sampled the first token.
+    A DE that prefilled the request itself (``Assignment.is_local_prefill``) sends it to the
+    scheduler alone."""
 
     request_id: int
     first_token_id: int

@@ -224,6 +224,10 @@ CASES = {
         "serve --model {model} --vllm-prefill-batching quota",
         "--vllm-prefill-batching is what a vLLM prefill engine hands vLLM",
     ),
+    "serve/local-prefill-without-vllm-engine": Case(
+        "serve --model {model} --local-prefill-tokens 256",
+        "--local-prefill-tokens: our own engine's decode engines do not prefill",
+    ),
     "bench-offline/engine-with-url": Case(
         "bench offline --model {model} --url http://127.0.0.1:1 --engine vllm",
         "do not give --engine",

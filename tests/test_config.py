@@ -119,6 +119,7 @@ def _non_default_configs() -> dict[type, dict]:
         heartbeat_timeout_s=7.0,
         persist_wait_s=1.5,
         session_retention_s=60.0,
+        local_prefill_tokens=256,
     )
     store = dict(
         root_dir=Path("/mnt/kv"),

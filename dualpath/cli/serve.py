@@ -46,6 +46,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV) or None
     if s.external_engines and token is None:
         raise ValueError(f"--external-engines needs ${TOKEN_ENV}, shared with the engines")
+    if s.local_prefill_tokens and s.engine != "vllm" and not s.external_engines:
+        raise ValueError(
+            "--local-prefill-tokens: our own engine's decode engines do not prefill; "
+            "give it with --engine vllm"
+        )
     if s.engine == "vllm" and not s.external_engines:  # the engines it starts run this Python
         from dualpath.vllm.args import check_vllm_installed
 
@@ -161,4 +166,5 @@ def _serve_cluster_config(s: argparse.Namespace):  # -> ClusterConfig
         heartbeat_timeout_s=s.heartbeat_timeout_s,
         persist_wait_s=s.persist_wait_s,
         session_retention_s=s.session_retention_s,
+        local_prefill_tokens=s.local_prefill_tokens,
     )

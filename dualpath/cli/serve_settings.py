@@ -32,7 +32,7 @@ from dualpath.cluster_options import (
     add_read_path_argument,
     add_transport_argument,
 )
-from dualpath.flags import non_negative_float, positive_float, positive_int
+from dualpath.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from dualpath.options import add_decode_threads_argument
 from dualpath.server.config import GENERATION_CONFIG_MODES
 
@@ -186,6 +186,15 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
         "room, and that engine keeps the session's KV blocks in the store, ahead of other "
         "blocks under capacity pressure, for this long after each turn; 0 turns sessions off "
         "(default 300: an idle prefix's lifetime in Anthropic's and OpenAI's prompt caches)",
+    )
+    group.add_argument(
+        "--local-prefill-tokens",
+        type=non_negative_int,
+        default=0,
+        help="conditional disaggregation: a request whose prompt the store misses by at most "
+        "this many tokens (an agent's short append to its session) is prefilled on its decode "
+        "engine, which decodes it on, with no prefill engine nor KV transfer; --engine vllm "
+        "(a decode engine says whether it can); 0 disaggregates every request (default 0)",
     )
     group.add_argument(
         "--prefill-tokens-per-s",

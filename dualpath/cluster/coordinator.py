@@ -35,6 +35,7 @@ from dualpath.cluster.fetches import GroupFetches
 from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.lifecycle import RequestLifecycle
 from dualpath.cluster.membership import EngineState, Membership
+from dualpath.cluster.pairing import Pairing
 from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.cluster.request_state import RequestState
 from dualpath.cluster.sessions import Sessions
@@ -82,6 +83,8 @@ class ClusterSnapshot:
     num_waiting_prefill: int  # in the scheduler's FIFO, not placed on a PE yet
     num_waiting_decode: int  # placed on a PE, waiting for a DE
     num_assigned: int  # requests sent to a (PE, DE) pair since the start
+    # Of those, requests sent to their DE alone, which prefilled them (``local_prefill_tokens``).
+    num_local_prefills: int = 0
     # Requests that waited for blocks a DE was still writing (see cluster.persisting), and
     # finished requests whose writes were never confirmed in time; both since the start.
     num_persist_waits: int = 0
@@ -176,6 +179,11 @@ class Coordinator:
             suspect=self.fetches.suspect,
             retry_after_s=cluster.heartbeat_timeout_s,
             sessions=Sessions(cluster.session_retention_s),
+            pairing=Pairing(
+                self.membership.engines,
+                block_size=identity.layout.block_size_tokens,
+                local_prefill_tokens=cluster.local_prefill_tokens,
+            ),
         )
         self.fetches.assign = self.requests.assign
         lifecycle = self.requests
@@ -274,6 +282,7 @@ class Coordinator:
             num_waiting_prefill=policy.num_waiting_prefill,
             num_waiting_decode=policy.num_waiting_decode,
             num_assigned=self.num_assigned,
+            num_local_prefills=self.requests.pairing.num_local,
             num_persist_waits=self.persisting.num_waits,
             num_persist_expired=self.persisting.num_expired,
             num_replaced=self.num_replaced,

@@ -292,6 +292,7 @@ class EngineProcess:
                 kv_fingerprint=self.identity.fingerprint,
                 # Only a vLLM PE that probes vLLM's prefix cache says what it holds.
                 reports_prefill_held=getattr(self.role, "reports_prefill_held", False),
+                prefills_locally=getattr(self.role, "prefills_locally", False),
             )
         )
         self.last_heard_s = self.clock()

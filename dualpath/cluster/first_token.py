@@ -10,7 +10,8 @@ Each stage runs from the end of the last: ``placement`` from submit to the Assig
 scheduler's queue, and a wait for blocks a DE is still writing), ``decode_ready`` to the DE's
 DecodeReady (its buffer slots and its side's reads, relayed to the PE), ``prefill`` to the
 PE's PrefillDone (the PE's reads, its engine's prefill and the KV sent to the DE). A vLLM
-server PE's path has no DecodeReady, so its requests are timed up to the Assignment only. A
+server PE's path has no DecodeReady, nor has a request its DE prefills itself (``pairing.py``),
+so those are timed up to the Assignment only. A
 request placed again is timed no further (``RequestState.first_token_marks_s`` None): the
 time from the loss to its next token is the lifecycle's ``replacement_delays``.
 """

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dualpath.cluster.first_token import FirstTokenStages
 from dualpath.cluster.hits import PromptHits
 from dualpath.cluster.membership import Membership
+from dualpath.cluster.pairing import Pairing
 from dualpath.cluster.persisting import PersistingBlocks
 from dualpath.cluster.replacement import DelayedPlacements, retry_after_failure
 from dualpath.cluster.request_state import (
@@ -66,6 +67,7 @@ class RequestLifecycle:
         suspect: Callable[[int], None],
         retry_after_s: float,
         sessions: Sessions | None = None,
+        pairing: Pairing | None = None,
     ) -> None:
         """``sessions``: the agent sessions' DEs (None: sessions off)."""
         self.membership = membership
@@ -74,6 +76,8 @@ class RequestLifecycle:
         self._place = place  # into the policy's FIFO
         self._suspect = suspect  # an engine a transfer failed with: placed on no more for now
         self.retry_after_s = retry_after_s
+        # Who of the pair does what (``pairing.py``); by default every request goes to both.
+        self.pairing = pairing or Pairing(membership.engines, block_size=hits.block_size)
         self.sessions = Sessions(0.0) if sessions is None else sessions
         self.clock = membership.clock
         self._requests: dict[int, RequestState] = {}
@@ -199,10 +203,12 @@ class RequestLifecycle:
             self._enqueue_all(self.persisting.expire(now_s))
 
     def assign(self, request_id: int, pe: int, de: int, plan: LoadPlan) -> None:
-        """The request's pair and read plan are final: one Assignment to both engines."""
+        """The request's pair and read plan are final: one Assignment to both engines, or to its
+        DE alone where that DE prefills it (``pairing.py``)."""
         state = self._requests.get(request_id)
         if state is None:  # cancelled while queued
             return
+        pe, plan = self.pairing.paired(pe, de, plan, len(state.prompt_token_ids))
         state.prefill_engine_id, state.decode_engine_id = pe, de
         assignment = Assignment(
             request_id=request_id,
@@ -213,7 +219,7 @@ class RequestLifecycle:
             prefill_engine_id=pe,
             decode_engine_id=de,
             num_output_tokens=state.num_output_tokens,
-            is_prefill_held_sent=self._is_prefill_held_sent(pe, plan),
+            is_prefill_held_sent=self.pairing.is_prefill_held_sent(pe, plan),
             cache_salt=state.scope.cache_salt,
             session_retention_s=self.sessions.retention_s_of(state.scope.session_id),
         )
@@ -225,7 +231,8 @@ class RequestLifecycle:
             return
         try:
             self.membership.send_encoded_to_engine(de, data)
-            self.membership.send_encoded_to_engine(pe, data)
+            if pe != de:
+                self.membership.send_encoded_to_engine(pe, data)
         except PeerUnavailable as exc:
             self._fail(request_id, f"engine unavailable at assignment: {exc}")
             return
@@ -234,13 +241,6 @@ class RequestLifecycle:
         self.first_token.mark(state, "placement", now_s)
         self.sessions.on_assigned(state.scope.session_id, de, now_s)
         self._forward_if_served(state, pe, de)
-
-    def _is_prefill_held_sent(self, pe: int, plan: LoadPlan) -> bool:
-        """Whether the DE's reads wait for the PE's ``PrefillHeld``: the PE says what its engine
-        holds (its ``EngineInfo``) and the DE has blocks of its side to read."""
-        state = self.membership.engines.get(pe)
-        has_report = state is not None and state.info.reports_prefill_held
-        return has_report and plan.num_decode_side_blocks > 0
 
     def _forward_if_served(self, state: RequestState, pe: int, de: int) -> None:
         """A request placed on a vLLM server DE: the front door is told where to forward it
@@ -296,7 +296,8 @@ class RequestLifecycle:
         logprobs = None if msg.first_token_logprob is None else (msg.first_token_logprob,)
         stages_s = self.first_token.of(state)
         self._emit(state, (msg.first_token_id,), None, logprobs, now_s, stages_s)
-        self.relay(msg.request_id, msg, to_prefill=False)
+        if state.prefill_engine_id != state.decode_engine_id:  # not from the DE itself
+            self.relay(msg.request_id, msg, to_prefill=False)
 
     def on_tokens(self, msg: TokenUpdate, now_s: float) -> None:
         state = self._requests.get(msg.request_id)
@@ -379,7 +380,7 @@ class RequestLifecycle:
         state = self._pop(self._client_id_to_request_id.get(request_id, request_id))
         if state is None:
             return
-        for engine_id in (state.prefill_engine_id, state.decode_engine_id):
+        for engine_id in dict.fromkeys((state.prefill_engine_id, state.decode_engine_id)):
             if engine_id is not None:
                 with contextlib.suppress(PeerUnavailable):  # a dead engine frees nothing
                     self.membership.send_to_engine(engine_id, CancelRequest(state.request_id))
@@ -422,7 +423,7 @@ class RequestLifecycle:
     def _cancel_on_live_engines(self, state: RequestState) -> None:
         """Free the placement on its live engines (a PE is done with a prefilled one)."""
         engines = (state.decode_engine_id,)
-        if not state.is_prefill_done:
+        if not state.is_prefill_done and state.prefill_engine_id != state.decode_engine_id:
             engines = (state.prefill_engine_id, state.decode_engine_id)
         for engine_id in engines:
             if engine_id is not None and self.membership.is_alive(engine_id):

@@ -86,7 +86,8 @@ def num_requests_by_engine(states: Iterable[RequestState]) -> dict[int, int]:
     for request in states:
         if request.finish_reason_pending is not None:
             continue  # only its finish is outstanding: a loss sends that, nothing more
-        for engine_id in (request.prefill_engine_id, request.decode_engine_id):
+        # One engine, where its DE prefilled it (``Assignment.is_local_prefill``).
+        for engine_id in {request.prefill_engine_id, request.decode_engine_id}:
             if engine_id is not None and needs_engine(request, engine_id):
                 counts[engine_id] = counts.get(engine_id, 0) + 1
     return counts

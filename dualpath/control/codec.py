@@ -33,8 +33,9 @@ import msgpack
 # (Hello.is_send_only); a PE says whether it reports what its engine holds
 # (EngineInfo.reports_prefill_held), an Assignment whether the DE waits for it
 # (Assignment.is_prefill_held_sent). 6: an Assignment carries the request's cache salt
-# (Assignment.cache_salt), and its agent session's retention (session_retention_s).
-PROTOCOL_VERSION = 6
+# (Assignment.cache_salt), and its agent session's retention (session_retention_s). 7: a DE
+# says whether it prefills requests placed on it alone (EngineInfo.prefills_locally).
+PROTOCOL_VERSION = 7
 
 T = TypeVar("T")
 

@@ -113,6 +113,12 @@ class ClusterCollector(Collector):
             value=snapshot.num_assigned,
         )
         yield CounterMetricFamily(
+            "dualpath_scheduler_local_prefills",
+            "Of the assigned requests, those sent to their decode engine alone, which "
+            "prefilled them itself (a short append, --local-prefill-tokens).",
+            value=snapshot.num_local_prefills,
+        )
+        yield CounterMetricFamily(
             "dualpath_scheduler_persist_waits",
             "Requests whose cached prefix stopped at a block a decode engine was still "
             "writing, and that waited for it instead of recomputing it.",

@@ -1,14 +1,20 @@
 """A decode engine whose model runs on vLLM (``--engine vllm``): each placed request gets
 buffer slots for its whole prompt and its DE-side hit blocks read into them; once prefilled it
 goes to vLLM as prompt + first token, the connector loading the prompt's KV from the buffer and
-persisting every block the store lacks as it fills (``roles.py`` says how the sides meet)."""
+persisting every block the store lacks as it fills (``roles.py`` says how the sides meet).
+
+A request placed on the DE alone (``Assignment.is_local_prefill``: a short append) is prefilled
+here: the hit blocks vLLM's prefix cache does not hold are read into the buffer, then it goes
+to vLLM whole, the connector loading them, vLLM computing the rest and decoding on; its first
+token goes out as the PE's would (``PrefillDone``, to the scheduler)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -31,6 +37,7 @@ from dualpath.protocol import (
 )
 from dualpath.types import sampling_params_from_dict
 from dualpath.vllm.engine import (
+    PrefixCacheProbe,
     logprobs_of,
     step_between_layers,
     vllm_prompt,
@@ -55,6 +62,10 @@ class _DecodeRequest(BufferedRequest):
     is_ready_sent: bool = False
     prefill_done: PrefillDone | None = None
     plan: KVTransfer | None = None  # set once it is in vLLM
+    # Prefilled here (``Assignment.is_local_prefill``): ``num_skipped`` leading hit blocks
+    # vLLM's prefix cache held, pinned there (``pinned``) until vLLM has the request.
+    pinned: list = field(default_factory=list)
+    num_hit: int = 0  # leading blocks with KV: vLLM-held and read (set once in vLLM)
 
 
 class VllmDecodeRole:
@@ -90,8 +101,28 @@ class VllmDecodeRole:
         self.requests: dict[int, _DecodeRequest] = {}
         self._persisting = PersistingRequests(self._pending_writes)
         self._sessions = SessionBlocks(host.store)
+        # Requests placed here alone are prefilled here (their hits looked up in vLLM's own
+        # prefix cache first: ``prefix_cache``); a vLLM server's come over HTTP through its
+        # PE: never.
+        self.prefills_locally = getattr(engine, "prefills_locally", True)
+        # Hit KV counted cached but not read: vLLM held it (requests prefilled here).
+        self.num_engine_cached_bytes = 0
+
+    @functools.cached_property
+    def prefix_cache(self) -> Any:
+        """vLLM's own prefix cache, looked up and pinned on this thread (an engine that steps
+        itself on another thread brings its own probe); built for the first local prefill."""
+        return getattr(self.engine, "prefix_cache", None) or PrefixCacheProbe(self.engine)
+
+    def _unpin(self, request: _DecodeRequest) -> None:
+        if request.pinned:
+            self.prefix_cache.unpin(request.pinned)
+            request.pinned = []
 
     def add(self, assignment: Assignment) -> None:
+        if assignment.is_local_prefill:
+            self._add_local(assignment)
+            return
         prompt = list(assignment.prompt_token_ids)
         num_slots = -(-len(prompt) // self.block_size)
         self.buffer.check_fits(num_slots)
@@ -110,6 +141,34 @@ class VllmDecodeRole:
         self._sessions.on_assigned(assignment, keys)
         self.requests[request.request_id] = request
         self.store_reads.add(request, num_slots, self._start_reads)
+
+    def _add_local(self, assignment: Assignment) -> None:
+        """A request this DE prefills: slots for the hit blocks vLLM's cache does not hold."""
+        if not self.prefills_locally:  # a scheduler bug: this engine never said it does
+            raise ValueError("this decode engine does not prefill requests placed on it alone")
+        prompt = list(assignment.prompt_token_ids)
+        num_hit = assignment.num_hit_blocks
+        self.buffer.check_fits(num_hit)
+        salt = assignment.cache_salt
+        keys = block_keys(
+            prompt[: num_hit * self.block_size],
+            self.block_size,
+            self.host.fingerprint,
+            cache_salt=salt,
+        )
+        pinned = self.prefix_cache.pin(prompt, num_hit, cache_salt=salt)
+        request = _DecodeRequest(
+            assignment,
+            sampling_params_from_dict(assignment.sampling),
+            keys[len(pinned) :],
+            num_skipped=len(pinned),
+            pinned=pinned,
+        )
+        self._sessions.on_assigned(assignment, keys)
+        self.requests[request.request_id] = request
+        self.store_reads.add(
+            request, len(request.keys), lambda r: self.store_reads.read(r, r.keys, r.slots)
+        )
 
     def _start_reads(self, request: _DecodeRequest) -> None:
         """Read the DE side's hit blocks the PE's engine does not hold, once the slots are
@@ -147,7 +206,60 @@ class VllmDecodeRole:
         if request.plan is not None:
             self.engine.abort_request([str(request_id)])
             self.host.plans.pop(request_id, None)
+        self._unpin(request)
         self.store_reads.release(request)  # nothing left to free once its load is done
+
+    def _adopt_local(self) -> None:
+        """Hand vLLM every request prefilled here whose reads are done, whole: the connector
+        loads the hit blocks read (a short read ends the hit there), vLLM computes the rest."""
+        for request in self.requests.values():
+            if request.plan is not None or not request.assignment.is_local_prefill:
+                continue
+            if not request.is_read:
+                continue
+            assert request.reads is not None
+            num_read = request.reads.result()
+            num_hit = request.num_skipped + num_read
+            load = None
+            if num_read:
+                load = LoadSource(
+                    self.buffer,
+                    request.slots[:num_read],
+                    num_hit * self.block_size,
+                    first_block=request.num_skipped,
+                )
+            request.plan = KVTransfer(
+                request.request_id,
+                load=load,
+                persist_from_block=num_hit,
+                on_loaded=partial(self._release_loaded, request),
+            )
+            request.num_hit = num_hit
+            if load is None:  # nothing to load: slots (a failed read's) go now
+                self.store_reads.release(request)
+            self._add_to_vllm(request, request.assignment.num_output_tokens, [])
+
+    def _add_to_vllm(self, request: _DecodeRequest, num_before: int, extra: list[int]) -> None:
+        """vLLM takes the request: its prompt and ``extra`` tokens, ``num_before`` output tokens
+        counted toward its limits already."""
+        assert request.plan is not None
+        assignment = request.assignment
+        self.host.plans[request.request_id] = request.plan
+        # A request that ends at its first token still has its prompt KV taken in and
+        # persisted: vLLM makes one token more, which is not sent.
+        params = vllm_sampling_params(
+            request.params,
+            max_tokens=max(1, request.params.max_tokens - num_before),
+            min_tokens=max(0, request.params.min_tokens - num_before),
+        )
+        # Salted, vLLM's prefix cache keeps the request's blocks in its tenant's namespace,
+        # and the connector persists them under its salt (``connector.py``).
+        self.engine.add_request(
+            str(request.request_id),
+            vllm_prompt([*assignment.prompt_token_ids, *extra], cache_salt=assignment.cache_salt),
+            with_plan(params, request.request_id),
+        )
+        self._unpin(request)  # vLLM's request holds them now
 
     def _adopt_prefilled(self) -> None:
         """Hand vLLM every request whose prompt KV is in the buffer."""
@@ -156,29 +268,14 @@ class VllmDecodeRole:
             if done is None or request.plan is not None:
                 continue
             assignment = request.assignment
-            prompt = list(assignment.prompt_token_ids)
             request.plan = KVTransfer(
                 request.request_id,
-                load=LoadSource(self.buffer, request.slots, len(prompt)),
+                load=LoadSource(self.buffer, request.slots, len(assignment.prompt_token_ids)),
                 persist_from_block=done.num_cached_tokens // self.block_size,
                 on_loaded=partial(self._release_loaded, request),
             )
-            self.host.plans[request.request_id] = request.plan
-            num_before = assignment.num_output_tokens + 1  # output so far, the first token too
-            # A request that ends at its first token still has its prompt KV taken in and
-            # persisted: vLLM makes one token more, which is not sent.
-            params = vllm_sampling_params(
-                request.params,
-                max_tokens=max(1, request.params.max_tokens - num_before),
-                min_tokens=max(0, request.params.min_tokens - num_before),
-            )
-            # Salted, vLLM's prefix cache keeps the request's blocks in its tenant's namespace,
-            # and the connector persists them under its salt (``connector.py``).
-            self.engine.add_request(
-                str(request.request_id),
-                vllm_prompt([*prompt, done.first_token_id], cache_salt=assignment.cache_salt),
-                with_plan(params, request.request_id),
-            )
+            # Output so far, the first token too.
+            self._add_to_vllm(request, assignment.num_output_tokens + 1, [done.first_token_id])
 
     def _release_loaded(self, request: _DecodeRequest) -> None:
         with self.lock:
@@ -189,6 +286,8 @@ class VllmDecodeRole:
         for request in self.requests.values():
             if request.is_ready_sent or not request.is_read:
                 continue
+            if request.assignment.is_local_prefill:  # no PE waits for it
+                continue
             request.is_ready_sent = True
             num_covered = request.num_skipped + request.reads.result()
             send(DecodeReady(request.request_id, tuple(request.slots), num_covered))
@@ -196,6 +295,7 @@ class VllmDecodeRole:
     def work(self, send: Send, between_layers: Callable[[], None]) -> bool:
         self._send_ready(send)
         self._adopt_prefilled()
+        self._adopt_local()
         if not self.engine.has_unfinished_requests():
             return False
 
@@ -215,22 +315,46 @@ class VllmDecodeRole:
                 send(RequestFailed(request_id, f"decode failed: {exc!r}"))
             return True
         for output in outputs:
-            update = self._update(int(output.request_id), output)
-            if update is not None:
-                send(update)
+            for message in self._updates(int(output.request_id), output):
+                send(message)
         persisted = self._persisting.poll()
         if persisted is not None:
             send(persisted)
         return True
 
-    def _update(self, request_id: int, output: Any) -> TokenUpdate | None:
+    def _updates(self, request_id: int, output: Any) -> list:
+        """The messages of one request's step: its tokens (TokenUpdate), the first of a request
+        prefilled here as a PE's (PrefillDone)."""
         request = self.requests.get(request_id)
         if request is None:
-            return None
+            return []
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = None if not token_ids else logprobs_of(completion, token_ids)
+        messages: list = []
+        if request.prefill_done is None:  # prefilled here: its first token
+            request.prefill_done = PrefillDone(
+                request_id,
+                token_ids[0],
+                None if logprobs is None else logprobs[0],
+                request.num_hit * self.block_size,
+            )
+            messages.append(request.prefill_done)
+            self.num_engine_cached_bytes += request.num_skipped * self.host.layout.full_block_bytes
+            token_ids = token_ids[1:]
+            logprobs = None if logprobs is None else logprobs[1:]
+            if not token_ids and not output.finished:
+                return messages
+        messages.append(self._update(request, output, token_ids, logprobs))
+        return messages
+
+    def _update(
+        self, request: _DecodeRequest, output: Any, token_ids: list[int], logprobs: list | None
+    ) -> TokenUpdate:
+        request_id = request.request_id
         done = request.prefill_done
         assert done is not None and request.plan is not None
         completion = output.outputs[0]
-        token_ids = list(completion.token_ids)
         finish_reason = completion.finish_reason if output.finished else None
         if done.finish_reason is not None:  # it ended at the PE's token: nothing more is sent
             token_ids = []
@@ -241,12 +365,13 @@ class VllmDecodeRole:
             plan = self.host.plans.pop(request_id)
             persisting = self._persisting.add(request_id, tuple(plan.persisted_keys))
             self._sessions.on_finished(request_id, plan.persisted_keys)
+            self._release_loaded(request)  # slots a load vLLM's cache made moot still held
         return TokenUpdate(
             request_id,
             tuple(token_ids),
             finish_reason,
             done.num_cached_tokens,
-            None if not token_ids else logprobs_of(completion, token_ids),
+            None if not token_ids else logprobs,
             persisting,
         )
 
@@ -271,7 +396,6 @@ class VllmDecodeRole:
     def num_read_bytes(self) -> int:
         return self.store_reads.num_read_bytes
 
-    num_engine_cached_bytes = 0  # the PE's vLLM holds the hits it did not read
     transport_bytes: Mapping[int, tuple[int, int]] = MappingProxyType({})  # starts none
 
     @property

@@ -149,6 +149,9 @@ class ServedEngine:
         self.mailbox: Mailbox | None = None  # from ``start``
         self.lock = threading.RLock()  # the role's state: our thread and vLLM's hooks
         self.prefix_cache = _NoPrefixCacheProbe()
+        # Its requests come over HTTP, through a PE (the front door's forwarding): a DE here
+        # never prefills one placed on it alone (``EngineInfo.prefills_locally``).
+        self.prefills_locally = False
         self.block_pool = _HeldBlocks()
         self.process: _ServedProcess | None = None
         self._outputs: queue.SimpleQueue[Any] = queue.SimpleQueue()  # ended, for ``step``
