@@ -214,8 +214,15 @@ class Coordinator:
         params: SamplingParams,
         scope: RequestScope = NO_SCOPE,
     ) -> int:
-        """Queue a request (token ids already validated); returns its id. Thread-safe."""
-        return self.requests.submit(prompt_token_ids, params, scope)
+        """Queue a request (token ids already validated); returns its id. Thread-safe: the
+        loop's wait ends (``wake``)."""
+        request_id = self.requests.submit(prompt_token_ids, params, scope)
+        self.server.wake()
+        return request_id
+
+    def wake(self) -> None:
+        """End the loop's wait in ``run_once`` now (any thread): work is queued for it."""
+        self.server.wake()
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (the caller's id) wherever it is (the loop thread)."""
@@ -229,11 +236,13 @@ class Coordinator:
 
     def on_engine_exited(self, engine_id: int, exit_code: int) -> None:
         self.membership.on_engine_exited(engine_id, exit_code)
+        self.server.wake()
 
     def on_engine_unreachable(self, engine_id: int, why: str) -> None:
         """A vLLM server engine's HTTP connection failed (any thread): it is declared dead at
         the loop's next turn; it joins again when its connector reports."""
         self.membership.on_engine_unreachable(engine_id, why)
+        self.server.wake()
 
     @property
     def num_expected_engines(self) -> int:

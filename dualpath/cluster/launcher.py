@@ -58,6 +58,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_STORE_READ_BYTES_PER_S = 1e9
 # How often the loop thread publishes a ClusterSnapshot (metrics and health read it).
 SNAPSHOT_INTERVAL_S = 0.1
+# The scheduler loop's longest wait for a message: what other threads hand it (submissions,
+# cancellations, engine exits) wakes it at once, so this paces only what runs on the clock
+# (liveness, delayed placements, persist-wait expiry, the snapshot).
+LOOP_WAIT_S = 0.05
 
 EventListener = Callable[[RequestEvent], None]
 
@@ -271,7 +275,8 @@ class LocalCluster:
             # Cancellations taken before run_once: their requests were submitted before they
             # were cancelled, so run_once has handed them to the coordinator by now.
             cancels = drain(self._cancellations)
-            self.coordinator.run_once(0.002)
+            wait_s = min(LOOP_WAIT_S, next_snapshot_s - time.monotonic())
+            self.coordinator.run_once(max(0.0, wait_s))
             for request_id in cancels:
                 self.coordinator.cancel(request_id)
             self._dispatch(self.coordinator.drain_events())
@@ -324,6 +329,7 @@ class LocalCluster:
             self._is_closed = True
         if self._loop_thread.is_alive():
             self._stop.set()
+            self.coordinator.wake()
             self._loop_thread.join()
         # The loop thread is gone: this thread may use the coordinator now.
         self.coordinator.shutdown()
@@ -403,6 +409,7 @@ class LocalCluster:
             self._cancelled.add(request_id)
         self._arrivals.pop(request_id, None)
         self._cancellations.put(request_id)
+        self.coordinator.wake()
 
     def report_unreachable(self, engine_id: int, why: str) -> None:
         """A vLLM server engine's HTTP connection failed: declare it dead now (thread-safe);

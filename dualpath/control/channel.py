@@ -76,8 +76,43 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return False
 
 
+class _WakePipe:
+    """A pipe a poller waits on beside its socket: ``wake`` (any thread) ends the wait early,
+    so that work handed over by another thread is taken up now, not at the wait's timeout."""
+
+    def __init__(self, poller: zmq.Poller) -> None:
+        self._poller = poller
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+        poller.register(self._read_fd, zmq.POLLIN)
+
+    def wake(self) -> None:
+        """Cheap, never blocks; many wakes before a wait count as one."""
+        fd = self._write_fd
+        if fd < 0:
+            return  # closed: shutting down
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake is pending
+            os.write(fd, b"\0")
+
+    def drain(self, events: dict) -> None:
+        """Take the pending wakes, if the wait ``events`` came from says there are some."""
+        if self._read_fd in events:
+            with contextlib.suppress(BlockingIOError):  # drained
+                while os.read(self._read_fd, 4096):
+                    pass
+
+    def close(self) -> None:
+        write_fd, self._write_fd = self._write_fd, -1
+        if write_fd >= 0:
+            self._poller.unregister(self._read_fd)
+            os.close(self._read_fd)
+            os.close(write_fd)
+
+
 class ControlServer:
-    """The scheduler side. ``poll`` returns (client_id, message) pairs from welcomed clients."""
+    """The scheduler side. ``poll`` returns (client_id, message) pairs from welcomed clients;
+    ``wake`` (any thread) ends a wait for them early."""
 
     def __init__(self, endpoint: str, token: str, *, context: zmq.Context | None = None) -> None:
         if not token:
@@ -106,6 +141,7 @@ class ControlServer:
             self.endpoint = endpoint
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+        self._wake = _WakePipe(self._poller)
         self._welcomed: dict[bytes, str] = {}  # socket identity -> client id
         # Where to send to each client: a dict, not a scan of ``_welcomed`` per message.
         self._client_id_to_identity: dict[str, bytes] = {}
@@ -115,6 +151,10 @@ class ControlServer:
     @property
     def client_ids(self) -> list[str]:
         return list(self._client_id_to_identity)
+
+    def wake(self) -> None:
+        """End the current or next wait for messages early, from any thread."""
+        self._wake.wake()
 
     def poll(self, timeout_s: float, max_messages: int = 1024) -> list[tuple[str, object]]:
         """Messages that arrived within ``timeout_s``: what is queued, up to ``max_messages``,
@@ -129,8 +169,10 @@ class ControlServer:
         off the garbage collector, older generations included: 144 clients sending to a
         process holding 150K objects took 17 us a message that way, 10 us one at a time.
         """
-        if not self._poller.poll(max(0, int(timeout_s * 1000))):
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        if not events:
             return
+        self._wake.drain(events)
         # Frame by frame, not recv_multipart: that asks the socket after every frame whether
         # more follow, about 2 us a time, and reports arrive at 14,400/s at 48P96D. The ROUTER
         # puts the sender's identity in front of what it sent, so a message of ours is two
@@ -217,6 +259,7 @@ class ControlServer:
 
     def close(self) -> None:
         self._socket.close(linger=0)
+        self._wake.close()
 
 
 class ControlClient:
@@ -248,22 +291,15 @@ class ControlClient:
         self._socket.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
-        # ``wake`` writes a byte here to end a ``poll`` early: work that finished on another
-        # thread (a storage read) is taken up now, not at the poll's timeout.
-        self._wake_read_fd, self._wake_write_fd = os.pipe()
-        os.set_blocking(self._wake_read_fd, False)
-        os.set_blocking(self._wake_write_fd, False)
-        self._poller.register(self._wake_read_fd, zmq.POLLIN)
+        # ``wake`` ends a ``poll`` early: work that finished on another thread (a storage
+        # read) is taken up now, not at the poll's timeout.
+        self._wake = _WakePipe(self._poller)
         self.endpoint = endpoint
 
     def wake(self) -> None:
         """End the current or next ``poll`` early, from any thread (it then returns what has
-        arrived, possibly nothing). Cheap, never blocks; many wakes before a poll count as one."""
-        fd = self._wake_write_fd
-        if fd < 0:
-            return  # closed: the engine is shutting down
-        with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake is pending
-            os.write(fd, b"\0")
+        arrived, possibly nothing)."""
+        self._wake.wake()
 
     def connect(self, timeout_s: float) -> None:
         """Say hello; ``PeerUnavailable`` if rejected, ``TransferTimeout`` if no answer."""
@@ -297,10 +333,7 @@ class ControlClient:
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         if not events:
             return received
-        if self._wake_read_fd in events:
-            with contextlib.suppress(BlockingIOError):  # drained
-                while os.read(self._wake_read_fd, 4096):
-                    pass
+        self._wake.drain(events)
         while True:
             try:
                 data = self._socket.recv(zmq.NOBLOCK)
@@ -313,8 +346,4 @@ class ControlClient:
 
     def close(self) -> None:
         self._socket.close(linger=0)
-        write_fd, self._wake_write_fd = self._wake_write_fd, -1
-        if write_fd >= 0:
-            self._poller.unregister(self._wake_read_fd)
-            os.close(self._wake_read_fd)
-            os.close(write_fd)
+        self._wake.close()
