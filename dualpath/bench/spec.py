@@ -162,6 +162,8 @@ class VsVllmSpec:
     kv_cache_gb: float = 1.0  # KV cache per engine and per vLLM instance, GB (the single: twice)
     threads: int = 1  # threads per engine of ours (serve --threads)
     decode_threads: int | None = None  # per decode engine of ours (None: threads)
+    # ``dualpath-local-*`` systems' serve --local-prefill-tokens
+    local_prefill_tokens: int = 0
     start_timeout_s: float = 600.0  # how long a vLLM instance may take to start
     regime: str | None = None  # --regime (None: the sessions back to back, --kv-cache-gb)
     pause_s: float = 0.0  # each session's pause after every answer (its tools)

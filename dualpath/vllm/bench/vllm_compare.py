@@ -12,6 +12,9 @@ in turn, one at a time, each on a fresh store and fresh processes:
                                    each engine process (``--threads`` each, ``--decode-threads``
                                    each DE: with --regime every core, and 1)
     dualpath-native-1P2D           ``dualpath serve`` on our own engine, 1P2D
+    dualpath-local-1P1D            ``dualpath-1P1D`` with conditional disaggregation: a turn the
+                                   store misses by at most ``--local-prefill-tokens`` goes to its
+                                   DE alone (``serve --local-prefill-tokens``)
     vllm-pd-1P1D, vllm-pd-1P2D     vLLM's own prefill/decode disaggregation of the same shape:
                                    one ``vllm.entrypoints.openai.api_server`` per instance with
                                    its NixlConnector (``kv_buffer_device: cpu``), instance i on
@@ -77,7 +80,7 @@ from dualpath.bench.spec import (
 )
 from dualpath.bench.validity import mark_validity, mode_problems
 from dualpath.cluster_options import add_kv_cache_argument, add_transport_argument
-from dualpath.flags import non_negative_float, positive_float
+from dualpath.flags import non_negative_float, positive_float, positive_int
 from dualpath.model.identity import kv_layout
 from dualpath.model.registry import read_config
 from dualpath.options import (
@@ -103,6 +106,7 @@ SYSTEMS = (
     "dualpath-1P1D",
     "dualpath-1P2D",
     "dualpath-native-1P2D",
+    "dualpath-local-1P1D",
     "vllm-pd-1P1D",
     "vllm-pd-1P2D",
     "vllm-single",
@@ -110,7 +114,12 @@ SYSTEMS = (
 # Without --regime: ours on vLLM engines against vLLM's P/D and the single instance.
 LEGACY_SYSTEMS = ("dualpath-1P1D", "dualpath-1P2D", "vllm-pd-1P1D", "vllm-pd-1P2D", "vllm-single")
 # With --regime: vLLM alone first (the reference of every ratio and of the tokens), then ours.
+# (dualpath-local-1P1D only when asked: on 2 shared CPU cores it gained no JCT in either regime,
+# docs/vllm-engine.md.)
 REGIME_SYSTEMS = ("vllm-single", "dualpath-1P1D", "dualpath-1P2D", "dualpath-native-1P2D")
+# A short append, prefilled on its DE: at the regimes' 5% of the trace's length a later turn
+# appends 21 tokens at the median and 90-130 at p75, 900 at p90, and a real first turn 550+.
+DEFAULT_LOCAL_PREFILL_TOKENS = 256
 METRICS_PERIOD_S = 5.0  # ours' /metrics scrapes (the final counters are read at the end)
 # The replay when no flag reshapes it: the first 6 real agentic-coding sessions, 12 turns each,
 # at 8% of their length (contexts up to ~6K tokens of SmolLM2's 8K), all at once, no clones.
@@ -130,6 +139,7 @@ def run_dualpath_system(
     engine ``kv_cache_bytes`` of KV memory."""
     nodes = system.rsplit("-", 1)[1]
     is_native = system.startswith("dualpath-native-")
+    is_local = system.startswith("dualpath-local-")
     run = ModeRun(
         mode="dualpath",
         model_dir=spec.run.model_dir,
@@ -142,6 +152,7 @@ def run_dualpath_system(
         extra_serve_args=(
             *("--threads", str(spec.threads)),
             *(("--decode-threads", str(spec.decode_threads)) if spec.decode_threads else ()),
+            *(("--local-prefill-tokens", str(spec.local_prefill_tokens)) if is_local else ()),
             *(("--max-model-len", str(max_model_len)) if max_model_len else ()),
         ),
     )
@@ -292,6 +303,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, default_help="1 with --regime, else --threads; ours' engines, as serve's"
     )
     parser.add_argument(
+        "--local-prefill-tokens",
+        type=positive_int,
+        default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        help="the dualpath-local-* systems' serve --local-prefill-tokens: a turn the store "
+        "misses by at most this many tokens is prefilled on its decode engine (default "
+        f"{DEFAULT_LOCAL_PREFILL_TOKENS})",
+    )
+    parser.add_argument(
         "--start-timeout-s",
         type=positive_float,
         default=600.0,
@@ -346,6 +365,7 @@ def main(args: argparse.Namespace) -> int:
         "transport": spec.run.engine.transport,
         "threads_per_engine": spec.threads,
         "threads_per_decode_engine": spec.decode_threads or spec.threads,
+        "local_prefill_tokens": spec.local_prefill_tokens,
         "pause_s": spec.pause_s,
         # Set for every process the benchmark starts (OpenMP's idle threads spin or sleep).
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -397,6 +417,7 @@ def vs_vllm_spec(args: argparse.Namespace, model_dir: Path) -> VsVllmSpec:
         kv_cache_gb=args.kv_cache_gb or 0.0,
         threads=args.threads,
         decode_threads=args.decode_threads,
+        local_prefill_tokens=args.local_prefill_tokens,
         start_timeout_s=args.start_timeout_s,
         regime=args.regime,
         pause_s=args.pause_s,
