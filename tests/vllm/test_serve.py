@@ -201,6 +201,17 @@ class Conversations:
         self.prompts[read_path], self.tokens[read_path] = prompts, tokens
         self.hits[read_path] = hits
 
+    def near_ties_from(self, plain_vllm: PlainVllm, read_path: str) -> int:
+        """Every turn of ``read_path``'s run checked against plain vLLM's tokens for its
+        prompt: the near ties met."""
+        prompts, tokens = self.prompts[read_path], self.tokens[read_path]
+        keys = sorted(prompts)
+        references = plain_vllm.generate([(prompts[key], MAX_TOKENS) for key in keys])
+        return sum(
+            near_ties(reference, tokens[key], f"session {key[0]} turn {key[1]}")
+            for key, reference in zip(keys, references, strict=True)
+        )
+
 
 @pytest.fixture(scope="module")
 def conversations() -> Conversations:
@@ -524,12 +535,7 @@ def test_every_read_path_gives_the_conversations_plain_vllms_tokens(
     print({path: {side: int(b) for side, b in h.items()} for path, h in conversations.hits.items()})
     assert conversations.tokens["de"] == conversations.tokens["pe"]
     assert conversations.tokens["split"] == conversations.tokens["pe"]
-    keys = sorted(conversations.prompts["pe"])
-    references = plain_vllm.generate(
-        [(conversations.prompts["pe"][key], MAX_TOKENS) for key in keys]
+    num_ties = conversations.near_ties_from(plain_vllm, "pe")
+    print(
+        f"{num_ties} near-tie difference(s) from plain vLLM in {len(conversations.tokens['pe'])} turns"
     )
-    num_ties = sum(
-        near_ties(reference, conversations.tokens["pe"][key], f"session {key[0]} turn {key[1]}")
-        for key, reference in zip(keys, references, strict=True)
-    )
-    print(f"{num_ties} near-tie difference(s) from plain vLLM in {len(keys)} turns")
