@@ -63,7 +63,7 @@ class _DecodeRequest(BufferedRequest):
     prefill_done: PrefillDone | None = None
     plan: KVTransfer | None = None  # set once it is in vLLM
     # Prefilled here (``Assignment.is_local_prefill``): ``num_skipped`` leading hit blocks
-    # vLLM's prefix cache held, pinned there (``pinned``) until vLLM has the request.
+    # vLLM's prefix cache held, pinned there (``pinned``) until its first token.
     pinned: list = field(default_factory=list)
     num_hit: int = 0  # leading blocks with KV: vLLM-held and read (set once in vLLM)
 
@@ -259,7 +259,6 @@ class VllmDecodeRole:
             vllm_prompt([*assignment.prompt_token_ids, *extra], cache_salt=assignment.cache_salt),
             with_plan(params, request.request_id),
         )
-        self._unpin(request)  # vLLM's request holds them now
 
     def _adopt_prefilled(self) -> None:
         """Hand vLLM every request whose prompt KV is in the buffer."""
@@ -333,6 +332,7 @@ class VllmDecodeRole:
         logprobs = None if not token_ids else logprobs_of(completion, token_ids)
         messages: list = []
         if request.prefill_done is None:  # prefilled here: its first token
+            self._unpin(request)  # vLLM's request holds those blocks now
             request.prefill_done = PrefillDone(
                 request_id,
                 token_ids[0],
