@@ -296,7 +296,7 @@ class RequestLifecycle:
         logprobs = None if msg.first_token_logprob is None else (msg.first_token_logprob,)
         stages_s = self.first_token.of(state)
         self._emit(state, (msg.first_token_id,), None, logprobs, now_s, stages_s)
-        if state.prefill_engine_id != state.decode_engine_id:  # not from the DE itself
+        if not state.is_local_prefill:  # not from the DE itself
             self.relay(msg.request_id, msg, to_prefill=False)
 
     def on_tokens(self, msg: TokenUpdate, now_s: float) -> None:
@@ -423,7 +423,7 @@ class RequestLifecycle:
     def _cancel_on_live_engines(self, state: RequestState) -> None:
         """Free the placement on its live engines (a PE is done with a prefilled one)."""
         engines = (state.decode_engine_id,)
-        if not state.is_prefill_done and state.prefill_engine_id != state.decode_engine_id:
+        if not state.is_prefill_done and not state.is_local_prefill:
             engines = (state.prefill_engine_id, state.decode_engine_id)
         for engine_id in engines:
             if engine_id is not None and self.membership.is_alive(engine_id):

@@ -55,6 +55,13 @@ class RequestState:
     # placed again (a re-placement's first token is ``replacement_delays``').
     first_token_marks_s: list[float] | None = None
 
+    @property
+    def is_local_prefill(self) -> bool:
+        """Placed on its DE alone, which prefills it too (``Assignment.is_local_prefill``)."""
+        return (
+            self.prefill_engine_id is not None and self.prefill_engine_id == self.decode_engine_id
+        )
+
     def abandon_placement(self, *, counts: bool, now_s: float) -> None:
         """This placement is given up (``now_s``: when its engine was lost, if no token came
         since an earlier loss): the next one, on engines yet to be chosen, goes on from the

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 from dualpath.cluster.coordinator import Coordinator
+from dualpath.config import ClusterConfig, SchedulerConfig
 from dualpath.control.channel import ControlClient, Hello, Welcome
+from dualpath.kv.hashing import block_keys
 from dualpath.kv.layout import KVLayout
+from dualpath.kv.store import MemoryKVStore
 from dualpath.model.identity import KVIdentity
+from dualpath.protocol import DECODE, PREFILL, EngineInfo, EngineReport
+from dualpath.types import SamplingParams
 
 # A small store layout and the cluster token the scripted clusters share.
 LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
@@ -94,3 +101,60 @@ def settle(coordinator: Coordinator, clients: Iterable[Inbox]) -> None:
             assert time.monotonic() < deadline_s, "the coordinator did not answer a hello"
             coordinator.run_once(0.01)
             pending = [c for c in pending if not c.take_until_welcome()]
+
+
+class ScriptedEngine(Inbox):
+    """An engine that introduced itself (``info``: EngineInfo's optional fields) and reports
+    an empty queue when told."""
+
+    def __init__(self, coordinator: Coordinator, engine_id: int, role: str, **info: Any):
+        super().__init__(coordinator, f"engine-{engine_id}")
+        self.engine_id = engine_id
+        blocks = 64 if role == DECODE else 0
+        self.client.send(
+            EngineInfo(engine_id, role, engine_id, "fake", b"", b"", 16, blocks, **info)
+        )
+
+    def report(self) -> None:
+        self.client.send(EngineReport(self.engine_id, 0, 0, 64, 0, {}, 0))
+
+
+@contextmanager
+def one_request_on_1p1d(
+    prompt: Sequence[int],
+    num_hit_blocks: int,
+    *,
+    read_path: str,
+    pe_info: dict[str, Any] | None = None,
+    de_info: dict[str, Any] | None = None,
+    **cluster: Any,
+) -> Iterator[tuple[Coordinator, ScriptedEngine, ScriptedEngine]]:
+    """A 1P1D cluster (``cluster``: ClusterConfig's optional fields) whose store holds the
+    prompt's first ``num_hit_blocks`` blocks, after one request for ``prompt`` was submitted
+    and placed: the coordinator, its PE and its DE, closed on exit."""
+    store = MemoryKVStore(LAYOUT, IDENTITY.fingerprint)
+    for key in block_keys(list(prompt[: 4 * num_hit_blocks]), 4, IDENTITY.fingerprint):
+        store.write(key, bytes(LAYOUT.full_block_bytes))
+    coordinator = Coordinator(
+        ClusterConfig(num_prefill_nodes=1, num_decode_nodes=1, heartbeat_timeout_s=5.0, **cluster),
+        SchedulerConfig(block_size_tokens=4, beta_tokens=10_000, read_path=read_path),
+        IDENTITY,
+        store,
+        TOKEN,
+        storage_read_tokens_per_s=1000.0,
+        clock=FakeClock(),
+    )
+    engines: list[ScriptedEngine] = []
+    try:
+        engines.append(ScriptedEngine(coordinator, 0, PREFILL, **(pe_info or {})))
+        engines.append(ScriptedEngine(coordinator, 1, DECODE, **(de_info or {})))
+        settle(coordinator, engines)
+        coordinator.submit(list(prompt), SamplingParams(max_tokens=2))
+        for engine in engines:
+            engine.report()
+        settle(coordinator, engines)
+        yield coordinator, engines[0], engines[1]
+    finally:
+        coordinator.close()
+        for engine in engines:
+            engine.client.close()

@@ -8,60 +8,24 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath.cluster.coordinator import Coordinator
-from dualpath.config import ClusterConfig, SchedulerConfig
-from dualpath.kv.hashing import block_keys
-from dualpath.kv.store import MemoryKVStore
-from dualpath.protocol import DECODE, PREFILL, Assignment, EngineInfo, EngineReport, PrefillDone
-from dualpath.types import SamplingParams
-from tests.cluster.scripted import IDENTITY, LAYOUT, TOKEN, FakeClock, Inbox, settle
+from dualpath.protocol import Assignment, PrefillDone
+from tests.cluster.scripted import one_request_on_1p1d, settle
 
 PROMPT = list(range(1, 14))  # 13 tokens: 3 full blocks of 4, the store holding the first 2
 NUM_HIT_BLOCKS = 2
 NUM_MISSED = len(PROMPT) - 4 * NUM_HIT_BLOCKS  # 5
 
 
-class _Engine(Inbox):
-    def __init__(self, coordinator: Coordinator, engine_id: int, role: str, local: bool):
-        super().__init__(coordinator, f"engine-{engine_id}")
-        self.engine_id = engine_id
-        blocks = 64 if role == DECODE else 0
-        self.client.send(
-            EngineInfo(engine_id, role, engine_id, "fake", b"", b"", 16, blocks,
-                       prefills_locally=local)
-        )  # fmt: skip
-
-    def report(self) -> None:
-        self.client.send(EngineReport(self.engine_id, 0, 0, 64, 0, {}, 0))
-
-
 def _place(local_prefill_tokens: int, *, de_prefills: bool) -> tuple[list, list, list]:
     """One request on a 1P1D cluster, then, if its DE got it alone, the DE's PrefillDone: what
     the PE and the DE received (Assignments, then PrefillDones), and the tokens streamed."""
-    store = MemoryKVStore(LAYOUT, IDENTITY.fingerprint)
-    for key in block_keys(PROMPT[: 4 * NUM_HIT_BLOCKS], 4, IDENTITY.fingerprint):
-        store.write(key, bytes(LAYOUT.full_block_bytes))
-    coordinator = Coordinator(
-        ClusterConfig(
-            num_prefill_nodes=1,
-            num_decode_nodes=1,
-            heartbeat_timeout_s=5.0,
-            local_prefill_tokens=local_prefill_tokens,
-        ),
-        SchedulerConfig(block_size_tokens=4, beta_tokens=10_000, read_path="pe"),
-        IDENTITY,
-        store,
-        TOKEN,
-        storage_read_tokens_per_s=1000.0,
-        clock=FakeClock(),
-    )
-    pe, de = _Engine(coordinator, 0, PREFILL, False), _Engine(coordinator, 1, DECODE, de_prefills)
-    try:
-        settle(coordinator, [pe, de])
-        coordinator.submit(PROMPT, SamplingParams(max_tokens=2))
-        for engine in (pe, de):
-            engine.report()
-        settle(coordinator, [pe, de])
+    with one_request_on_1p1d(
+        PROMPT,
+        NUM_HIT_BLOCKS,
+        read_path="pe",
+        de_info={"prefills_locally": de_prefills},
+        local_prefill_tokens=local_prefill_tokens,
+    ) as (coordinator, pe, de):
         received = [pe.receive(Assignment), de.receive(Assignment)]
         if received[1] and received[1][0].is_local_prefill:
             de.client.send(PrefillDone(received[1][0].request_id, 42, None, 8))
@@ -69,10 +33,6 @@ def _place(local_prefill_tokens: int, *, de_prefills: bool) -> tuple[list, list,
         received[0] += pe.receive(PrefillDone)
         received[1] += de.receive(PrefillDone)
         tokens = [event.token_ids for event in coordinator.drain_events() if event.token_ids]
-    finally:
-        coordinator.close()
-        for engine in (pe, de):
-            engine.client.close()
     return received[0], received[1], tokens
 
 
