@@ -3,7 +3,7 @@ the positioned, atomic file I/O that reads and publishes it. Layout on disk::
 
     root_dir/<fingerprint>/namespace.json          human-readable description, never read back
     root_dir/<fingerprint>/<key[:2]>/<key>.kvb     one Full Block: header + payload
-    root_dir/<fingerprint>/<key[:2]>/.<key>.<pid>.<random>.tmp   a write in progress
+    root_dir/<fingerprint>/<key[:2]>/.<key>.kvb.tmp-<pid>-<random>   a write in progress
 
 Block file = 68-byte little-endian header, then the Full Block's bytes ``[L, bs, bpt]``:
 
@@ -13,7 +13,11 @@ Block file = 68-byte little-endian header, then the Full Block's bytes ``[L, bs,
            60  xxh3_64 of the payload u64                  68  payload
 
 A block file is written to a temp file beside it and published with ``os.replace``
-(``publish_block_file``), so it is either absent or complete. ``BlockFileFormat`` packs the
+(``publish_block_file``), so it is either absent or complete. The temp file's name is
+``.<final name>.<no dots>``, the pattern rsync's temp files follow, which GlusterFS's
+distribute layer places as the final name (its default ``rsync-hash-regex``): the rename
+stays on one brick, where a temp file hashed on its own name would be renamed into a link
+file on the final name's brick, a second lookup for every later open of the block. ``BlockFileFormat`` packs the
 header of a namespace's block files and checks one on read; the store object, its index and
 its eviction live in ``file_store.py``.
 """
@@ -45,7 +49,7 @@ _KEY_OFFSET = 24  # see the header diagram in the module docstring
 _CHECKSUM_OFFSET = 60
 assert HEADER_BYTES == _CHECKSUM_OFFSET + 8, "header offsets out of step with its struct"
 BLOCK_FILE_SUFFIX = ".kvb"
-TMP_SUFFIX = ".tmp"
+TMP_MARKER = ".tmp-"  # in a temp file's name (``temp_path``, ``is_temp_name``)
 NAMESPACE_FILE = "namespace.json"
 
 
@@ -148,6 +152,18 @@ def payload_checksum(payload: Sequence[np.ndarray]) -> int:
     return hasher.intdigest()
 
 
+def temp_path(path: str) -> str:
+    """A new temp file's path beside ``path``, for a write published by renaming it there."""
+    directory, name = os.path.split(path)
+    return f"{directory}/.{name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether a file name is a temp file's (``temp_path``; ``.tmp``-suffixed ones are
+    older versions')."""
+    return name.startswith(".") and (TMP_MARKER in name or name.endswith(".tmp"))
+
+
 def publish_block_file(
     namespace_dir: str, key: str, header: bytes, payload: np.ndarray, *, fsync: bool
 ) -> None:
@@ -157,7 +173,8 @@ def publish_block_file(
     also persists the data and the rename before returning.
     """
     fanout_dir = f"{namespace_dir}/{key[:2]}"
-    tmp_path = f"{fanout_dir}/.{key}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+    path = f"{fanout_dir}/{key}{BLOCK_FILE_SUFFIX}"
+    tmp_path = temp_path(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
         fd = os.open(tmp_path, flags, 0o644)
@@ -171,7 +188,7 @@ def publish_block_file(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp_path, f"{fanout_dir}/{key}{BLOCK_FILE_SUFFIX}")
+        os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp_path)
@@ -199,7 +216,7 @@ def ensure_namespace_file(namespace_dir: str, layout: KVLayout, fingerprint: str
                 return
     except (OSError, ValueError):
         pass  # missing or damaged: rewrite below
-    tmp_path = f"{path}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+    tmp_path = temp_path(path)
     try:
         with open(tmp_path, "w", encoding="utf-8") as file:
             json.dump(info, file, indent=2)

@@ -30,9 +30,9 @@ from dualpath.config import KVStoreConfig
 from dualpath.errors import BlockNotFound, CorruptBlock, KVStoreError, StoreWriteError
 from dualpath.kv.block_file import (
     BLOCK_FILE_SUFFIX,
-    TMP_SUFFIX,
     BlockFileFormat,
     ensure_namespace_file,
+    is_temp_name,
     payload_checksum,
     publish_block_file,
     same_file,
@@ -344,7 +344,7 @@ class FileKVStore(KVStore):
         """``(mtime_s, key, size_bytes)`` of a sound-looking block file; cleans up the rest."""
         name = entry.name
         try:
-            if name.startswith(".") and name.endswith(TMP_SUFFIX):
+            if is_temp_name(name):
                 if now_s - entry.stat().st_mtime > _STALE_TMP_AGE_S:
                     os.unlink(entry.path)
                 return None

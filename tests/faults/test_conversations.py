@@ -34,6 +34,7 @@ import httpx
 import pytest
 
 from dualpath.bench.agents import TurnRecord, run_agents
+from dualpath.kv.block_file import is_temp_name
 from dualpath.workload.mooncake import load_mooncake_trace, packaged_trace_path
 from dualpath.workload.shape import cap_turns, scale_generations
 from tests.faults.cluster import MultiHostCluster
@@ -278,7 +279,7 @@ def wait_until_none_left(home: Path, timeout_s: float) -> None:
 def no_half_written_blocks(store_dir: Path) -> None:
     """A block is written to a temporary file and renamed into place: none may be left."""
     assert store_dir.is_dir()
-    temporary = list(store_dir.rglob("*.tmp"))
+    temporary = [p for p in store_dir.rglob(".*") if is_temp_name(p.name)]
     assert temporary == [], f"store writes left half-done: {temporary[:3]}"
 
 

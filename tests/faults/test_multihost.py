@@ -6,6 +6,7 @@ ci preset on it."""
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -78,6 +79,10 @@ def test_multi_turn_tokens_equal_the_single_node_engine_and_reuse_the_gluster_st
     for host in gluster_volume.brick_hosts:  # the volume spreads files over its bricks
         blocks = list((gluster_volume.brick_dir(host) / NAMESPACE).rglob("*.kvb"))
         assert blocks, f"no block file on {host.name}'s brick"
+        # Each written where its temp file was (block_file.temp_path): none is a link file
+        # (sticky, empty) pointing at the other brick.
+        links = [p for p in blocks if p.stat().st_mode & stat.S_ISVTX and not p.stat().st_size]
+        assert not links, f"{len(links)} of {len(blocks)} on {host.name}'s brick are link files"
 
 
 def nic_counts(hosts: list[Host], nic: str) -> tuple[int, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,13 @@ from hypothesis import strategies as st
 from dualpath.bench.store_bench import run_store_read_bench
 from dualpath.config import KVStoreConfig
 from dualpath.errors import BlockNotFound, CorruptBlock, StoreWriteError
-from dualpath.kv.block_file import HEADER_BYTES, NAMESPACE_FILE, block_file_path
+from dualpath.kv.block_file import (
+    HEADER_BYTES,
+    NAMESPACE_FILE,
+    block_file_path,
+    is_temp_name,
+    temp_path,
+)
 from dualpath.kv.file_store import FileKVStore
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import KVStore, MemoryKVStore
@@ -436,17 +443,30 @@ def test_startup_removes_stale_temp_files_and_ignores_foreign_files(tmp_path: Pa
     store = _file_store(tmp_path)
     store.write(key, make_block(0))
     fanout_dir = _path(tmp_path, key).parent
-    stale = fanout_dir / f".{key}.123.abcd1234.tmp"
-    fresh = fanout_dir / f".{key}.456.abcd1234.tmp"
+    stale = fanout_dir / f".{key}.kvb.tmp-123-abcd1234"
+    stale_older_version = fanout_dir / f".{key}.123.abcd1234.tmp"
+    fresh = Path(temp_path(str(_path(tmp_path, key))))
     foreign = fanout_dir / "README"
-    for path in (stale, fresh, foreign):
+    for path in (stale, stale_older_version, fresh, foreign):
         path.write_bytes(b"partial")
     two_hours_ago_s = time.time() - 7200
-    os.utime(stale, (two_hours_ago_s, two_hours_ago_s))
+    for path in (stale, stale_older_version):
+        os.utime(path, (two_hours_ago_s, two_hours_ago_s))
     reopened = _file_store(tmp_path)
-    assert not stale.exists()
+    assert not stale.exists() and not stale_older_version.exists()
     assert fresh.exists() and foreign.exists()  # a live writer's, and not ours
     assert reopened.lookup([key]) == 1
+
+
+def test_a_temp_file_is_named_as_glusterfs_places_it_with_its_block_file() -> None:
+    """GlusterFS's distribute layer hashes a name its default rsync-hash-regex matches by the
+    regex's group: a block's temp file is created on the brick of the name it is renamed to."""
+    (key,) = make_keys(1)
+    final_name = _path(Path("/store"), key).name
+    temp_name = os.path.basename(temp_path(str(_path(Path("/store"), key))))
+    match = re.fullmatch(r"\.(.+)\.[^.]+", temp_name)
+    assert match is not None and match.group(1) == final_name
+    assert is_temp_name(temp_name) and not is_temp_name(final_name)
 
 
 def test_from_config(tmp_path: Path) -> None:

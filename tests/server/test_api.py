@@ -17,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dualpath.kv.block_file import is_temp_name
 from dualpath.server.vllm_metrics import VLLM_SERIES
 from tests.server.serving import (
     MODEL,
@@ -564,4 +565,4 @@ def test_sigterm_ends_requests_stops_every_child_and_exits_0(server: Server) -> 
         time.sleep(0.1)
     assert not [p for p in children if is_running(p)]
     # The store is consistent: every write finished (no temporary files left).
-    assert not list((server.root / "kv").rglob("*.tmp"))
+    assert not [p for p in (server.root / "kv").rglob(".*") if is_temp_name(p.name)]
