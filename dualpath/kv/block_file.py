@@ -14,12 +14,13 @@ Block file = 68-byte little-endian header, then the Full Block's bytes ``[L, bs,
 
 A block file is written to a temp file beside it and published with ``os.replace``
 (``publish_block_file``), so it is either absent or complete. The temp file's name is
-``.<final name>.<no dots>``, the pattern rsync's temp files follow, which GlusterFS's
-distribute layer places as the final name (its default ``rsync-hash-regex``): the rename
-stays on one brick, where a temp file hashed on its own name would be renamed into a link
-file on the final name's brick, a second lookup for every later open of the block. ``BlockFileFormat`` packs the
-header of a namespace's block files and checks one on read; the store object, its index and
-its eviction live in ``file_store.py``.
+``.<final name>.<no dots>``, the pattern of rsync's temp files, which GlusterFS's distribute
+layer places where the final name hashes (its default ``rsync-hash-regex``): the rename stays
+on one brick. A temp file placed by its own name lands elsewhere half the time on two bricks,
+and its rename then leaves a link file on the final name's brick (more round trips for the
+write, an inode more on the bricks). ``BlockFileFormat`` packs the header of a namespace's
+block files and checks one on read; the store object, its index and its eviction live in
+``file_store.py``.
 """
 
 from __future__ import annotations
