@@ -61,6 +61,10 @@ class BlockCache(Protocol):
         ...
 
 
+class _AlreadyStored(Exception):
+    """A persisted block the store already held (another engine or turn wrote it first)."""
+
+
 class KVStoreIO:
     def __init__(
         self,
@@ -147,8 +151,15 @@ class KVStoreIO:
             return tuple(key for key in keys if key in self._pending_keys)
 
     def _write_one(self, key: BlockKey, data: np.ndarray) -> bool:
+        def write() -> None:
+            if not self.store.write(key, data):
+                raise _AlreadyStored  # nothing crossed the SNIC: the mover drops the movement
+
         try:
-            return self._mover("snic", data.nbytes, lambda: self.store.write(key, data))
+            self._mover("snic", data.nbytes, write)
+            return True
+        except _AlreadyStored:
+            return False
         except KVStoreError as exc:
             logger.warning("block %s not persisted: %s", key, exc)
             return False

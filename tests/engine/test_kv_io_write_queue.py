@@ -11,6 +11,8 @@ import numpy as np
 from dualpath.engine.kv_io import KVStoreIO
 from dualpath.kv.layout import KVLayout
 from dualpath.kv.store import MemoryKVStore
+from dualpath.transfer.links import LinkKind, LinkSpec, TrafficClass
+from dualpath.transfer.traffic import TrafficManager
 
 LAYOUT = KVLayout(num_layers=2, block_size_tokens=4, bytes_per_token_per_layer=8)
 FINGERPRINT = "00" * 16
@@ -56,3 +58,26 @@ def test_unfinished_writes_count_until_each_is_written_not_until_it_is_reaped() 
     finally:
         store.permits.release(10)
         io.close()
+
+
+def test_a_block_the_store_already_holds_moves_nothing_over_the_snic() -> None:
+    """A persisted block another engine or turn stored first is skipped by the store, and our
+    SNIC accounting must not count it: on kernel-shaped links the NIC counters would not."""
+    traffic = TrafficManager([LinkSpec("node0.snic", LinkKind.SNIC)])
+
+    def mover(link: str, num_bytes: int, do_move):
+        return traffic.move("node0.snic", TrafficClass.KV, num_bytes, do_move, timeout_s=30.0)
+
+    store = MemoryKVStore(LAYOUT, FINGERPRINT)
+    io = KVStoreIO(
+        store, HostCache(), num_io_threads=1, max_pending_write_bytes=1 << 20, mover=mover
+    )
+    try:
+        for block_id in (1, 2, 1):  # the second write of block 1 finds it stored
+            io.persist(f"{block_id:032x}", block_id)
+        assert io.flush(timeout_s=30.0) == 0
+    finally:
+        io.close()
+    assert (store.stats().writes, store.stats().duplicate_writes) == (2, 1)
+    (link,) = traffic.stats().links
+    assert link.class_to_moved_bytes[TrafficClass.KV] == 2 * LAYOUT.full_block_bytes
