@@ -298,6 +298,8 @@ def link_figures(
             "store_hit_tokens": None,
             "replaced_hit_tokens": None,
             "forwarded_replacements": None,
+            "persist_waits": None,
+            "persist_wait_expired": None,
             "snic_load_balance": None,
             "snic_load_balance_busy": None,
             "snic_read_load_balance": None,
@@ -328,6 +330,13 @@ def link_figures(
         # does not count.
         "replaced_hit_tokens": int(metric_sum(scraped, "dualpath_replaced_hit_tokens_total")),
         "forwarded_replacements": int(metric_sum(scraped, "dualpath_forwarded_replacements_total")),
+        # Turns that found their last turn's blocks still being written and waited for them,
+        # and finished turns whose writes outlasted --persist-wait-s (their waiters were
+        # placed with what the store held then: a hit short of the bound).
+        "persist_waits": int(metric_sum(scraped, "dualpath_scheduler_persist_waits_total")),
+        "persist_wait_expired": int(
+            metric_sum(scraped, "dualpath_scheduler_persist_wait_expired_total")
+        ),
         "snic_load_balance": snic_load_balance(samples),
         # The same over the windows in which the SNICs carried at least half their cap on
         # average: where storage bandwidth binds, the regime the read-side choice is for.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dualpath.bench.agents import TurnRecord
+from dualpath.bench.harness import link_figures
 from dualpath.bench.stats import (
     LinkSample,
     ideal_speedup,
@@ -110,3 +111,15 @@ def test_ideal_speedup_follows_the_snic_count() -> None:
     assert ideal_speedup(0.5) == 1.0
     assert ideal_speedup(2.0) == 2.0
     assert ideal_speedup(6.0) == 3.0
+
+
+def test_a_modes_figures_say_how_many_turns_waited_for_their_last_turns_writes() -> None:
+    scraped = {
+        "dualpath_scheduler_persist_waits_total": [({}, 7.0)],
+        "dualpath_scheduler_persist_wait_expired_total": [({}, 2.0)],
+    }
+    figures = link_figures(scraped, [], jct_s=10.0)
+    assert (figures["persist_waits"], figures["persist_wait_expired"]) == (7, 2)
+    nothing_scraped = link_figures({}, [], jct_s=10.0)
+    assert set(nothing_scraped) == set(figures)  # the same fields, None where not reported
+    assert nothing_scraped["persist_waits"] is None
